@@ -1,0 +1,50 @@
+"""deltasync: exact sparse bf16 weight sync from RL trainers to vLLM rollout servers.
+
+The trainer publishes anchors and sparse deltas into a bucket with :class:`DeltaPublisher`;
+rollout servers follow it with :class:`DeltaReceiver`. See docs/protocol.md for the bytes.
+"""
+
+from __future__ import annotations
+
+from ._detector import BF16ChangeDetector, bf16_state_dict, checkpoint_name
+from ._errors import (
+    AuthError,
+    ConfigError,
+    DeltaSyncError,
+    FormatError,
+    IntegrityError,
+    NotFoundError,
+    StoreError,
+    VersionError,
+)
+from ._fingerprint import fingerprint
+from ._format import Change, Pointer
+from ._publisher import DeltaPublisher, PublishOptions, PublishResult
+from ._receiver import DeltaReceiver, StagedUpdate
+from .stores import Store, open_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthError",
+    "BF16ChangeDetector",
+    "Change",
+    "ConfigError",
+    "DeltaPublisher",
+    "DeltaReceiver",
+    "DeltaSyncError",
+    "FormatError",
+    "IntegrityError",
+    "NotFoundError",
+    "Pointer",
+    "PublishOptions",
+    "PublishResult",
+    "StagedUpdate",
+    "Store",
+    "StoreError",
+    "VersionError",
+    "bf16_state_dict",
+    "checkpoint_name",
+    "fingerprint",
+    "open_store",
+]

@@ -1,0 +1,685 @@
+"""The wire format: file names, the pointer, and the bytes of anchors and deltas.
+
+This is the only module that knows how files in a bucket are laid out; docs/protocol.md
+describes every byte of what it writes, and tests pin golden bytes. Both the trainer side
+(``_publisher``) and the server side (``_receiver``) go through it.
+
+Files are safetensors. They are written by :func:`_safetensors_bytes`, which produces the
+layout the safetensors library writes, with the metadata keys in sorted order so that the
+same content always gives the same bytes (the library orders metadata keys at random).
+They are read with the safetensors library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zstandard
+from safetensors import SafetensorError
+from safetensors.torch import load as _st_load
+
+from ._errors import FormatError
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "POINTER_PATH",
+    "HISTORY_PATH",
+    "CODECS",
+    "ChainEntry",
+    "Pointer",
+    "Change",
+    "FileHeader",
+    "anchor_path",
+    "delta_path",
+    "encode_anchor",
+    "encode_delta",
+    "decode_anchor",
+    "decode_delta",
+    "read_header",
+    "sha256_hex",
+]
+
+FORMAT_NAME = "deltasync"
+FORMAT_VERSION = 1
+POINTER_PATH = "latest.json"
+HISTORY_PATH = "history.jsonl"
+CODECS = ("raw", "zstd")
+_INDEX_SUFFIX = ":indices"
+_VALUE_SUFFIX = ":values"
+_ZSTD_PREFIX = "zstd:"
+_STREAMS = ("gap_lo", "gap_hi_mask", "gap_hi", "gap_big", "sym", "esc_lo", "esc_hi")
+_INT32_LIMIT = 2**31 - 1
+_PATH_RE = re.compile(r"^(anchors|deltas)/\d{8,}(\.part\d+)?\.safetensors$")
+
+
+def anchor_path(version: int) -> str:
+    return f"anchors/{version:08d}.safetensors"
+
+
+def delta_path(version: int) -> str:
+    return f"deltas/{version:08d}.safetensors"
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --------------------------------------------------------------------------- the pointer
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChainEntry:
+    """One committed version that a reader on the newest anchor may need."""
+
+    version: int
+    """The version this file brings the state to."""
+    kind: str
+    """"anchor" or "delta"."""
+    path: str
+    """The file's path in the bucket."""
+    nbytes: int
+    """The file's exact size; a reader refuses a file of another size."""
+    sha256: str
+    """SHA-256 of the file's bytes, hex; a reader refuses a file that does not match."""
+    fingerprint: str
+    """Fingerprint of the full state after this version."""
+    changed: int
+    """Elements changed by this version (for an anchor: every element)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "kind": self.kind,
+            "path": self.path,
+            "nbytes": self.nbytes,
+            "sha256": self.sha256,
+            "fingerprint": self.fingerprint,
+            "changed": self.changed,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pointer:
+    """The commit point: the newest committed version and the chain from its anchor."""
+
+    version: int
+    anchor: int
+    fingerprint: str
+    total: int
+    """Elements in the full state."""
+    chain: tuple[ChainEntry, ...] = field(default_factory=tuple)
+
+    def entry(self, version: int) -> ChainEntry:
+        for item in self.chain:
+            if item.version == version:
+                return item
+        raise KeyError(version)
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "version": self.version,
+            "anchor": self.anchor,
+            "fingerprint": self.fingerprint,
+            "total": self.total,
+            "chain": [item.to_json() for item in self.chain],
+        }
+        return (json.dumps(body, sort_keys=True, indent=1) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, where: str = POINTER_PATH) -> Pointer:
+        try:
+            body = json.loads(data.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{where}: not a deltasync pointer (invalid JSON: {exc})") from exc
+        if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+            raise FormatError(f"{where}: not a deltasync pointer (format is not {FORMAT_NAME!r})")
+        if body.get("format_version") != FORMAT_VERSION:
+            raise FormatError(
+                f"{where}: format_version {body.get('format_version')!r} is not supported "
+                f"(this deltasync reads {FORMAT_VERSION}); upgrade deltasync"
+            )
+        try:
+            chain = tuple(
+                ChainEntry(
+                    version=int(item["version"]),
+                    kind=str(item["kind"]),
+                    path=str(item["path"]),
+                    nbytes=int(item["nbytes"]),
+                    sha256=str(item["sha256"]),
+                    fingerprint=str(item["fingerprint"]),
+                    changed=int(item["changed"]),
+                )
+                for item in body["chain"]
+            )
+            pointer = cls(
+                version=int(body["version"]),
+                anchor=int(body["anchor"]),
+                fingerprint=str(body["fingerprint"]),
+                total=int(body["total"]),
+                chain=chain,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"{where}: malformed pointer ({exc!r})") from exc
+        pointer._check(where)
+        return pointer
+
+    def _check(self, where: str) -> None:
+        expected = list(range(self.anchor, self.version + 1))
+        if [item.version for item in self.chain] != expected:
+            raise FormatError(
+                f"{where}: the chain must list versions {self.anchor}..{self.version} in order, "
+                f"got {[item.version for item in self.chain]}"
+            )
+        for item in self.chain:
+            kind = "anchor" if item.version == self.anchor else "delta"
+            if item.kind != kind:
+                raise FormatError(f"{where}: version {item.version} should be a {kind}, not {item.kind!r}")
+            if not _PATH_RE.match(item.path) or not item.path.startswith(kind + "s/"):
+                raise FormatError(f"{where}: version {item.version} names an invalid path {item.path!r}")
+        if self.chain and self.chain[-1].fingerprint != self.fingerprint:
+            raise FormatError(f"{where}: the pointer's fingerprint disagrees with its last chain entry")
+
+
+# --------------------------------------------------------------------------- file headers
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileHeader:
+    """The metadata every anchor and delta carries."""
+
+    kind: str
+    version: int
+    base: int | None
+    """The version a delta applies to (version - 1); None for an anchor."""
+    anchor: int
+    """The anchor this file descends from (an anchor names itself)."""
+    codec: str
+    params: int
+    """Parameters in the file."""
+    changed: int
+    """Elements in the file (for an anchor: every element)."""
+    total: int
+    """Elements in the full state."""
+    fingerprint: str
+    """Fingerprint of the full state after applying the file."""
+    base_fingerprint: str | None = None
+    """Fingerprint of the state a delta applies to."""
+    names: tuple[str, ...] | None = None
+    """zstd deltas: the changed parameters, in the order their elements are stored."""
+
+    def to_metadata(self) -> dict[str, str]:
+        meta = {
+            "format": FORMAT_NAME,
+            "format_version": str(FORMAT_VERSION),
+            "kind": self.kind,
+            "version": str(self.version),
+            "base": "none" if self.base is None else str(self.base),
+            "anchor": str(self.anchor),
+            "codec": self.codec,
+            "params": str(self.params),
+            "changed": str(self.changed),
+            "total": str(self.total),
+            "fingerprint": self.fingerprint,
+        }
+        if self.base_fingerprint is not None:
+            meta["base_fingerprint"] = self.base_fingerprint
+        if self.names is not None:
+            meta["names"] = json.dumps(list(self.names), separators=(",", ":"))
+        return meta
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, str] | None, *, where: str) -> FileHeader:
+        if not meta or meta.get("format") != FORMAT_NAME:
+            raise FormatError(f"{where}: not a deltasync file (its metadata has no format={FORMAT_NAME!r})")
+        if meta.get("format_version") != str(FORMAT_VERSION):
+            raise FormatError(
+                f"{where}: format_version {meta.get('format_version')!r} is not supported "
+                f"(this deltasync reads {FORMAT_VERSION}); upgrade deltasync"
+            )
+        try:
+            kind = meta["kind"]
+            if kind not in ("anchor", "delta"):
+                raise ValueError(f"kind {kind!r} is neither 'anchor' nor 'delta'")
+            codec = meta["codec"]
+            if codec not in CODECS:
+                raise ValueError(f"codec {codec!r} is unknown (known: {', '.join(CODECS)})")
+            names = None
+            if "names" in meta:
+                names = json.loads(meta["names"])
+                if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                    raise ValueError("'names' is not a JSON list of strings")
+                names = tuple(names)
+            header = cls(
+                kind=kind,
+                version=int(meta["version"]),
+                base=None if meta["base"] == "none" else int(meta["base"]),
+                anchor=int(meta["anchor"]),
+                codec=codec,
+                params=int(meta["params"]),
+                changed=int(meta["changed"]),
+                total=int(meta["total"]),
+                fingerprint=meta["fingerprint"],
+                base_fingerprint=meta.get("base_fingerprint"),
+                names=names,
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise FormatError(f"{where}: invalid metadata ({exc})") from exc
+        if kind == "delta" and header.base != header.version - 1:
+            raise FormatError(f"{where}: delta {header.version} names base {header.base}, expected {header.version - 1}")
+        if kind == "anchor" and (header.base is not None or header.anchor != header.version):
+            raise FormatError(f"{where}: anchor {header.version} must name itself as anchor and no base")
+        return header
+
+
+# --------------------------------------------------------------------------- container
+
+
+_DTYPES = {
+    torch.float64: ("F64", 8),
+    torch.int64: ("I64", 8),
+    torch.float32: ("F32", 4),
+    torch.int32: ("I32", 4),
+    torch.bfloat16: ("BF16", 2),
+    torch.float16: ("F16", 2),
+    torch.int16: ("I16", 2),
+    torch.uint8: ("U8", 1),
+    torch.int8: ("I8", 1),
+    torch.bool: ("BOOL", 1),
+}
+
+
+def _safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
+    """Serialize like ``safetensors.torch.save``, with metadata keys sorted (deterministic)."""
+    order = sorted(tensors, key=lambda name: (-_DTYPES[tensors[name].dtype][1], name))
+    header: dict[str, Any] = {"__metadata__": {key: metadata[key] for key in sorted(metadata)}}
+    chunks: list[bytes] = []
+    offset = 0
+    for name in order:
+        tensor = tensors[name].detach().cpu().contiguous()
+        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        header[name] = {
+            "dtype": _DTYPES[tensor.dtype][0],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + b"".join(chunks)
+
+
+def read_header(data: bytes, *, where: str) -> FileHeader:
+    """Parse only the header of a file (cheap: the tensors are not decoded)."""
+    if len(data) < 8:
+        raise FormatError(f"{where}: truncated ({len(data)} bytes; a safetensors file has at least 8)")
+    (length,) = struct.unpack("<Q", data[:8])
+    if length > len(data) - 8:
+        raise FormatError(f"{where}: truncated (header says {length} bytes, file has {len(data) - 8} after it)")
+    try:
+        meta = json.loads(data[8 : 8 + length].decode()).get("__metadata__")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+        raise FormatError(f"{where}: unreadable safetensors header ({exc})") from exc
+    return FileHeader.from_metadata(meta, where=where)
+
+
+def _load(data: bytes, *, where: str) -> dict[str, torch.Tensor]:
+    try:
+        return _st_load(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise FormatError(f"{where}: not a readable safetensors file ({exc})") from exc
+
+
+# --------------------------------------------------------------------------- anchors
+
+
+def encode_anchor(state: Mapping[str, torch.Tensor], *, version: int, fingerprint: str) -> bytes:
+    """An anchor: every parameter, in bf16, under its checkpoint name."""
+    tensors = {}
+    total = 0
+    for name, tensor in state.items():
+        if tensor.dtype != torch.bfloat16:
+            raise FormatError(f"anchor {version}: parameter {name!r} is {tensor.dtype}, anchors hold bfloat16")
+        tensors[name] = tensor
+        total += tensor.numel()
+    header = FileHeader(
+        kind="anchor",
+        version=version,
+        base=None,
+        anchor=version,
+        codec="raw",
+        params=len(tensors),
+        changed=total,
+        total=total,
+        fingerprint=fingerprint,
+    )
+    return _safetensors_bytes(tensors, header.to_metadata())
+
+
+def decode_anchor(data: bytes, *, where: str) -> tuple[FileHeader, dict[str, torch.Tensor]]:
+    header = read_header(data, where=where)
+    if header.kind != "anchor":
+        raise FormatError(f"{where}: expected an anchor, found a {header.kind}")
+    tensors = _load(data, where=where)
+    total = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.bfloat16:
+            raise FormatError(f"{where}: parameter {name!r} is {tensor.dtype}, anchors hold bfloat16")
+        total += tensor.numel()
+    if len(tensors) != header.params or total != header.total:
+        raise FormatError(
+            f"{where}: holds {len(tensors)} parameters / {total} elements, "
+            f"its metadata says {header.params} / {header.total}"
+        )
+    return header, tensors
+
+
+# --------------------------------------------------------------------------- deltas
+
+
+@dataclass(frozen=True)
+class Change:
+    """The changed elements of one parameter: sorted flat indices and their new values."""
+
+    index: torch.Tensor
+    """int64, 1-D, strictly increasing."""
+    new: torch.Tensor
+    """bf16, 1-D, the new values."""
+    old: torch.Tensor | None = None
+    """bf16, 1-D, the values they replace (needed to encode with the zstd codec)."""
+
+
+def encode_delta(
+    changes: Mapping[str, Change],
+    *,
+    version: int,
+    anchor: int,
+    codec: str,
+    total: int,
+    fingerprint: str,
+    base_fingerprint: str,
+    level: int = 3,
+    numels: Mapping[str, int] | None = None,
+) -> bytes:
+    """A delta from ``version - 1`` to ``version``. Parameters with no change are left out."""
+    if codec not in CODECS:
+        raise FormatError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
+    items = [(name, change) for name, change in changes.items() if change.index.numel()]
+    changed = sum(change.index.numel() for _, change in items)
+    header = FileHeader(
+        kind="delta",
+        version=version,
+        base=version - 1,
+        anchor=anchor,
+        codec=codec,
+        params=len(items),
+        changed=changed,
+        total=total,
+        fingerprint=fingerprint,
+        base_fingerprint=base_fingerprint,
+        names=tuple(name for name, _ in items) if codec == "zstd" else None,
+    )
+    meta = header.to_metadata()
+    if codec == "raw":
+        tensors: dict[str, torch.Tensor] = {}
+        for name, change in items:
+            wide = numels is not None and numels[name] > _INT32_LIMIT
+            tensors[name + _INDEX_SUFFIX] = change.index.to(torch.int64 if wide else torch.int32)
+            tensors[name + _VALUE_SUFFIX] = change.new.to(torch.bfloat16)
+        return _safetensors_bytes(tensors, meta)
+    streams, counts = _zstd_streams(items)
+    compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    tensors = {
+        _ZSTD_PREFIX + key: torch.frombuffer(bytearray(compressor.compress(raw)), dtype=torch.uint8)
+        if raw
+        else torch.zeros(0, dtype=torch.uint8)
+        for key, raw in streams.items()
+    }
+    tensors[_ZSTD_PREFIX + "counts"] = torch.tensor(counts, dtype=torch.int64)
+    return _safetensors_bytes(tensors, meta)
+
+
+def _zstd_streams(items: list[tuple[str, Change]]) -> tuple[dict[str, bytes], list[int]]:
+    counts = [change.index.numel() for _, change in items]
+    if not items:
+        return {key: b"" for key in _STREAMS}, counts
+    gaps = []
+    diffs = []
+    for name, change in items:
+        index = change.index.to(torch.int64).cpu()
+        gap = torch.empty_like(index)
+        gap[0] = index[0]
+        gap[1:] = index[1:] - index[:-1] - 1
+        gaps.append(gap)
+        if change.old is None:
+            raise FormatError(f"parameter {name!r}: the zstd codec needs the previous values")
+        diffs.append((_ordered(change.new) - _ordered(change.old)) & 0xFFFF)
+    g = torch.cat(gaps).numpy().astype(np.uint64)
+    lo = (g & np.uint64(0xFF)).astype(np.uint8)
+    hi = g >> np.uint64(8)
+    hi_nz = hi != 0
+    hv = hi[hi_nz]
+    big = hv[hv >= 255].astype("<u8")
+    hv_small = np.minimum(hv, 255).astype(np.uint8)
+    # New minus old ordered bit pattern modulo 2**16, as a signed 16-bit number, zigzag-mapped:
+    # -1 -> 1, +1 -> 2, -2 -> 3, +2 -> 4, ... Symbols 0..2 stand for zigzag 1..3; 3 escapes.
+    d = torch.cat(diffs).numpy().astype(np.int32)
+    d = np.where(d >= 0x8000, d - 0x10000, d)
+    zig = ((d << 1) ^ (d >> 31)).astype(np.uint32)
+    sym = np.where(zig <= 3, zig - 1, 3).astype(np.uint8)
+    esc = zig[zig > 3]
+    padded = np.zeros(-(-sym.size // 4) * 4, dtype=np.uint8)
+    padded[: sym.size] = sym
+    quads = padded.reshape(-1, 4)
+    packed = (quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)).astype(np.uint8)
+    streams = {
+        "gap_lo": lo.tobytes(),
+        "gap_hi_mask": np.packbits(hi_nz, bitorder="little").tobytes(),
+        "gap_hi": hv_small.tobytes(),
+        "gap_big": big.tobytes(),
+        "sym": packed.tobytes(),
+        "esc_lo": (esc & 0xFF).astype(np.uint8).tobytes(),
+        "esc_hi": (esc >> 8).astype(np.uint8).tobytes(),
+    }
+    return streams, counts
+
+
+def _ordered(values: torch.Tensor) -> torch.Tensor:
+    """bf16 -> int32 in [-32768, 32767], monotone in the value: the ordered bit pattern.
+
+    Positive patterns map to themselves, negative ones (sign bit set) to ``0x7FFF - bits``,
+    so -0.0 is -1 and +0.0 is 0. Neighbouring bf16 values, across zero too, differ by one.
+    """
+    bits = values.to(torch.bfloat16).cpu().contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    return torch.where(bits >= 0x8000, 0x7FFF - bits, bits)
+
+
+def _from_ordered(ordered: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_ordered`, taken modulo 2**16."""
+    o = ((ordered + 0x8000) & 0xFFFF) - 0x8000
+    bits = torch.where(o < 0, 0x7FFF - o, o)
+    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.bfloat16)
+
+
+BaseLookup = Callable[[str, torch.Tensor], torch.Tensor]
+"""(parameter name, int64 indices) -> the receiver's current bf16 values there."""
+
+
+def decode_delta(
+    data: bytes,
+    *,
+    where: str,
+    numels: Mapping[str, int],
+    base_values: BaseLookup,
+) -> tuple[FileHeader, dict[str, Change]]:
+    """Decode and validate a delta against the receiver's parameter sizes.
+
+    ``numels`` maps every parameter the receiver holds to its element count; a name not in it
+    is an unknown parameter. ``base_values`` gives current values (the zstd codec stores new
+    values relative to them). Nothing outside the returned objects is changed.
+    """
+    header = read_header(data, where=where)
+    if header.kind != "delta":
+        raise FormatError(f"{where}: expected a delta, found an {header.kind}")
+    tensors = _load(data, where=where)
+    if header.codec == "raw":
+        changes = _decode_raw(tensors, where=where, numels=numels)
+    else:
+        changes = _decode_zstd(tensors, header, where=where, numels=numels, base_values=base_values)
+    changed = sum(change.index.numel() for change in changes.values())
+    if len(changes) != header.params or changed != header.changed:
+        raise FormatError(
+            f"{where}: holds {len(changes)} parameters / {changed} changed elements, "
+            f"its metadata says {header.params} / {header.changed}"
+        )
+    return header, changes
+
+
+def _check_index(index: torch.Tensor, name: str, numel: int, where: str) -> None:
+    if index.numel() == 0:
+        return
+    if index.numel() > 1 and not bool((index[1:] > index[:-1]).all()):
+        raise FormatError(f"{where}: indices of parameter {name!r} are not strictly increasing")
+    if int(index[0]) < 0 or int(index[-1]) >= numel:
+        bad = int(index[-1]) if int(index[-1]) >= numel else int(index[0])
+        raise FormatError(
+            f"{where}: index {bad} of parameter {name!r} is out of range (it has {numel} elements)"
+        )
+
+
+def _known(name: str, numels: Mapping[str, int], where: str) -> int:
+    if name not in numels:
+        raise FormatError(f"{where}: unknown parameter {name!r} (not in the receiver's state)")
+    return numels[name]
+
+
+def _decode_raw(
+    tensors: Mapping[str, torch.Tensor], *, where: str, numels: Mapping[str, int]
+) -> dict[str, Change]:
+    changes: dict[str, Change] = {}
+    for key in sorted(tensors):
+        if key.endswith(_INDEX_SUFFIX):
+            name = key[: -len(_INDEX_SUFFIX)]
+        elif key.endswith(_VALUE_SUFFIX):
+            name = key[: -len(_VALUE_SUFFIX)]
+            if name + _INDEX_SUFFIX not in tensors:
+                raise FormatError(f"{where}: parameter {name!r} has values but no indices")
+            continue
+        else:
+            raise FormatError(f"{where}: unexpected tensor {key!r} in a raw delta")
+        numel = _known(name, numels, where)
+        index = tensors[key]
+        values = tensors.get(name + _VALUE_SUFFIX)
+        if values is None:
+            raise FormatError(f"{where}: parameter {name!r} has indices but no values")
+        if index.dtype not in (torch.int32, torch.int64) or index.dim() != 1:
+            raise FormatError(f"{where}: indices of parameter {name!r} must be a 1-D int32/int64 tensor, got {index.dtype} {tuple(index.shape)}")
+        if values.dtype != torch.bfloat16 or values.dim() != 1:
+            raise FormatError(f"{where}: values of parameter {name!r} must be a 1-D bfloat16 tensor, got {values.dtype} {tuple(values.shape)}")
+        if values.numel() != index.numel():
+            raise FormatError(f"{where}: parameter {name!r} has {index.numel()} indices but {values.numel()} values")
+        index = index.to(torch.int64)
+        _check_index(index, name, numel, where)
+        changes[name] = Change(index=index, new=values)
+    return changes
+
+
+def _decompress(blob: torch.Tensor, expected: int, key: str, where: str) -> bytes:
+    if blob.dtype != torch.uint8 or blob.dim() != 1:
+        raise FormatError(f"{where}: stream {key!r} must be a 1-D uint8 tensor")
+    if expected == 0:
+        if blob.numel():
+            raise FormatError(f"{where}: stream {key!r} should be empty")
+        return b""
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(blob.numpy().tobytes(), max_output_size=expected)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{where}: stream {key!r} is not valid zstd data ({exc})") from exc
+    if len(raw) != expected:
+        raise FormatError(f"{where}: stream {key!r} decodes to {len(raw)} bytes, expected {expected}")
+    return raw
+
+
+def _decode_zstd(
+    tensors: Mapping[str, torch.Tensor],
+    header: FileHeader,
+    *,
+    where: str,
+    numels: Mapping[str, int],
+    base_values: BaseLookup,
+) -> dict[str, Change]:
+    expected_keys = {_ZSTD_PREFIX + key for key in (*_STREAMS, "counts")}
+    if set(tensors) != expected_keys:
+        extra = sorted(set(tensors) - expected_keys)
+        missing = sorted(expected_keys - set(tensors))
+        raise FormatError(f"{where}: zstd delta has unexpected tensors {extra} / lacks {missing}")
+    if header.names is None:
+        raise FormatError(f"{where}: a zstd delta needs the metadata key 'names'")
+    names = list(header.names)
+    counts_t = tensors[_ZSTD_PREFIX + "counts"]
+    if counts_t.dtype != torch.int64 or counts_t.dim() != 1 or counts_t.numel() != len(names):
+        raise FormatError(f"{where}: 'zstd:counts' must be int64 with one entry per name ({len(names)})")
+    counts = counts_t.tolist()
+    for name, count in zip(names, counts):
+        numel = _known(name, numels, where)
+        if count <= 0 or count > numel:
+            raise FormatError(f"{where}: parameter {name!r} claims {count} changes (it has {numel} elements)")
+    if len(set(names)) != len(names):
+        raise FormatError(f"{where}: a parameter is listed twice in 'names'")
+    n = sum(counts)
+    if n != header.changed:
+        raise FormatError(f"{where}: counts add up to {n}, metadata says {header.changed} changed")
+    lo = np.frombuffer(_decompress(tensors["zstd:gap_lo"], n, "gap_lo", where), dtype=np.uint8)
+    mask_raw = _decompress(tensors["zstd:gap_hi_mask"], -(-n // 8), "gap_hi_mask", where)
+    hi_nz = np.unpackbits(np.frombuffer(mask_raw, dtype=np.uint8), bitorder="little")[:n].astype(bool)
+    n_hi = int(hi_nz.sum())
+    hv = np.frombuffer(_decompress(tensors["zstd:gap_hi"], n_hi, "gap_hi", where), dtype=np.uint8).astype(np.uint64)
+    n_big = int((hv == 255).sum())
+    big = np.frombuffer(_decompress(tensors["zstd:gap_big"], 8 * n_big, "gap_big", where), dtype="<u8")
+    if n_big and int(big.min()) < 255:
+        raise FormatError(f"{where}: stream 'gap_big' holds a value below 255")
+    hv[hv == 255] = big
+    hi = np.zeros(n, dtype=np.uint64)
+    hi[hi_nz] = hv
+    gaps = torch.from_numpy(((hi << np.uint64(8)) | lo.astype(np.uint64)).astype(np.int64))
+    if n and int(gaps.min()) < 0:
+        raise FormatError(f"{where}: a gap overflows 63 bits")
+    packed = np.frombuffer(_decompress(tensors["zstd:sym"], -(-n // 4), "sym", where), dtype=np.uint8)
+    sym = np.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], axis=1).reshape(-1)[:n]
+    is_esc = sym == 3
+    n_esc = int(is_esc.sum())
+    esc_lo = np.frombuffer(_decompress(tensors["zstd:esc_lo"], n_esc, "esc_lo", where), dtype=np.uint8)
+    esc_hi = np.frombuffer(_decompress(tensors["zstd:esc_hi"], n_esc, "esc_hi", where), dtype=np.uint8)
+    esc = (esc_hi.astype(np.uint32) << 8) | esc_lo
+    if n_esc and int(esc.min()) <= 3:
+        raise FormatError(f"{where}: the escape streams hold a value that has its own symbol")
+    zig = sym.astype(np.uint32) + 1
+    zig[is_esc] = esc
+    diff = ((zig >> 1) ^ (-(zig & 1).astype(np.int64)).astype(np.uint32)) & 0xFFFF
+    diff_t = torch.from_numpy(diff.astype(np.int32))
+    changes: dict[str, Change] = {}
+    start = 0
+    for name, count in zip(names, counts):
+        gap = gaps[start : start + count]
+        index = torch.cumsum(gap + 1, dim=0) - 1
+        if int(index[-1]) >= numels[name]:
+            raise FormatError(
+                f"{where}: index {int(index[-1])} of parameter {name!r} is out of range "
+                f"(it has {numels[name]} elements)"
+            )
+        new = _from_ordered(_ordered(base_values(name, index)) + diff_t[start : start + count])
+        changes[name] = Change(index=index, new=new)
+        start += count
+    return changes
+

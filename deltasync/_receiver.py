@@ -1,0 +1,319 @@
+"""The server side: follow a bucket's pointer and keep an exact bf16 copy of the weights."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._errors import FormatError, IntegrityError, NotFoundError, VersionError
+from ._fingerprint import fingerprint, fingerprint_update
+from ._format import POINTER_PATH, ChainEntry, Change, Pointer, decode_anchor, decode_delta, sha256_hex
+from .stores import open_store
+
+if TYPE_CHECKING:
+    import os
+
+    from .stores import Store
+
+__all__ = ["DeltaReceiver", "StagedUpdate"]
+
+
+@dataclass
+class _Patch:
+    """Pending new values for one parameter: sorted unique indices and their values."""
+
+    index: torch.Tensor
+    values: torch.Tensor
+
+    def merge(self, index: torch.Tensor, values: torch.Tensor) -> None:
+        """Add a later change; where both touch an element, the later value wins."""
+        all_index = torch.cat([self.index, index])
+        all_values = torch.cat([self.values, values])
+        order = torch.sort(all_index, stable=True).indices
+        all_index, all_values = all_index[order], all_values[order]
+        keep = torch.ones_like(all_index, dtype=torch.bool)
+        keep[:-1] = all_index[1:] != all_index[:-1]  # the last of each run came last
+        self.index, self.values = all_index[keep], all_values[keep]
+
+    def lookup(self, base: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Values at ``index`` with this patch laid over ``base`` (flat)."""
+        out = base[index].clone()
+        if self.index.numel():
+            pos = torch.searchsorted(self.index, index).clamp(max=self.index.numel() - 1)
+            hit = self.index[pos] == index
+            out[hit] = self.values[pos[hit]]
+        return out
+
+
+@dataclass
+class StagedUpdate:
+    """A decoded and fully validated update that has not touched the receiver yet.
+
+    Made by :meth:`DeltaReceiver.stage`, applied by :meth:`DeltaReceiver.apply`. In between,
+    :meth:`tensor` gives the new full value of any changed parameter, so a server can hand
+    the new weights to its engine before the receiver commits.
+    """
+
+    from_version: int | None
+    """The receiver's version when this was staged."""
+    from_fingerprint: str | None
+    version: int
+    """The version this update brings the state to."""
+    fingerprint: str
+    """The fingerprint of the state after it, already checked."""
+    kind: str
+    """"anchor" (the newest anchor was loaded, then deltas replayed), "delta" (deltas replayed
+    on the receiver's own state) or "none" (already at that version)."""
+    versions: list[int] = field(default_factory=list)
+    """The versions whose files were read."""
+    nbytes: int = 0
+    """Bytes downloaded."""
+    seconds: float = 0.0
+    """Time spent downloading, decoding and validating."""
+    _base: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _patches: dict[str, _Patch] = field(default_factory=dict, repr=False)
+    _consumed: bool = field(default=False, repr=False)
+
+    @property
+    def names(self) -> list[str]:
+        """Parameters whose value changes (every parameter after an anchor)."""
+        if self.kind == "anchor":
+            return list(self._base)
+        return [name for name, patch in self._patches.items() if patch.index.numel()]
+
+    @property
+    def changed(self) -> int:
+        """Elements that differ from the receiver's state (an anchor counts every element)."""
+        if self.kind == "anchor":
+            return sum(t.numel() for t in self._base.values())
+        return sum(p.index.numel() for p in self._patches.values())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The new full value of ``name`` (a fresh tensor; the receiver is not touched)."""
+        if self._consumed:
+            raise VersionError("this staged update was already applied; stage a new one")
+        base = self._base[name]
+        patch = self._patches.get(name)
+        if patch is None:
+            return base if self.kind == "anchor" else base.clone()
+        out = base.clone()
+        out.view(-1)[patch.index] = patch.values
+        return out
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, new value)`` for every changed parameter, one at a time."""
+        for name in self.names:
+            yield name, self.tensor(name)
+
+
+class DeltaReceiver:
+    """Keeps an exact bf16 copy of the published weights by following a bucket.
+
+    With no state, after a gap it cannot bridge, or when its fingerprint disagrees with the
+    bucket's, it loads the newest anchor and replays the deltas after it; otherwise it
+    replays only the deltas after its own version. Updates are two-phase: :meth:`stage`
+    downloads, decodes and validates everything (sizes, checksums, names, dtypes, index
+    ranges, base versions, fingerprints), :meth:`apply` then swaps the result in. A failure
+    in :meth:`stage` raises a :class:`~deltasync.DeltaSyncError` and changes nothing.
+
+    Args:
+        bucket: a path, URL or :class:`~deltasync.stores.Store` (fixed for the receiver's life).
+    """
+
+    def __init__(self, bucket: str | os.PathLike[str] | Store) -> None:
+        self.store = open_store(bucket)
+        self._state: dict[str, torch.Tensor] = {}
+        self._version: int | None = None
+        self._fingerprint: str | None = None
+
+    @property
+    def version(self) -> int | None:
+        """The version the state is at, or None before the first sync."""
+        return self._version
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The fingerprint of the state, or None before the first sync."""
+        return self._fingerprint
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> bf16 CPU tensor. The tensors are the receiver's own: don't modify."""
+        return dict(self._state)
+
+    def pointer(self) -> Pointer:
+        """The bucket's committed pointer."""
+        where = f"{self.store.url}/{POINTER_PATH}"
+        try:
+            data = self.store.read_bytes(POINTER_PATH)
+        except NotFoundError as exc:
+            raise VersionError(f"{where}: no version is committed in this bucket yet") from exc
+        return Pointer.from_bytes(data, where=where)
+
+    def latest(self) -> int:
+        """The newest committed version."""
+        return self.pointer().version
+
+    # ------------------------------------------------------------------ sync
+
+    def sync(self, version: int | None = None) -> int:
+        """Bring the state to ``version`` (default: the newest committed); return the version."""
+        self.apply(self.stage(version))
+        assert self._version is not None
+        return self._version
+
+    def stage(self, version: int | None = None) -> StagedUpdate:
+        """Download, decode and validate the update to ``version``; change nothing."""
+        try:
+            return self._stage(self.pointer(), version)
+        except NotFoundError:
+            # A new anchor may have been committed and older files retired while we read:
+            # read the pointer again and start over once.
+            return self._stage(self.pointer(), version)
+
+    def apply(self, staged: StagedUpdate) -> list[str]:
+        """Swap a staged update in; returns the names of the parameters that changed."""
+        if staged._consumed:
+            raise VersionError("this staged update was already applied; stage a new one")
+        if staged.from_version != self._version or staged.from_fingerprint != self._fingerprint:
+            raise VersionError(
+                f"the update to version {staged.version} was staged at version {staged.from_version}, "
+                f"but the receiver is now at version {self._version}; stage it again"
+            )
+        names = staged.names
+        if staged.kind == "anchor":
+            self._state = staged._base
+        for name, patch in staged._patches.items():
+            if patch.index.numel():
+                self._state[name].view(-1)[patch.index] = patch.values
+        self._version, self._fingerprint = staged.version, staged.fingerprint
+        staged._consumed = True
+        return names
+
+    # ------------------------------------------------------------------ staging
+
+    def _stage(self, pointer: Pointer, version: int | None) -> StagedUpdate:
+        start = time.perf_counter()
+        url = self.store.url
+        target = pointer.version if version is None else version
+        if not isinstance(target, int) or isinstance(target, bool) or target < 0:
+            raise VersionError(f"version must be a non-negative integer, got {target!r}")
+        if target > pointer.version:
+            raise VersionError(f"version {target} is not committed in {url} (the newest is {pointer.version})")
+        if self._version is not None and target < self._version:
+            raise VersionError(
+                f"version {target} is older than the receiver's version {self._version}; versions only move forward"
+            )
+        if target < pointer.anchor:
+            raise VersionError(
+                f"version {target} is older than the newest anchor ({pointer.anchor}) in {url} and may be "
+                f"gone; sync to a version in {pointer.anchor}..{pointer.version}"
+            )
+        own = self._version is not None and self._version >= pointer.anchor
+        if own and pointer.entry(self._version).fingerprint != self._fingerprint:  # type: ignore[arg-type]
+            own = False  # our state is not the bucket's: start again from the anchor
+        staged = StagedUpdate(
+            from_version=self._version,
+            from_fingerprint=self._fingerprint,
+            version=target,
+            fingerprint=self._fingerprint or "",
+            kind="delta" if own else "anchor",
+        )
+        if own and target == self._version:
+            staged.kind = "none"
+            return staged
+        if own:
+            staged._base = self._state
+            first = self._version + 1  # type: ignore[operator]
+        else:
+            entry = pointer.entry(pointer.anchor)
+            data = self._read(entry)
+            where = f"{url}/{entry.path} (version {entry.version})"
+            header, tensors = decode_anchor(data, where=where)
+            self._check_header(header, entry, pointer, where)
+            got = fingerprint(tensors)
+            if got != header.fingerprint:
+                raise IntegrityError(
+                    f"{where}: the anchor's tensors hash to {got}, its metadata says {header.fingerprint} "
+                    "(the file was altered after it was written)"
+                )
+            staged._base = tensors
+            staged.fingerprint = got
+            staged.versions.append(entry.version)
+            staged.nbytes += len(data)
+            first = pointer.anchor + 1
+        numels = {name: t.numel() for name, t in staged._base.items()}
+        for v in range(first, target + 1):
+            entry = pointer.entry(v)
+            data = self._read(entry)
+            where = f"{url}/{entry.path} (version {v})"
+            header, changes = decode_delta(
+                data, where=where, numels=numels, base_values=lambda n, i: self._current(staged, n, i)
+            )
+            self._check_header(header, entry, pointer, where)
+            if header.base_fingerprint != staged.fingerprint:
+                raise IntegrityError(
+                    f"{where}: applies to a state with fingerprint {header.base_fingerprint}, but the state "
+                    f"at version {v - 1} has {staged.fingerprint}"
+                )
+            staged.fingerprint = self._advance(staged, changes)
+            if staged.fingerprint != header.fingerprint:
+                raise IntegrityError(
+                    f"{where}: applying it gives fingerprint {staged.fingerprint}, the file says "
+                    f"{header.fingerprint} (corrupted values or a wrong base state)"
+                )
+            staged.versions.append(v)
+            staged.nbytes += len(data)
+        staged.seconds = time.perf_counter() - start
+        return staged
+
+    def _read(self, entry: ChainEntry) -> bytes:
+        where = f"{self.store.url}/{entry.path} (version {entry.version})"
+        data = self.store.read_bytes(entry.path)
+        if len(data) != entry.nbytes:
+            raise IntegrityError(
+                f"{where}: {len(data)} bytes, the pointer says {entry.nbytes} (truncated or replaced)"
+            )
+        digest = sha256_hex(data)
+        if digest != entry.sha256:
+            raise IntegrityError(
+                f"{where}: SHA-256 {digest[:16]}... does not match the pointer's {entry.sha256[:16]}... "
+                "(corrupted or tampered)"
+            )
+        return data
+
+    @staticmethod
+    def _check_header(header, entry: ChainEntry, pointer: Pointer, where: str) -> None:  # type: ignore[no-untyped-def]
+        if header.version != entry.version:
+            raise VersionError(f"{where}: the file is version {header.version}, the pointer lists it as {entry.version}")
+        if header.kind != entry.kind:
+            raise FormatError(f"{where}: the file is an {header.kind}, the pointer lists a {entry.kind}")
+        if header.anchor != pointer.anchor:
+            raise VersionError(f"{where}: descends from anchor {header.anchor}, the pointer's anchor is {pointer.anchor}")
+        if header.fingerprint != entry.fingerprint:
+            raise IntegrityError(
+                f"{where}: fingerprint {header.fingerprint} in the file, {entry.fingerprint} in the pointer"
+            )
+        if header.total != pointer.total:
+            raise FormatError(f"{where}: says the state has {header.total} elements, the pointer says {pointer.total}")
+
+    @staticmethod
+    def _current(staged: StagedUpdate, name: str, index: torch.Tensor) -> torch.Tensor:
+        base = staged._base[name].view(-1)
+        patch = staged._patches.get(name)
+        return base[index] if patch is None else patch.lookup(base, index)
+
+    def _advance(self, staged: StagedUpdate, changes: dict[str, Change]) -> str:
+        fp = staged.fingerprint
+        for name, change in changes.items():
+            old = self._current(staged, name, change.index)
+            fp = fingerprint_update(fp, name, change.index, old, change.new)
+            patch = staged._patches.get(name)
+            if patch is None:
+                staged._patches[name] = _Patch(change.index, change.new)
+            else:
+                patch.merge(change.index, change.new)
+        return fp
