@@ -144,6 +144,10 @@ class DeltaReceiver:
         """Checkpoint name -> bf16 CPU tensor. The tensors are the receiver's own: don't modify."""
         return dict(self._state)
 
+    def verify(self) -> bool:
+        """Rehash the whole state: does it still match the fingerprint of its version?"""
+        return self._fingerprint is not None and fingerprint(self._state) == self._fingerprint
+
     def pointer(self) -> Pointer:
         """The bucket's committed pointer."""
         where = f"{self.store.url}/{POINTER_PATH}"
@@ -167,12 +171,21 @@ class DeltaReceiver:
 
     def stage(self, version: int | None = None) -> StagedUpdate:
         """Download, decode and validate the update to ``version``; change nothing."""
+        pointer = self.pointer()
         try:
-            return self._stage(self.pointer(), version)
-        except NotFoundError:
-            # A new anchor may have been committed and older files retired while we read:
-            # read the pointer again and start over once.
-            return self._stage(self.pointer(), version)
+            try:
+                return self._stage(pointer, version)
+            except NotFoundError:
+                # A new anchor may have been committed and older files retired while we read:
+                # read the pointer again and start over once.
+                pointer = self.pointer()
+                return self._stage(pointer, version)
+        except IntegrityError:
+            if self._version is None or self._version < pointer.anchor:
+                raise
+            # Replaying on our own state failed a fingerprint check: the file may be fine and
+            # our copy wrong. Rebuild from the anchor; if that fails too, the bucket is at fault.
+            return self._stage(pointer, version, from_anchor=True)
 
     def apply(self, staged: StagedUpdate) -> list[str]:
         """Swap a staged update in; returns the names of the parameters that changed."""
@@ -195,7 +208,7 @@ class DeltaReceiver:
 
     # ------------------------------------------------------------------ staging
 
-    def _stage(self, pointer: Pointer, version: int | None) -> StagedUpdate:
+    def _stage(self, pointer: Pointer, version: int | None, *, from_anchor: bool = False) -> StagedUpdate:
         start = time.perf_counter()
         url = self.store.url
         target = pointer.version if version is None else version
@@ -212,7 +225,7 @@ class DeltaReceiver:
                 f"version {target} is older than the newest anchor ({pointer.anchor}) in {url} and may be "
                 f"gone; sync to a version in {pointer.anchor}..{pointer.version}"
             )
-        own = self._version is not None and self._version >= pointer.anchor
+        own = not from_anchor and self._version is not None and self._version >= pointer.anchor
         if own and pointer.entry(self._version).fingerprint != self._fingerprint:  # type: ignore[arg-type]
             own = False  # our state is not the bucket's: start again from the anchor
         staged = StagedUpdate(

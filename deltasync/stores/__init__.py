@@ -1,0 +1,14 @@
+"""Where published versions live: one small ``Store`` protocol and its backends.
+
+``open_store(url)`` picks the backend from the URL; every backend passes the same
+conformance suite (``tests/stores/test_conformance.py``).
+"""
+
+from __future__ import annotations
+
+from ._base import Store, open_store
+from ._fsspec import FsspecStore
+from ._hf import HfBucketStore
+from ._local import LocalStore
+
+__all__ = ["FsspecStore", "HfBucketStore", "LocalStore", "Store", "open_store"]

@@ -1,0 +1,135 @@
+"""A bucket that is a directory: local disk, or a network filesystem mounted on every host."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+
+from .._errors import NotFoundError, StoreError
+from ._base import check_path, check_prefix
+
+__all__ = ["LocalStore"]
+
+# Temporary files of in-flight writes: ".<name>.<pid>.<hex>.tmp". Listing hides them so a
+# reader never mistakes a half-written file (or one a crashed writer left) for data.
+_TEMP_RE = re.compile(r"^\..+\.\d+\.[0-9a-f]+\.tmp$")
+
+
+class LocalStore:
+    """Files under a root directory; the directory is created on the first write.
+
+    Writes go to a temporary file in the target's own directory, are fsync'ed, then renamed
+    over the target with ``os.replace``: a rename within one filesystem is atomic, so readers
+    (on this host or through NFS) see either the old file or the new one.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        # Absolute now, so a later chdir cannot move the bucket under a running publisher.
+        self.root = Path(root).expanduser().absolute()
+        self.url = self.root.as_uri()
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    def _file(self, path: str) -> Path:
+        return self.root.joinpath(*check_path(path).split("/"))
+
+    def read_bytes(self, path: str) -> bytes:
+        target = self._file(path)
+        try:
+            return target.read_bytes()
+        except FileNotFoundError as e:
+            raise NotFoundError(f"{path!r} is not in bucket {self.url} (no file {target})") from e
+        except IsADirectoryError as e:
+            raise NotFoundError(
+                f"{path!r} in bucket {self.url} is a directory, not a file ({target})"
+            ) from e
+        except OSError as e:
+            raise StoreError(f"cannot read {path!r} from bucket {self.url}: {e}") from e
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        target = self._file(path)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # os.open rather than mkstemp: mkstemp's 0600 mode would hide the files from
+            # rollout servers running as another user; 0666 & umask matches a plain open().
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, target)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        except OSError as e:
+            raise StoreError(
+                f"cannot write {path!r} to bucket {self.url}: {e}; check that {self.root} is "
+                "writable and on a filesystem with free space"
+            ) from e
+        _fsync_dir(target.parent)
+
+    def exists(self, path: str) -> bool:
+        return self._file(path).is_file()
+
+    def list(self, prefix: str = "") -> list[str]:
+        check_prefix(prefix)
+        # Walk only the deepest directory the prefix fully names, not the whole bucket.
+        start_dir = prefix.rpartition("/")[0]
+        start = self.root.joinpath(*start_dir.split("/")) if start_dir else self.root
+        found: list[str] = []
+        try:
+            for dirpath, _dirnames, filenames in os.walk(start, onerror=_raise):
+                rel_dir = Path(dirpath).relative_to(self.root).as_posix()
+                for name in filenames:
+                    if _TEMP_RE.match(name):
+                        continue
+                    rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                    if rel.startswith(prefix):
+                        found.append(rel)
+        except OSError as e:
+            raise StoreError(f"cannot list {prefix!r} in bucket {self.url}: {e}") from e
+        return sorted(found)
+
+    def delete(self, paths: Iterable[str]) -> None:
+        # Validate all first, so a bad path in the batch deletes nothing.
+        targets = [(path, self._file(path)) for path in paths]
+        for path, target in targets:
+            try:
+                target.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise StoreError(f"cannot delete {path!r} from bucket {self.url}: {e}") from e
+
+
+def _raise(error: OSError) -> None:
+    """Fail the listing on unreadable directories, which os.walk would silently skip.
+
+    A directory that does not exist (not created yet, deleted while we walk, or a file) has no
+    files to list.
+    """
+    if not isinstance(error, (FileNotFoundError, NotADirectoryError)):
+        raise error
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Persist the rename itself, so after a power loss the pointer never outlives its data.
+
+    Best effort: some platforms and filesystems cannot open or fsync a directory.
+    """
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,223 @@
+"""Bad input is refused with a clear DeltaSyncError, and the receiver loses nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import small_transformer, train_step
+
+from deltasync import (
+    DeltaPublisher,
+    DeltaReceiver,
+    DeltaSyncError,
+    FormatError,
+    IntegrityError,
+    NotFoundError,
+    Pointer,
+    VersionError,
+    open_store,
+)
+from deltasync._format import Change, _safetensors_bytes, encode_delta, read_header, sha256_hex
+from safetensors.torch import load
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.fixture
+def chain(tmp_path):
+    """A bucket at version 2 (anchor 0, deltas 1 and 2) and a receiver at version 1."""
+    model = small_transformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-4)
+    publisher = DeltaPublisher(tmp_path / "b", model, opt, codec="raw", anchor_bytes_ratio=0)
+    publisher.publish()
+    train_step(model, opt, seed=1)
+    publisher.publish()
+    receiver = DeltaReceiver(tmp_path / "b")
+    receiver.sync()
+    train_step(model, opt, seed=2)
+    publisher.publish()
+    store = open_store(tmp_path / "b")
+    return store, receiver
+
+
+def snapshot(receiver: DeltaReceiver) -> tuple:
+    return receiver.version, receiver.fingerprint, {k: v.clone() for k, v in receiver.state_dict().items()}
+
+
+def assert_unchanged(receiver: DeltaReceiver, before: tuple) -> None:
+    version, fp, state = before
+    assert receiver.version == version == 1
+    assert receiver.fingerprint == fp
+    now = receiver.state_dict()
+    assert set(now) == set(state)
+    assert all(torch.equal(now[k].view(torch.int16), state[k].view(torch.int16)) for k in state)
+
+
+def replace(store, version: int, data: bytes, *, fix_pointer: bool = True) -> None:
+    """Overwrite a committed file; with fix_pointer, as an attacker who also rewrites the pointer."""
+    pointer = Pointer.from_bytes(store.read_bytes("latest.json"))
+    entry = pointer.entry(version)
+    store.write_bytes(entry.path, data)
+    if fix_pointer:
+        chain = tuple(
+            dataclasses.replace(e, nbytes=len(data), sha256=sha256_hex(data)) if e.version == version else e
+            for e in pointer.chain
+        )
+        store.write_bytes("latest.json", dataclasses.replace(pointer, chain=chain).to_bytes())
+
+
+def rewrite_delta(store, version: int, edit) -> bytes:
+    """Decode delta ``version`` (raw), let ``edit`` change its tensors/metadata, re-encode."""
+    path = f"deltas/{version:08d}.safetensors"
+    data = store.read_bytes(path)
+    header = read_header(data, where=path)
+    tensors = load(data)
+    meta = header.to_metadata()
+    edit(tensors, meta)
+    return _safetensors_bytes(tensors, meta)
+
+
+def check(receiver, before, exc_type, pattern) -> None:
+    with pytest.raises(exc_type, match=pattern) as info:
+        receiver.sync()
+    assert isinstance(info.value, DeltaSyncError)
+    assert_unchanged(receiver, before)
+
+
+def test_truncated_file(chain) -> None:
+    store, receiver = chain
+    before = snapshot(receiver)
+    data = store.read_bytes("deltas/00000002.safetensors")
+    replace(store, 2, data[:-7], fix_pointer=False)
+    check(receiver, before, IntegrityError, rf"deltas/00000002.safetensors \(version 2\): {len(data) - 7} bytes, the pointer says {len(data)} \(truncated")
+
+
+def test_truncated_file_with_matching_pointer(chain) -> None:
+    store, receiver = chain
+    before = snapshot(receiver)
+    data = store.read_bytes("deltas/00000002.safetensors")
+    replace(store, 2, data[: len(data) // 2])
+    check(receiver, before, FormatError, r"deltas/00000002.safetensors \(version 2\): not a readable safetensors file")
+
+
+def test_flipped_byte(chain) -> None:
+    store, receiver = chain
+    before = snapshot(receiver)
+    data = bytearray(store.read_bytes("deltas/00000002.safetensors"))
+    data[-3] ^= 0x40
+    replace(store, 2, bytes(data), fix_pointer=False)
+    check(receiver, before, IntegrityError, r"deltas/00000002.safetensors \(version 2\): SHA-256 .* \(corrupted or tampered\)")
+
+
+def test_flipped_value_with_matching_checksum_fails_the_fingerprint(chain) -> None:
+    store, receiver = chain
+    before = snapshot(receiver)
+    data = bytearray(store.read_bytes("deltas/00000002.safetensors"))
+    data[-3] ^= 0x40  # inside the last bf16 value
+    replace(store, 2, bytes(data))
+    check(receiver, before, IntegrityError, r"version 2\): applying it gives fingerprint [0-9a-f]{16}, the file says")
+
+
+def test_wrong_dtype(chain) -> None:
+    store, receiver = chain
+    before = snapshot(receiver)
+
+    def edit(tensors, meta):
+        tensors[Q + ":values"] = tensors[Q + ":values"].float()
+
+    replace(store, 2, rewrite_delta(store, 2, edit))
+    check(receiver, before, FormatError, rf"values of parameter '{Q}' must be a 1-D bfloat16 tensor, got torch.float32")
+
+
+def test_index_out_of_range(chain) -> None:
+    store, receiver = chain
+    before = snapshot(receiver)
+
+    def edit(tensors, meta):
+        tensors[Q + ":indices"][-1] = 64 * 64
+
+    replace(store, 2, rewrite_delta(store, 2, edit))
+    check(receiver, before, FormatError, rf"index 4096 of parameter '{Q}' is out of range \(it has 4096 elements\)")
+
+
+def test_unknown_parameter(chain) -> None:
+    store, receiver = chain
+    before = snapshot(receiver)
+
+    def edit(tensors, meta):
+        tensors["model.layers.9.mlp.up_proj.weight:indices"] = torch.tensor([0], dtype=torch.int32)
+        tensors["model.layers.9.mlp.up_proj.weight:values"] = torch.tensor([1.0], dtype=torch.bfloat16)
+
+    replace(store, 2, rewrite_delta(store, 2, edit))
+    check(receiver, before, FormatError, r"unknown parameter 'model.layers.9.mlp.up_proj.weight'")
+
+
+def test_wrong_base_version(chain) -> None:
+    store, receiver = chain
+    before = snapshot(receiver)
+
+    def edit(tensors, meta):
+        meta["base"] = "0"
+
+    replace(store, 2, rewrite_delta(store, 2, edit))
+    check(receiver, before, FormatError, r"version 2\): delta 2 names base 0, expected 1")
+
+
+def test_file_of_another_version(chain) -> None:
+    store, receiver = chain
+    before = snapshot(receiver)
+    replace(store, 2, store.read_bytes("deltas/00000001.safetensors"))
+    check(receiver, before, VersionError, r"deltas/00000002.safetensors \(version 2\): the file is version 1, the pointer lists it as 2")
+
+
+def test_delta_for_another_base_state(chain) -> None:
+    store, receiver = chain
+    before = snapshot(receiver)
+    data = store.read_bytes("deltas/00000002.safetensors")
+    header = read_header(data, where="x")
+    forged = encode_delta(
+        {Q: Change(index=torch.tensor([0]), new=torch.tensor([0.5], dtype=torch.bfloat16))},
+        version=2, anchor=0, codec="raw", total=header.total,
+        fingerprint=header.fingerprint, base_fingerprint="0" * 16,
+    )
+    replace(store, 2, forged)
+    check(receiver, before, IntegrityError, r"applies to a state with fingerprint 0000000000000000")
+
+
+def test_pointer_naming_a_missing_file(chain) -> None:
+    store, receiver = chain
+    before = snapshot(receiver)
+    store.delete(["deltas/00000002.safetensors"])
+    check(receiver, before, NotFoundError, r"deltas/00000002.safetensors")
+
+
+def test_garbage_pointer(chain) -> None:
+    store, receiver = chain
+    before = snapshot(receiver)
+    store.write_bytes("latest.json", b'{"format": "deltasync", "format_version": 1, "version": 5')
+    check(receiver, before, FormatError, r"latest.json: not a deltasync pointer \(invalid JSON")
+
+
+def test_tampered_anchor_for_a_new_receiver(chain) -> None:
+    store, _ = chain
+    data = bytearray(store.read_bytes("anchors/00000000.safetensors"))
+    data[-1] ^= 1
+    replace(store, 0, bytes(data))
+    fresh = DeltaReceiver(store)
+    with pytest.raises(IntegrityError, match=r"anchors/00000000.safetensors \(version 0\): the anchor's tensors hash to"):
+        fresh.sync()
+    assert fresh.version is None and fresh.state_dict() == {}
+
+
+def test_receiver_recovers_once_the_bucket_is_repaired(chain) -> None:
+    store, receiver = chain
+    good = store.read_bytes("deltas/00000002.safetensors")
+    pointer = store.read_bytes("latest.json")
+    replace(store, 2, good[:-1], fix_pointer=False)
+    with pytest.raises(IntegrityError):
+        receiver.sync()
+    store.write_bytes("deltas/00000002.safetensors", good)
+    store.write_bytes("latest.json", pointer)
+    assert receiver.sync() == 2
