@@ -1,0 +1,240 @@
+"""The ``deltasync`` command. Only here do exceptions become exit codes and one-line hints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ._errors import DeltaSyncError, NotFoundError
+from ._format import HISTORY_PATH, POINTER_PATH, Pointer, read_header
+
+__all__ = ["main"]
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def _command(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
+    def register(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        _COMMANDS[name] = func
+        return func
+
+    return register
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(nbytes) < 1000 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1000
+    raise AssertionError
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def _read_file(target: str) -> tuple[bytes, str]:
+    """A local file, or ``BUCKET_URL/path/in/bucket`` for a file in a bucket."""
+    if os.path.exists(target):
+        return Path(target).read_bytes(), target
+    from .stores import open_store
+
+    for marker in ("/anchors/", "/deltas/"):
+        if marker in target:
+            root, rest = target.rsplit(marker, 1)
+            return open_store(root).read_bytes(marker.strip("/") + "/" + rest), target
+    raise NotFoundError(f"{target}: no such file (give a local path or BUCKET_URL/deltas/<file>)")
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+@_command("inspect")
+def _inspect(args: argparse.Namespace) -> int:
+    from safetensors.torch import load
+
+    data, where = _read_file(args.file)
+    header = read_header(data, where=where)
+    tensors = load(data)
+    print(f"file         {where}")
+    print(f"kind         {header.kind}")
+    print(f"version      {header.version}")
+    print(f"base         {'-' if header.base is None else header.base}")
+    print(f"anchor       {header.anchor}")
+    print(f"codec        {header.codec}")
+    print(f"size         {_human(len(data))}")
+    print(f"parameters   {header.params}")
+    print(f"changed      {header.changed} of {header.total} elements ({100 * header.changed / max(header.total, 1):.4f}%)")
+    if header.kind == "delta" and header.changed:
+        print(f"bytes/change {len(data) / header.changed:.3f}")
+    print(f"fingerprint  {header.fingerprint}")
+    if header.base_fingerprint:
+        print(f"base fp      {header.base_fingerprint}")
+    print()
+    rows: list[list[str]] = []
+    if header.kind == "anchor":
+        for name in sorted(tensors):
+            t = tensors[name]
+            rows.append([name, "x".join(map(str, t.shape)), str(t.numel()), str(t.dtype).removeprefix("torch.")])
+        print(_table(rows, ["parameter", "shape", "elements", "dtype"]))
+    elif header.codec == "raw":
+        for key in sorted(k for k in tensors if k.endswith(":indices")):
+            name = key.removesuffix(":indices")
+            rows.append([name, str(tensors[key].numel()), str(tensors[key].dtype).removeprefix("torch.")])
+        print(_table(rows, ["parameter", "changed", "index dtype"]))
+    else:
+        counts = tensors["zstd:counts"].tolist()
+        for name, count in zip(header.names or (), counts):
+            rows.append([name, str(count)])
+        print(_table(rows, ["parameter", "changed"]))
+        print()
+        streams = [[k.removeprefix("zstd:"), str(t.numel()), f"{t.numel() / max(header.changed, 1):.3f}"]
+                   for k, t in sorted(tensors.items()) if k != "zstd:counts"]
+        print(_table(streams, ["stream", "compressed bytes", "bytes/change"]))
+    return 0
+
+
+# --------------------------------------------------------------------------- verify
+
+
+@_command("verify")
+def _verify(args: argparse.Namespace) -> int:
+    from ._receiver import DeltaReceiver
+
+    receiver = DeltaReceiver(args.bucket)
+    pointer = receiver.pointer()
+    print(f"{receiver.store.url}: versions {pointer.anchor}..{pointer.version} (anchor {pointer.anchor})")
+    for entry in pointer.chain:
+        try:
+            staged = receiver.stage(entry.version)
+        except DeltaSyncError as exc:
+            print(f"version {entry.version}: BAD: {exc}")
+            print(f"error: the first bad version is {entry.version} ({entry.path})", file=sys.stderr)
+            return 1
+        receiver.apply(staged)
+        print(f"version {entry.version}: ok  {entry.kind:6s} {_human(entry.nbytes):>10s}  fingerprint {receiver.fingerprint}")
+    print(f"ok: {len(pointer.chain)} versions verified, state fingerprint {receiver.fingerprint}")
+    return 0
+
+
+# --------------------------------------------------------------------------- stats
+
+
+def _history(bucket: str) -> tuple[Pointer, list[dict]]:
+    from .stores import open_store
+
+    store = open_store(bucket)
+    pointer = Pointer.from_bytes(store.read_bytes(POINTER_PATH), where=f"{store.url}/{POINTER_PATH}")
+    records: dict[int, dict] = {}
+    try:
+        for line in store.read_bytes(HISTORY_PATH).decode().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                records[int(record["version"])] = record
+    except NotFoundError:
+        pass
+    for entry in pointer.chain:  # the pointer is authoritative for what it lists
+        records.setdefault(entry.version, {"version": entry.version})
+        records[entry.version].update(
+            kind=entry.kind, nbytes=entry.nbytes, changed=entry.changed, total=pointer.total
+        )
+    return pointer, [records[v] for v in sorted(records) if v <= pointer.version]
+
+
+@_command("stats")
+def _stats(args: argparse.Namespace) -> int:
+    pointer, records = _history(args.bucket)
+    rows = []
+    for r in records:
+        frac = r["changed"] / r["total"] if r.get("total") else 0.0
+        seconds = r.get("seconds")
+        rows.append([str(r["version"]), r["kind"], _human(r["nbytes"]), f"{100 * frac:.3f}%",
+                     "-" if seconds is None else f"{seconds:.2f}"])
+    print(_table(rows, ["version", "kind", "bytes", "changed", "publish s"]))
+    anchors = [r["nbytes"] for r in records if r["kind"] == "anchor"]
+    shipped = sum(r["nbytes"] for r in records)
+    if anchors:
+        full = anchors[-1] * len(records)
+        print()
+        print(f"{len(records)} versions, {_human(shipped)} written; full copies would be {_human(full)} "
+              f"({full / max(shipped, 1):.1f}x more)")
+    if args.plot:
+        _plot(records, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _plot(records: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise DeltaSyncError("--plot needs matplotlib: pip install 'deltasync[plot]'") from exc
+    versions = [r["version"] for r in records]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for kind, color in (("anchor", "tab:red"), ("delta", "tab:blue")):
+        xs = [r["version"] for r in records if r["kind"] == kind]
+        ys = [r["nbytes"] for r in records if r["kind"] == kind]
+        ax.bar(xs, ys, color=color, label=f"{kind} bytes")
+    ax.set_yscale("log")
+    ax.set_xlabel("version")
+    ax.set_ylabel("bytes written (log)")
+    ax2 = ax.twinx()
+    ax2.plot(versions, [100 * r["changed"] / r["total"] if r.get("total") else 0 for r in records],
+             color="black", marker=".", label="changed %")
+    ax2.set_ylabel("changed elements (%)")
+    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    labels = ax.get_legend_handles_labels()[1] + ax2.get_legend_handles_labels()[1]
+    ax.legend(lines, labels, loc="upper right")
+    ax.set_title("deltasync: bytes and changed fraction per version")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deltasync", description="Exact sparse bf16 weight sync for RL.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("inspect", help="show what an anchor or delta file holds")
+    p.add_argument("file", help="a local file, or BUCKET_URL/deltas/<file>")
+    p = sub.add_parser("verify", help="replay a bucket's committed chain and check every fingerprint")
+    p.add_argument("bucket", help="a path or URL (file://, hf://buckets/ns/name, s3://, ...)")
+    p = sub.add_parser("stats", help="bytes, changed fraction and kind per version")
+    p.add_argument("bucket")
+    p.add_argument("--plot", metavar="FILE.png", help="also plot them")
+    for extra in _EXTRA_PARSERS:
+        extra(sub)
+    return parser
+
+
+_EXTRA_PARSERS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0 ok, 1 a deltasync error, 2 usage)."""
+    args = _parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except DeltaSyncError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The deltasync command: inspect, verify, stats; errors become exit codes and one-line hints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import small_transformer, train_step
+
+from deltasync import DeltaPublisher
+from deltasync.cli import main
+
+
+@pytest.fixture(scope="module")
+def bucket(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "bucket"
+    model = small_transformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    publisher = DeltaPublisher(path, model, opt, anchor_every=4, anchor_bytes_ratio=0)
+    publisher.publish()
+    for step in range(5):
+        train_step(model, opt, seed=step)
+        publisher.publish()
+    publisher.close()
+    return path
+
+
+def test_inspect_zstd_delta(bucket, capsys) -> None:
+    assert main(["inspect", str(bucket / "deltas/00000005.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "kind         delta" in out and "codec        zstd" in out and "base         4" in out
+    assert "model.layers.0.self_attn.q_proj.weight" in out
+    assert "gap_lo" in out and "bytes/change" in out
+
+
+def test_inspect_anchor_in_a_bucket_url(bucket, capsys) -> None:
+    assert main(["inspect", f"file://{bucket}/anchors/00000004.safetensors"]) == 0
+    out = capsys.readouterr().out
+    assert "kind         anchor" in out
+    assert "model.embed_tokens.weight" in out and "256x64" in out and "bfloat16" in out
+
+
+def test_verify_ok_then_names_the_first_bad_version(bucket, tmp_path, capsys) -> None:
+    assert main(["verify", str(bucket)]) == 0
+    out = capsys.readouterr().out
+    assert "versions 4..5 (anchor 4)" in out and "ok: 2 versions verified" in out
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(bucket, broken)
+    data = bytearray((broken / "deltas/00000005.safetensors").read_bytes())
+    data[-1] ^= 1
+    (broken / "deltas/00000005.safetensors").write_bytes(bytes(data))
+    assert main(["verify", str(broken)]) == 1
+    captured = capsys.readouterr()
+    assert "version 4: ok" in captured.out
+    assert "version 5: BAD:" in captured.out and "SHA-256" in captured.out
+    assert "error: the first bad version is 5 (deltas/00000005.safetensors)" in captured.err
+
+
+def test_stats_and_plot(bucket, tmp_path, capsys) -> None:
+    plot = tmp_path / "stats.png"
+    assert main(["stats", str(bucket), "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines()]
+    rows = [line for line in lines if len(line) >= 5 and line[1] in ("anchor", "delta")]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3", "4", "5"]
+    assert [r[1] for r in rows] == ["anchor", "delta", "delta", "delta", "anchor", "delta"]
+    assert "6 versions" in out and "full copies would be" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_errors_are_one_line_hints(tmp_path, capsys) -> None:
+    assert main(["verify", str(tmp_path / "empty")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert "no version is committed in this bucket yet" in err
+    assert main(["inspect", str(tmp_path / "nope.safetensors")]) == 1
+    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["frobnicate"])
+    assert exc.value.code == 2
