@@ -180,7 +180,6 @@ def _plot(records: list[dict], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise DeltaSyncError("--plot needs matplotlib: pip install 'deltasync[plot]'") from exc
-    versions = [r["version"] for r in records]
     fig, ax = plt.subplots(figsize=(8, 4))
     for kind, color in (("anchor", "tab:red"), ("delta", "tab:blue")):
         xs = [r["version"] for r in records if r["kind"] == kind]
@@ -190,9 +189,11 @@ def _plot(records: list[dict], path: str) -> None:
     ax.set_xlabel("version")
     ax.set_ylabel("bytes written (log)")
     ax2 = ax.twinx()
-    ax2.plot(versions, [100 * r["changed"] / r["total"] if r.get("total") else 0 for r in records],
-             color="black", marker=".", label="changed %")
-    ax2.set_ylabel("changed elements (%)")
+    deltas = [r for r in records if r["kind"] == "delta" and r.get("total")]
+    ax2.plot([r["version"] for r in deltas], [100 * r["changed"] / r["total"] for r in deltas],
+             color="black", marker=".", linestyle="", label="changed % (deltas)")
+    ax2.set_ylabel("changed elements per delta (%)")
+    ax2.set_ylim(bottom=0)
     lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     labels = ax.get_legend_handles_labels()[1] + ax2.get_legend_handles_labels()[1]
     ax.legend(lines, labels, loc="upper right")
