@@ -175,6 +175,8 @@ class Pointer:
         return pointer
 
     def _check(self, where: str) -> None:
+        if self.version < self.anchor or self.anchor < 0:
+            raise FormatError(f"{where}: version {self.version} precedes its anchor {self.anchor}")
         expected = list(range(self.anchor, self.version + 1))
         if [item.version for item in self.chain] != expected:
             raise FormatError(
@@ -273,8 +275,12 @@ class FileHeader:
                 base_fingerprint=meta.get("base_fingerprint"),
                 names=names,
             )
-        except (KeyError, ValueError, TypeError) as exc:
+        except KeyError as exc:
+            raise FormatError(f"{where}: metadata lacks the key {exc}") from exc
+        except (ValueError, TypeError) as exc:
             raise FormatError(f"{where}: invalid metadata ({exc})") from exc
+        if kind == "delta" and header.base_fingerprint is None:
+            raise FormatError(f"{where}: a delta must name its base_fingerprint")
         if kind == "delta" and header.base != header.version - 1:
             raise FormatError(f"{where}: delta {header.version} names base {header.base}, expected {header.version - 1}")
         if kind == "anchor" and (header.base is not None or header.anchor != header.version):
@@ -434,7 +440,7 @@ def encode_delta(
     if codec == "raw":
         tensors: dict[str, torch.Tensor] = {}
         for name, change in items:
-            wide = numels is not None and numels[name] > _INT32_LIMIT
+            wide = (numels is not None and numels[name] > _INT32_LIMIT) or int(change.index[-1]) > _INT32_LIMIT
             tensors[name + _INDEX_SUFFIX] = change.index.to(torch.int64 if wide else torch.int32)
             tensors[name + _VALUE_SUFFIX] = change.new.to(torch.bfloat16)
         return _safetensors_bytes(tensors, meta)
@@ -477,6 +483,8 @@ def _zstd_streams(items: list[tuple[str, Change]]) -> tuple[dict[str, bytes], li
     d = torch.cat(diffs).numpy().astype(np.int32)
     d = np.where(d >= 0x8000, d - 0x10000, d)
     zig = ((d << 1) ^ (d >> 31)).astype(np.uint32)
+    if (zig == 0).any():
+        raise FormatError("a delta lists changed elements only, but an element's new value equals its old one")
     sym = np.where(zig <= 3, zig - 1, 3).astype(np.uint8)
     esc = zig[zig > 3]
     padded = np.zeros(-(-sym.size // 4) * 4, dtype=np.uint8)
@@ -647,14 +655,12 @@ def _decode_zstd(
     hv = np.frombuffer(_decompress(tensors["zstd:gap_hi"], n_hi, "gap_hi", where), dtype=np.uint8).astype(np.uint64)
     n_big = int((hv == 255).sum())
     big = np.frombuffer(_decompress(tensors["zstd:gap_big"], 8 * n_big, "gap_big", where), dtype="<u8")
-    if n_big and int(big.min()) < 255:
-        raise FormatError(f"{where}: stream 'gap_big' holds a value below 255")
+    if n_big and (int(big.min()) < 255 or int(big.max()) >= 2**55):
+        raise FormatError(f"{where}: stream 'gap_big' holds a value outside 255..2**55-1")
     hv[hv == 255] = big
     hi = np.zeros(n, dtype=np.uint64)
     hi[hi_nz] = hv
     gaps = torch.from_numpy(((hi << np.uint64(8)) | lo.astype(np.uint64)).astype(np.int64))
-    if n and int(gaps.min()) < 0:
-        raise FormatError(f"{where}: a gap overflows 63 bits")
     packed = np.frombuffer(_decompress(tensors["zstd:sym"], -(-n // 4), "sym", where), dtype=np.uint8)
     sym = np.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], axis=1).reshape(-1)[:n]
     is_esc = sym == 3
@@ -672,8 +678,13 @@ def _decode_zstd(
     start = 0
     for name, count in zip(names, counts):
         gap = gaps[start : start + count]
+        if int(gap.max()) >= numels[name]:
+            raise FormatError(
+                f"{where}: a gap of {int(gap.max())} in parameter {name!r} is out of range "
+                f"(it has {numels[name]} elements)"
+            )
         index = torch.cumsum(gap + 1, dim=0) - 1
-        if int(index[-1]) >= numels[name]:
+        if int(index[-1]) >= numels[name] or (count > 1 and not bool((index[1:] > index[:-1]).all())):
             raise FormatError(
                 f"{where}: index {int(index[-1])} of parameter {name!r} is out of range "
                 f"(it has {numels[name]} elements)"

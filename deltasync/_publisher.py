@@ -274,7 +274,9 @@ class DeltaPublisher:
         anchors = sorted(
             v for v in (_version_of(p) for p in self.store.list("anchors/")) if v is not None and v <= newest_anchor
         )
-        keep_from = anchors[-self.options.keep_anchors] if anchors else newest_anchor
+        if len(anchors) < self.options.keep_anchors:
+            return
+        keep_from = anchors[-self.options.keep_anchors]
         stale = [
             path
             for path in (*self.store.list("anchors/"), *self.store.list("deltas/"))

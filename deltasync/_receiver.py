@@ -303,7 +303,7 @@ class DeltaReceiver:
         if header.version != entry.version:
             raise VersionError(f"{where}: the file is version {header.version}, the pointer lists it as {entry.version}")
         if header.kind != entry.kind:
-            raise FormatError(f"{where}: the file is an {header.kind}, the pointer lists a {entry.kind}")
+            raise FormatError(f"{where}: the file is a(n) {header.kind}, the pointer lists a(n) {entry.kind}")
         if header.anchor != pointer.anchor:
             raise VersionError(f"{where}: descends from anchor {header.anchor}, the pointer's anchor is {pointer.anchor}")
         if header.fingerprint != entry.fingerprint:
