@@ -1,0 +1,1 @@
+"""TRL integration: AsyncGRPOTrainer with delta weight sync."""
