@@ -1,0 +1,583 @@
+"""Delta codec benchmark on a simulated RL update trace with Qwen2.5-0.5B-shaped tensors.
+
+Each measured step runs one AdamW step on fp32 master weights with simulated gradients, then
+goes through the package's own code paths: ``BF16ChangeDetector`` (with its optimizer hook)
+finds the changed bf16 elements, ``deltasync._format.encode_delta`` encodes them with each
+codec and ``decode_delta`` decodes them against a receiver-side bf16 copy. The receiver copy
+is then compared bit for bit with the trainer's bf16 state; any difference aborts the run.
+In the same step the full bf16 state is written with ``safetensors.torch.save_file`` as the
+baseline, so every time is read as a ratio against a write measured moments apart.
+
+Simulated gradients (see :class:`SimulatedGradients`): each tensor follows an AR(1) process
+in time, ``g_t = rho * g_(t-1) + sqrt(1 - rho^2) * s_T * a_(T,t) * z_t`` with ``z_t`` standard
+normal, ``s_T`` a fixed per-tensor scale (log-normal) and ``a_(T,t)`` a per-tensor, per-step
+factor (log-normal). Warm-up steps before the first measured step move Adam past its first
+steps: the first update is exactly +-lr on every element (the sign of the first gradient), and
+the changed fraction keeps falling while the momentum fills in (about 1.4x from step 1 to
+step 10, then under 1% per step, relative).
+
+Run from the repository root, e.g. ``python benchmarks/codec.py --scale 0.1``; see
+benchmarks/README.md for the reference run and its results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    import deltasync  # noqa: F401
+except ImportError:  # a checkout without an install: import the package next to this file
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from safetensors.torch import load as st_load
+from safetensors.torch import save_file
+
+from deltasync._detector import BF16ChangeDetector, bf16_state_dict, named_parameters
+from deltasync._fingerprint import fingerprint, fingerprint_update
+from deltasync._format import CODECS, Change, decode_delta, encode_delta
+
+DEFAULT_LR = 2.9e-7
+"""Calibrated so that about 1% of bf16 elements change per step (see benchmarks/README.md)."""
+
+TARGETS = {
+    "zstd_vs_raw_size": ("zstd vs raw size (raw / zstd)", ">=", 4.5),
+    "zstd_bytes_per_changed": ("zstd bytes per changed element", "<=", 1.3),
+    "zstd_pct_of_full": ("zstd % of full bf16 size", "<=", 1.0),
+    "zstd_time_vs_full_write": ("(detect + zstd encode) / full write time", "<", 1.0),
+}
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """Qwen2.5-0.5B: the tensor shapes of its checkpoint."""
+
+    hidden: int = 896
+    """Hidden size."""
+    intermediate: int = 4864
+    """MLP intermediate size."""
+    layers: int = 24
+    """Decoder layers."""
+    heads: int = 14
+    """Attention heads."""
+    kv_heads: int = 2
+    """Key/value heads."""
+    head_dim: int = 64
+    """Size of one head."""
+    vocab: int = 151936
+    """Vocabulary (embedding rows; the LM head is tied to the embedding)."""
+
+    def scaled(self, scale: float) -> ModelShape:
+        """Fewer layers and vocabulary rows; every tensor keeps its width."""
+        return ModelShape(
+            **{
+                **asdict(self),
+                "layers": max(1, round(self.layers * scale)),
+                "vocab": max(256, round(self.vocab * scale)),
+            }
+        )
+
+
+def build_model(shape: ModelShape, generator: torch.Generator) -> nn.Module:
+    """A parameter-only module tree with the Hugging Face names of a Qwen2 checkpoint.
+
+    Weights and biases are drawn from N(0, 0.02^2); RMSNorm weights start at 1. Biases are
+    random rather than zero, as in a pretrained checkpoint: zero biases would change on every
+    step (any update of 0 is representable) and distort the counts.
+    """
+
+    def param(*size: int, ones: bool = False) -> nn.Parameter:
+        t = torch.empty(size)
+        if ones:
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, 0.02, generator=generator)
+        return nn.Parameter(t)
+
+    def linear(out_f: int, in_f: int, bias: bool = False) -> nn.Module:
+        m = nn.Module()
+        m.weight = param(out_f, in_f)
+        if bias:
+            m.bias = param(out_f)
+        return m
+
+    def norm() -> nn.Module:
+        m = nn.Module()
+        m.weight = param(shape.hidden, ones=True)
+        return m
+
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    layers = nn.ModuleList()
+    for _ in range(shape.layers):
+        layer = nn.Module()
+        attn = nn.Module()
+        attn.q_proj = linear(q, h, bias=True)
+        attn.k_proj = linear(kv, h, bias=True)
+        attn.v_proj = linear(kv, h, bias=True)
+        attn.o_proj = linear(h, q)
+        mlp = nn.Module()
+        mlp.gate_proj = linear(shape.intermediate, h)
+        mlp.up_proj = linear(shape.intermediate, h)
+        mlp.down_proj = linear(h, shape.intermediate)
+        layer.self_attn = attn
+        layer.mlp = mlp
+        layer.input_layernorm = norm()
+        layer.post_attention_layernorm = norm()
+        layers.append(layer)
+    inner = nn.Module()
+    embed = nn.Module()
+    embed.weight = param(shape.vocab, h)
+    inner.embed_tokens = embed
+    inner.layers = layers
+    inner.norm = norm()
+    root = nn.Module()
+    root.model = inner
+    lm_head = nn.Module()
+    lm_head.weight = embed.weight  # tied: named_parameters() lists it once, as the embedding
+    root.lm_head = lm_head
+    return root
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+class SimulatedGradients:
+    """Temporally correlated random gradients with per-tensor scales that vary over steps.
+
+    ``g_t = rho * g_(t-1) + sqrt(1 - rho^2) * s_T * a_(T,t) * z_t``, kept in ``param.grad``
+    (no extra copy). ``s_T = base * exp(tensor_sigma * N(0,1))`` is drawn once per tensor,
+    ``a_(T,t) = exp(step_sigma * N(0,1))`` per tensor and step, ``z_t`` is N(0,1) per element.
+    Adam divides by the running RMS of each element, so the scales matter through how they
+    change over time (a loud step after quiet ones moves weights further), and the correlation
+    through how consistent each element's sign is (consistent signs build momentum).
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        generator: torch.Generator,
+        *,
+        rho: float = 0.9,
+        base: float = 1e-3,
+        tensor_sigma: float = 1.0,
+        step_sigma: float = 0.5,
+    ) -> None:
+        self.params = params
+        self.generator = generator
+        self.rho = rho
+        self.step_sigma = step_sigma
+        self.scales = [base * math.exp(tensor_sigma * _normal(generator)) for _ in params]
+        self._noise = torch.empty(min(1 << 24, max(p.numel() for p in params)))
+
+    def step(self) -> None:
+        innovation = math.sqrt(1.0 - self.rho**2)
+        for param, scale in zip(self.params, self.scales):
+            s = scale * math.exp(self.step_sigma * _normal(self.generator))
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+                decay, amount = 0.0, s  # the stationary distribution from the first step
+            else:
+                decay, amount = self.rho, innovation * s
+            flat = param.grad.view(-1)
+            for start in range(0, flat.numel(), self._noise.numel()):
+                chunk = flat[start : start + self._noise.numel()]
+                noise = self._noise[: chunk.numel()].normal_(generator=self.generator)
+                chunk.mul_(decay).add_(noise, alpha=amount)
+
+
+def _normal(generator: torch.Generator) -> float:
+    return float(torch.randn((), generator=generator))
+
+
+# --------------------------------------------------------------------------- one step
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _check_decoded(codec: str, decoded: dict[str, Change], changes: dict[str, Change]) -> None:
+    if set(decoded) != set(changes):
+        raise SystemExit(
+            f"FAIL: {codec} round trip: decoded parameters differ from the detected ones "
+            f"(missing {sorted(set(changes) - set(decoded))[:5]}, extra {sorted(set(decoded) - set(changes))[:5]})"
+        )
+    for name, change in changes.items():
+        got = decoded[name]
+        if not torch.equal(got.index.to(torch.int64), change.index) or not _same(got.new, change.new):
+            raise SystemExit(f"FAIL: {codec} round trip: parameter {name!r} decodes to other indices or values")
+
+
+def _verify(receiver: dict[str, torch.Tensor], trainer: dict[str, torch.Tensor], step: int) -> None:
+    """The receiver's state, built only from decoded deltas, must equal the trainer's bf16."""
+    for name, value in trainer.items():
+        mine = receiver[name].view(-1)
+        theirs = value.reshape(-1)
+        if not _same(mine, theirs):
+            bad = int((mine.view(torch.int16) != theirs.view(torch.int16)).sum())
+            raise SystemExit(
+                f"FAIL: step {step}: after applying the decoded deltas, {bad} elements of {name!r} differ "
+                "from the trainer's bf16 state"
+            )
+
+
+def _stream_bytes(data: bytes) -> dict[str, int]:
+    """Compressed bytes of each stream of a zstd delta; the rest is the safetensors header."""
+    tensors = st_load(data)
+    sizes = {key.split(":", 1)[1]: t.numel() * t.element_size() for key, t in tensors.items()}
+    sizes["header"] = len(data) - sum(sizes.values())
+    return sizes
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(args.seed)
+    shape = ModelShape().scaled(args.scale)
+    log(f"building a Qwen2.5-0.5B-shaped model at scale {args.scale}: {shape}")
+    model = build_model(shape, generator)
+    named = list(named_parameters(model))
+    params = [p for _, p in named]
+    total = sum(p.numel() for p in params)
+    numels = {name: p.numel() for name, p in named}
+    log(f"{len(named)} tensors, {total / 1e6:.1f}M parameters ({2 * total / 2**30:.2f} GiB in bf16)")
+    optimizer = torch.optim.AdamW(
+        params, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True
+    )
+    grads = SimulatedGradients(params, generator)
+    for w in range(args.warmup):
+        t0 = time.perf_counter()
+        grads.step()
+        optimizer.step()
+        log(f"warm-up {w + 1}/{args.warmup}: {time.perf_counter() - t0:.1f}s")
+
+    # The anchor: what publisher and receivers hold before the first measured step.
+    detector = BF16ChangeDetector(model, optimizer)
+    receiver = bf16_state_dict(model)
+    t0 = time.perf_counter()
+    fp = fingerprint(receiver)
+    log(f"anchor fingerprint {fp} in {time.perf_counter() - t0:.1f}s")
+
+    records: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="deltasync-codec-bench-") as tmp:
+        full_path = os.path.join(tmp, "full.safetensors")
+        for step in range(1, args.steps + 1):
+            rec: dict[str, Any] = {"step": step}
+            t0 = time.perf_counter()
+            grads.step()
+            optimizer.step()
+            rec["train_s"] = time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            changes = detector.changes()
+            rec["detect_changes_s"] = time.perf_counter() - t0
+            changed = sum(c.index.numel() for c in changes.values())
+            rec["changed"] = changed
+            rec["changed_pct"] = 100.0 * changed / total
+            rec["changed_params"] = len(changes)
+
+            t0 = time.perf_counter()
+            new_fp = fp
+            for name, change in changes.items():
+                new_fp = fingerprint_update(new_fp, name, change.index, change.old, change.new)
+            rec["fingerprint_s"] = time.perf_counter() - t0
+
+            decoded_any: dict[str, Change] | None = None
+            for codec in args.codecs:
+                t0 = time.perf_counter()
+                data = encode_delta(
+                    changes,
+                    version=step,
+                    anchor=0,
+                    codec=codec,
+                    total=total,
+                    fingerprint=new_fp,
+                    base_fingerprint=fp,
+                    level=args.zstd_level,
+                    numels=numels,
+                )
+                rec[f"{codec}_encode_s"] = time.perf_counter() - t0
+                rec[f"{codec}_bytes"] = len(data)
+                rec[f"{codec}_bytes_per_changed"] = len(data) / max(changed, 1)
+                if codec == "zstd":
+                    rec["zstd_streams"] = _stream_bytes(data)
+                t0 = time.perf_counter()
+                header, decoded = decode_delta(
+                    data,
+                    where=f"step {step} ({codec})",
+                    numels=numels,
+                    base_values=lambda n, i: receiver[n].view(-1)[i],
+                )
+                rec[f"{codec}_decode_s"] = time.perf_counter() - t0
+                if header.fingerprint != new_fp or header.changed != changed:
+                    raise SystemExit(f"FAIL: step {step} ({codec}): the decoded header disagrees with the encoder")
+                _check_decoded(codec, decoded, changes)
+                decoded_any = decoded
+                del data
+
+            t0 = time.perf_counter()
+            detector.commit(changes)
+            rec["detect_commit_s"] = time.perf_counter() - t0
+            rec["detect_s"] = rec["detect_changes_s"] + rec["detect_commit_s"]
+            for name, change in (decoded_any or {}).items():
+                receiver[name].view(-1)[change.index] = change.new
+            fp = new_fp
+            del changes, decoded_any
+
+            # Baseline: the full bf16 state, converted and written in the same step.
+            t0 = time.perf_counter()
+            state = bf16_state_dict(model)
+            rec["full_convert_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            save_file(state, full_path)
+            rec["full_write_s"] = time.perf_counter() - t0
+            rec["full_bytes"] = os.path.getsize(full_path)
+            os.remove(full_path)
+            _verify(receiver, state, step)
+            del state
+            for codec in args.codecs:
+                rec[f"{codec}_pct_of_full"] = 100.0 * rec[f"{codec}_bytes"] / rec["full_bytes"]
+                publish_s = rec["detect_s"] + rec[f"{codec}_encode_s"]
+                rec[f"{codec}_time_vs_full_write"] = publish_s / rec["full_write_s"]
+                rec[f"{codec}_time_vs_full_convert_write"] = publish_s / (rec["full_convert_s"] + rec["full_write_s"])
+            if "raw" in args.codecs and "zstd" in args.codecs:
+                rec["zstd_vs_raw_size"] = rec["raw_bytes"] / rec["zstd_bytes"]
+            records.append(rec)
+            log(_progress(rec, args.steps, args.codecs))
+
+    detector.close()
+    final = fingerprint(receiver)
+    if final != fp:
+        raise SystemExit(f"FAIL: the receiver's fingerprint {final} is not the trainer's {fp}")
+    log(f"verified: every step's decoded deltas reproduce the trainer's bf16 state (fingerprint {fp})")
+    return _summary(args, shape, total, len(named), records)
+
+
+def _progress(rec: dict[str, Any], steps: int, codecs: list[str]) -> str:
+    parts = [f"step {rec['step']}/{steps}: changed {rec['changed_pct']:.3f}% ({rec['changed'] / 1e6:.2f}M)"]
+    for codec in codecs:
+        parts.append(
+            f"{codec} {rec[f'{codec}_bytes'] / 1e6:.2f} MB ({rec[f'{codec}_bytes_per_changed']:.3f} B/el, "
+            f"{rec[f'{codec}_pct_of_full']:.3f}% of full) enc {rec[f'{codec}_encode_s']:.2f}s "
+            f"dec {rec[f'{codec}_decode_s']:.2f}s"
+        )
+    parts.append(f"detect {rec['detect_s']:.2f}s, full write {rec['full_write_s']:.2f}s, train {rec['train_s']:.1f}s")
+    return " | ".join(parts)
+
+
+# --------------------------------------------------------------------------- results
+
+
+def _median(records: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in records if key in r]
+    return statistics.median(values) if values else None
+
+
+def _summary(
+    args: argparse.Namespace, shape: ModelShape, total: int, tensors: int, records: list[dict[str, Any]]
+) -> dict[str, Any]:
+    keys = [k for k, v in records[0].items() if isinstance(v, (int, float)) and k != "step"]
+    medians = {key: _median(records, key) for key in keys}
+    if "zstd" in args.codecs:
+        for stream in records[0]["zstd_streams"]:
+            medians[f"zstd_stream_{stream}_bytes_per_changed"] = statistics.median(
+                r["zstd_streams"][stream] / max(r["changed"], 1) for r in records
+            )
+    targets = []
+    for key, (label, op, bound) in TARGETS.items():
+        value = medians.get(key)
+        if value is None:
+            continue
+        met = value >= bound if op == ">=" else value <= bound if op == "<=" else value < bound
+        targets.append({"key": key, "label": label, "value": value, "op": op, "bound": bound, "met": met})
+    return {
+        "benchmark": "deltasync codec",
+        "command": " ".join(["python", "benchmarks/codec.py", *args.argv]),
+        "config": {
+            "scale": args.scale,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "lr": args.lr,
+            "codecs": args.codecs,
+            "zstd_level": args.zstd_level,
+            "seed": args.seed,
+            "optimizer": "torch.optim.AdamW(fused=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)",
+            "gradients": "AR(1) per element, rho=0.9; per-tensor scale 1e-3*exp(N(0,1)); "
+            "per-tensor per-step factor exp(0.5*N(0,1)); dense (every element, every step)",
+        },
+        "model": {**asdict(shape), "tensors": tensors, "parameters": total},
+        "machine": _machine(),
+        "steps": records,
+        "medians": medians,
+        "targets": targets,
+    }
+
+
+def _machine() -> dict[str, Any]:
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": mem,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """The summary as markdown: medians over the measured steps and the targets."""
+    m = result["medians"]
+    codecs = result["config"]["codecs"]
+    mb = 1e6
+    rows = [
+        ("changed elements (% of all)", [f"{m['changed_pct']:.3f}%"] * len(codecs), f"{m['changed_pct']:.3f}%"),
+        ("bytes per step", [f"{m[f'{c}_bytes'] / mb:.2f} MB" for c in codecs], f"{m['full_bytes'] / mb:.1f} MB"),
+        ("bytes per changed element", [f"{m[f'{c}_bytes_per_changed']:.3f}" for c in codecs], "-"),
+        ("% of full bf16 size", [f"{m[f'{c}_pct_of_full']:.3f}%" for c in codecs], "100%"),
+        ("detect (changes + commit)", [f"{m['detect_s']:.2f} s"] * len(codecs), "-"),
+        ("encode", [f"{m[f'{c}_encode_s']:.2f} s" for c in codecs], f"{m['full_write_s']:.2f} s (save_file)"),
+        ("decode", [f"{m[f'{c}_decode_s']:.2f} s" for c in codecs], "-"),
+        (
+            "(detect + encode) / full write",
+            [f"{m[f'{c}_time_vs_full_write']:.3f}" for c in codecs],
+            "1",
+        ),
+        (
+            "(detect + encode) / (bf16 conversion + full write)",
+            [f"{m[f'{c}_time_vs_full_convert_write']:.3f}" for c in codecs],
+            "1",
+        ),
+    ]
+    lines = [
+        "| median over steps | " + " | ".join(codecs) + " | full bf16 |",
+        "|---|" + "---:|" * (len(codecs) + 1),
+    ]
+    lines += [f"| {label} | " + " | ".join(cells) + f" | {full} |" for label, cells, full in rows]
+    lines += ["", "| target | measured (median) | bound | met |", "|---|---:|---:|---|"]
+    for t in result["targets"]:
+        lines.append(f"| {t['label']} | {t['value']:.3f} | {t['op']} {t['bound']} | {'yes' if t['met'] else 'NO'} |")
+    if "zstd" in codecs:
+        streams = sorted((k for k in m if k.startswith("zstd_stream_")), key=lambda k: -m[k])
+        lines += ["", "| zstd stream | bytes per changed element (median) |", "|---|---:|"]
+        for key in streams:
+            name = key[len("zstd_stream_") : -len("_bytes_per_changed")]
+            lines.append(f"| {name} | {m[key]:.4f} |")
+    lines += [
+        "",
+        f"Also per step (medians): fingerprint update {m['fingerprint_s']:.2f} s, bf16 conversion for the "
+        f"full write {m['full_convert_s']:.2f} s, simulated gradient + AdamW step {m['train_s']:.1f} s.",
+    ]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in result["steps"]]
+    fig, (ax_bytes, ax_pct) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
+    ax_bytes.plot(steps, [r["full_bytes"] for r in result["steps"]], "k--", marker="s", label="full bf16 (safetensors)")
+    for codec, style in (("raw", "o-"), ("zstd", "^-")):
+        if codec in result["config"]["codecs"]:
+            ax_bytes.plot(steps, [r[f"{codec}_bytes"] for r in result["steps"]], style, label=f"delta, {codec}")
+    ax_bytes.set_yscale("log")
+    ax_bytes.set_ylabel("bytes per step")
+    ax_bytes.grid(True, which="both", alpha=0.3)
+    ax_bytes.legend()
+    model = result["model"]
+    ax_bytes.set_title(
+        f"deltasync codecs: Qwen2.5-0.5B shapes, {model['parameters'] / 1e6:.0f}M params, "
+        f"lr {result['config']['lr']:g}, zstd level {result['config']['zstd_level']}"
+    )
+    ax_pct.plot(steps, [r["changed_pct"] for r in result["steps"]], "o-", color="tab:red")
+    ax_pct.set_ylabel("changed bf16 elements (%)")
+    ax_pct.set_xlabel("step")
+    ax_pct.set_ylim(bottom=0)
+    ax_pct.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--steps", type=int, default=8, help="measured optimizer steps (default 8)")
+    parser.add_argument("--warmup", type=int, default=10, help="optimizer steps before the anchor (default 10)")
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"AdamW learning rate (default {DEFAULT_LR:g}, ~1%% changed)")
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="fraction of the layers and vocabulary to build (default 1: full shape)"
+    )
+    parser.add_argument("--codecs", nargs="+", default=list(CODECS), choices=CODECS, help="codecs to measure")
+    parser.add_argument("--zstd-level", type=int, default=3, help="zstd level (default 3, the publisher's)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--out", help="write the results as JSON to this file")
+    parser.add_argument("--plot", help="write a plot (PNG) of bytes and changed %% per step to this file")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    if not 0 < args.scale <= 1:
+        parser.error(f"--scale must be in (0, 1], got {args.scale}")
+    if args.lr <= 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
+    if not 1 <= args.zstd_level <= 22:
+        parser.error(f"--zstd-level must be in 1..22, got {args.zstd_level}")
+    args.codecs = list(dict.fromkeys(args.codecs))
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    print(table(result))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        log(f"results written to {args.out}")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(result, args.plot)
+        log(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
