@@ -221,7 +221,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-_EXTRA_PARSERS: list[Callable[[argparse._SubParsersAction], None]] = []
+def _demo_parser(sub: argparse._SubParsersAction) -> None:
+    from ._demo import add_parser
+
+    add_parser(sub)
+
+
+@_command("demo")
+def _demo(args: argparse.Namespace) -> int:
+    from ._demo import run
+
+    return run(args)
+
+
+_EXTRA_PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [_demo_parser]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,226 @@
+"""``deltasync demo``: a real async GRPO run with delta sync, on the CPU, from nothing.
+
+It builds a tiny model and tokenizer offline, starts a real vLLM server with the deltasync
+extension following a local bucket, trains with TRL's AsyncGRPOTrainer (``delta_sync``) on a
+task a tiny model learns in a few steps, and checks at the end that the server serves exactly
+the trainer's bf16 weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser", "run", "reward_target_letter"]
+
+TARGET = "e"
+
+
+def reward_target_letter(completions: list[Any], **kwargs: Any) -> list[float]:
+    """The demo's task: use the letter "e" as much as possible (share of letters that are "e").
+
+    Module-level so TRL's rollout process (spawned) can import it.
+    """
+    rewards = []
+    for completion in completions:
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        letters = [c for c in (text or "").lower() if c.isalpha()]
+        rewards.append(sum(c == TARGET for c in letters) / len(letters) if letters else 0.0)
+    return rewards
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run a real async GRPO training with delta sync on the CPU (tiny model, real vLLM server)",
+        description="Build a tiny model offline, start a vLLM server with the deltasync extension, "
+        "train it with TRL's AsyncGRPOTrainer(delta_sync=...) and check the server ends bit-exact.",
+    )
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20: a few minutes)")
+    p.add_argument("--output", default="deltasync-demo", help="output folder (default ./deltasync-demo)")
+    p.add_argument("--bucket", default=None, help="bucket URL or path (default OUTPUT/bucket)")
+    p.add_argument("--keep-server", action="store_true", help="leave the vLLM server running at the end")
+    p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
+    p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from ._server import VLLMServer
+    from .stores import open_store
+    from .tiny import build_tiny_model
+
+    if args.steps < 1:
+        from ._errors import ConfigError
+
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    out = Path(args.output).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    bucket = args.bucket or str(out / "bucket")
+    open_store(bucket)  # validate the URL before anything slow
+    started = time.perf_counter()
+    _say(f"[1/5] building a tiny Qwen2 model and tokenizer offline in {out / 'base-model'}")
+    model_dir = build_tiny_model(out / "base-model", seed=args.seed)
+    _say("[2/5] starting a vLLM server with the deltasync extension (about 30-60 s on a CPU)")
+    server = VLLMServer(
+        model_dir,
+        port=args.port,
+        env={"DELTASYNC_BUCKET": bucket, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        extra_args=[
+            "--worker-extension-cls", "vllm_ext.DeltaWeightTransferEngine",
+            "--weight-transfer-config", json.dumps({"backend": "delta"}),
+            "--served-model-name", str(model_dir),
+        ],
+        log_file=out / "vllm-server.log",
+    )
+    server.start(timeout=600)
+    _say(f"      server ready at {server.url} (log: {out / 'vllm-server.log'})")
+    try:
+        code = _train(args, out, bucket, model_dir, server.url, started)
+    finally:
+        if args.keep_server:
+            _say(f"server left running at {server.url} (pid {server.pid}); stop it with: kill -TERM -{server.pid}")
+        else:
+            server.stop()
+    return code
+
+
+def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, url: str, started: float) -> int:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from ._client import RolloutClient
+    from ._detector import bf16_state_dict
+    from ._fingerprint import fingerprint
+    from .trl import AsyncGRPOConfig, AsyncGRPOTrainer, DeltaSyncConfig
+
+    _say(f"[3/5] training {args.steps} steps with AsyncGRPOTrainer(delta_sync=...), bucket {bucket}")
+    subjects = ["the sea", "a tree", "the moon", "green fields", "the wind", "a river", "evening", "bees"]
+    prompts = [[{"role": "user", "content": f"Write a short line about {s}."}] for s in subjects] * 8
+    dataset = Dataset.from_dict({"prompt": prompts})
+    config = AsyncGRPOConfig(
+        output_dir=str(out / "trainer"),
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=16,
+        max_inflight_tasks=4,
+        queue_maxsize=8,
+        token_budget=0,
+        gradient_checkpointing=False,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        vllm_server_base_url=url,
+        seed=args.seed,
+        temperature=1.0,
+    )
+
+    rows: list[dict[str, Any]] = []
+
+    class Progress(TrainerCallback):
+        def on_log(self, _args: Any, state: Any, _control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
+            if not logs or "reward" not in logs:
+                return
+            history = trainer.delta_history
+            last = history[-1] if history else {}
+            row = {
+                "step": state.global_step,
+                "reward": float(logs["reward"]),
+                "version": last.get("version"),
+                "kind": last.get("kind"),
+                "changed": last.get("changed_fraction", 0.0),
+                "nbytes": last.get("nbytes", 0),
+                "paused_s": last.get("paused_s", 0.0),
+            }
+            rows.append(row)
+            _say(
+                f"  step {row['step']:3d}/{args.steps}  version {row['version']}  {row['kind']:6s}  "
+                f"changed {100 * row['changed']:6.2f}%  {row['nbytes'] / 1e3:9.1f} KB  "
+                f"paused {row['paused_s']:.3f}s  reward {row['reward']:.3f}"
+            )
+
+    trainer = AsyncGRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=[reward_target_letter],
+        args=config,
+        train_dataset=dataset,
+        callbacks=[Progress()],
+        delta_sync=DeltaSyncConfig(bucket=bucket, server_urls=[url]),
+    )
+    trainer.train()
+
+    _say(f"[4/5] saving the trained model to {out / 'model'}")
+    trainer.save_model(str(out / "model"))
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    want = fingerprint(bf16_state_dict(model))
+    status = RolloutClient([url]).status()[url]
+    history = trainer.delta_history
+    exact = status.ok and status.fingerprint == want
+    _say("[5/5] summary")
+    shipped = sum(h["nbytes"] for h in history)
+    anchor_bytes = max((h["nbytes"] for h in history if h["kind"] == "anchor"), default=0)
+    full = anchor_bytes * len(history)
+    paused = [h["paused_s"] for h in history[1:]] or [0.0]
+    _say(f"  versions published: {len(history)} ({sum(h['kind'] == 'anchor' for h in history)} anchors)")
+    _say(f"  bytes shipped: {shipped / 1e6:.2f} MB; full bf16 copies would be {full / 1e6:.2f} MB "
+         f"({full / max(shipped, 1):.1f}x more)")
+    _say(f"  mean inference pause per update: {sum(paused) / len(paused):.3f} s")
+    if rows:
+        first = sum(r["reward"] for r in rows[:3]) / len(rows[:3])
+        last = sum(r["reward"] for r in rows[-3:]) / len(rows[-3:])
+        _say(f"  reward: {first:.3f} (first steps) -> {last:.3f} (last steps)")
+    _say(f"  server version {status.version}, fingerprint {status.fingerprint}; trainer bf16 fingerprint {want}: "
+         + ("EXACT" if exact else "MISMATCH"))
+    plot = out / "demo.png"
+    if _plot(rows, history, plot):
+        _say(f"  plot: {plot}")
+    (out / "history.json").write_text(json.dumps({"steps": rows, "syncs": history}, indent=1))
+    _say(f"done in {time.perf_counter() - started:.0f} s; outputs in {out}")
+    if not exact:
+        print(f"error: the server does not serve the trainer's weights ({status.error or 'fingerprint mismatch'})",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _plot(rows: list[dict[str, Any]], history: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=False)
+    versions = [h["version"] for h in history]
+    colors = ["tab:red" if h["kind"] == "anchor" else "tab:blue" for h in history]
+    ax1.bar(versions, [h["nbytes"] for h in history], color=colors)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("bytes shipped (log)")
+    ax1.set_xlabel("version (red: anchor, blue: delta)")
+    ax1.set_title("deltasync demo: bytes per sync and reward per step")
+    ax2.plot([r["step"] for r in rows], [r["reward"] for r in rows], marker="o", color="tab:green")
+    ax2.set_xlabel("optimizer step")
+    ax2.set_ylabel(f"reward (share of '{TARGET}')")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

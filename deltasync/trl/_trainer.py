@@ -1,0 +1,237 @@
+"""``AsyncGRPOTrainer(delta_sync=...)``: TRL's async GRPO trainer with weights shipped as deltas.
+
+Everything but the weight sync is TRL's. Each sync publishes a version into the bucket while
+vLLM keeps generating, lets the servers download and decode it (still generating), and only
+then asks them to pause, swap the new weights in and resume. The version TRL uses for
+staleness is the version the servers report serving: a server that failed to apply does not
+advance it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl.experimental.async_grpo import AsyncGRPOConfig as _TRLAsyncGRPOConfig
+from trl.experimental.async_grpo import AsyncGRPOTrainer as _TRLAsyncGRPOTrainer
+
+from .._client import RolloutClient, UpdateReport
+from .._errors import ConfigError
+from .._publisher import DeltaPublisher, PublishOptions, PublishResult
+from ._cpu_compat import async_grpo_cpu_patches, has_cuda
+
+__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "DeltaSyncConfig"]
+
+logger = logging.getLogger("deltasync.trl")
+
+TOKEN_ENV = "DELTASYNC_TOKEN"
+"""Environment variable read for the servers' token when :class:`DeltaSyncConfig` names none."""
+
+
+@dataclass(kw_only=True)
+class DeltaSyncConfig:
+    """Where and how the trainer ships its weights."""
+
+    bucket: str | None = None
+    """Bucket URL or path (local, ``hf://buckets/ns/name``, any fsspec URL). Default: the folder
+    ``deltasync-bucket`` in the trainer's ``output_dir``. The servers must follow the same bucket."""
+    server_urls: list[str] | None = None
+    """Rollout servers to update. Default: ``[args.vllm_server_base_url]``."""
+    token: str | None = None
+    """Shared secret of the servers (``DELTASYNC_TOKEN`` on their side). Default: the trainer's
+    ``DELTASYNC_TOKEN`` environment variable, if set."""
+    anchor_every: int = 10
+    """A full anchor at least every this many versions."""
+    anchor_bytes_ratio: float = 0.5
+    """Also an anchor when the deltas since the last one exceed this fraction of an anchor."""
+    codec: str = "zstd"
+    """Delta codec: "zstd" or "raw"."""
+    zstd_level: int = 3
+    """zstd level for the "zstd" codec."""
+    keep_anchors: int = 1
+    """Anchor chains kept in the bucket."""
+    snapshot_device: str | None = "cpu"
+    """Where the last published bf16 state is kept: "cpu" or None (each parameter's device)."""
+    prefetch: bool = True
+    """Let servers download and decode each version while still generating, so they pause only
+    to swap it in."""
+    timeout: float = 600.0
+    """Seconds to wait for a server's answer."""
+    publish_options: PublishOptions = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.publish_options = PublishOptions(
+            anchor_every=self.anchor_every,
+            anchor_bytes_ratio=self.anchor_bytes_ratio,
+            codec=self.codec,
+            zstd_level=self.zstd_level,
+            keep_anchors=self.keep_anchors,
+            snapshot_device=self.snapshot_device,
+        )
+        if self.server_urls is not None and not self.server_urls:
+            raise ConfigError("server_urls is empty: give at least one rollout server, or None for the trainer's")
+        if self.timeout <= 0:
+            raise ConfigError(f"timeout must be positive, got {self.timeout}")
+
+
+@dataclass
+class AsyncGRPOConfig(_TRLAsyncGRPOConfig):
+    """TRL's ``AsyncGRPOConfig``; on a machine without CUDA, ``bf16`` is turned off (fp32 training)
+    instead of refused, since TRL's default ``bf16=True`` needs a bf16-capable GPU."""
+
+    def __post_init__(self) -> None:
+        if not has_cuda() and self.bf16 and not self.use_cpu:
+            self.bf16 = False
+        super().__post_init__()
+
+
+class _DeltaWeightTransfer:
+    """TRL's weight-transfer hooks, for a trainer whose sync is :meth:`AsyncGRPOTrainer._sync_weight_merged`.
+
+    TRL calls ``init_weight_transfer`` at train begin and ``destroy`` at the end; ``pause`` /
+    ``send_weights`` / ``resume`` are never reached because the trainer overrides the sync.
+    """
+
+    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def init_weight_transfer(self) -> None:
+        self.trainer._start_delta_sync()
+
+    def pause(self) -> None:  # pragma: no cover - the overridden sync never calls it
+        raise RuntimeError("delta sync pauses servers itself")
+
+    def send_weights(self, iterator: Any) -> None:  # pragma: no cover
+        raise RuntimeError("delta sync publishes weights itself")
+
+    def resume(self) -> None:  # pragma: no cover
+        raise RuntimeError("delta sync resumes servers itself")
+
+    def destroy(self) -> None:
+        self.trainer._stop_delta_sync()
+
+
+class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
+    """TRL's ``AsyncGRPOTrainer``, with ``delta_sync=True`` (or a :class:`DeltaSyncConfig`) to ship
+    weights as sparse bf16 deltas through a bucket instead of NCCL.
+
+    On a machine without CUDA it also swaps TRL's flash-attention-only training attention for an
+    exact pure-PyTorch one and turns off the MFU metrics that need a GPU.
+    """
+
+    def __init__(self, *args: Any, delta_sync: bool | DeltaSyncConfig = False, **kwargs: Any) -> None:
+        if delta_sync is True:
+            delta_sync = DeltaSyncConfig()
+        elif delta_sync is False:
+            delta_sync = None  # type: ignore[assignment]
+        elif not isinstance(delta_sync, DeltaSyncConfig):
+            raise ConfigError(f"delta_sync must be True, False or a DeltaSyncConfig, got {type(delta_sync).__name__}")
+        if delta_sync is not None and kwargs.get("weight_transfer") is not None:
+            raise ConfigError("delta_sync and weight_transfer both set: delta sync is a weight transfer; pass one")
+        self._delta_config: DeltaSyncConfig | None = delta_sync  # type: ignore[assignment]
+        self._publisher: DeltaPublisher | None = None
+        self._client: RolloutClient | None = None
+        self.delta_history: list[dict[str, Any]] = []
+        """One record per sync: version, kind, bytes, changed fraction, upload and paused seconds."""
+        if delta_sync is not None:
+            kwargs["weight_transfer"] = _DeltaWeightTransfer(self)
+        if has_cuda():
+            super().__init__(*args, **kwargs)
+        else:
+            with async_grpo_cpu_patches():
+                super().__init__(*args, **kwargs)
+        if delta_sync is not None:
+            from accelerate.utils import is_peft_model
+
+            if is_peft_model(self.accelerator.unwrap_model(self.model)):
+                raise ConfigError("delta_sync does not support PEFT/LoRA models yet; train the full model or use TRL's sync")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _start_delta_sync(self) -> None:
+        config = self._delta_config
+        assert config is not None
+        bucket = config.bucket or os.path.join(self.args.output_dir, "deltasync-bucket")
+        urls = config.server_urls or [self.args.vllm_server_base_url]
+        token = config.token if config.token is not None else os.environ.get(TOKEN_ENV) or None
+        self._publisher = DeltaPublisher(
+            bucket,
+            self.accelerator.unwrap_model(self.model),
+            self.optimizer,
+            **{k: getattr(config.publish_options, k) for k in PublishOptions.__dataclass_fields__},
+        )
+        self._client = RolloutClient(urls, token=token, timeout=config.timeout)
+        logger.info("delta sync: bucket %s, servers %s", self._publisher.store.url, ", ".join(urls))
+
+    def _stop_delta_sync(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close()
+
+    @property
+    def delta_publisher(self) -> DeltaPublisher | None:
+        """The publisher (exists from train begin on, on the main process)."""
+        return self._publisher
+
+    @property
+    def rollout_client(self) -> RolloutClient | None:
+        return self._client
+
+    # ------------------------------------------------------------------ the sync
+
+    def _sync_weight_merged(self, t0: float) -> tuple[float, float, float]:
+        if self._delta_config is None:
+            return super()._sync_weight_merged(t0)
+        self.accelerator.wait_for_everyone()
+        t_barrier = time.time()
+        if self.accelerator.is_main_process:
+            assert self._publisher is not None and self._client is not None
+            result = self._publisher.publish()  # servers keep generating meanwhile
+            t_published = time.time()
+            if self._delta_config.prefetch:
+                self._client.prefetch(result.version)
+            report = self._client.update(result.version)
+            self._record(result, report, t_published - t_barrier)
+            served = [r.version for r in report.results if r.version is not None]
+            if served:
+                # What every server serves at least: samples are tagged with it for staleness.
+                self.model_version = min(served)
+            if self.rollout_worker:
+                self.rollout_worker.update_model_version(self.model_version)
+            self.accelerator.wait_for_everyone()
+            # TRL turns these marks into perf/weight_sync_{pause,barrier,transfer}_s: report the
+            # servers' paused time, the barrier, and the upload.
+            t_pause = t0 + report.paused_s
+            t_bar = t_pause + (t_barrier - t0)
+            return t_pause, t_bar, t_bar + (t_published - t_barrier)
+        self.accelerator.wait_for_everyone()
+        now = time.time()
+        return now, now, now
+
+    def _record(self, result: PublishResult, report: UpdateReport, upload_s: float) -> None:
+        metrics = self._metrics["train"]
+        metrics["delta/changed_fraction"].append(result.changed_fraction)
+        metrics["delta/bytes"].append(float(result.nbytes))
+        metrics["delta/kind"].append(1.0 if result.kind == "anchor" else 0.0)
+        metrics["sync/upload_s"].append(upload_s)
+        metrics["sync/paused_s"].append(report.paused_s)
+        metrics["sync/version"].append(float(result.version))
+        metrics["sync/failed_servers"].append(float(len(report.failed)))
+        self.delta_history.append(
+            {
+                "version": result.version,
+                "kind": result.kind,
+                "nbytes": result.nbytes,
+                "changed_fraction": result.changed_fraction,
+                "upload_s": upload_s,
+                "paused_s": report.paused_s,
+                "served": [r.version for r in report.results],
+                "failed": {r.url: r.error for r in report.results if not r.ok},
+                "fingerprint": result.fingerprint,
+            }
+        )
+        for r in report.results:
+            if not r.ok:
+                logger.warning("delta sync: %s did not apply version %s: %s", r.url, result.version, r.error)
