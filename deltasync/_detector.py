@@ -49,15 +49,18 @@ def bf16_state_dict(model: torch.nn.Module, *, device: str | torch.device = "cpu
 
 def _inner_optimizer(optimizer: object) -> torch.optim.Optimizer:
     """The torch optimizer behind wrappers such as accelerate's ``AcceleratedOptimizer``."""
-    seen = 0
-    while not isinstance(optimizer, torch.optim.Optimizer):
+    # Wrappers such as accelerate's subclass Optimizer themselves but keep their own hooks
+    # unused: the hook must go on the optimizer that actually steps, the innermost one.
+    for _ in range(8):
         inner = getattr(optimizer, "optimizer", None)
-        if inner is None or seen > 8:
-            raise ConfigError(
-                f"optimizer: {type(optimizer).__name__} is not a torch.optim.Optimizer and wraps none "
-                "(pass the torch optimizer, or None to compare every trainable parameter)"
-            )
-        optimizer, seen = inner, seen + 1
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optimizer: {type(optimizer).__name__} is not a torch.optim.Optimizer and wraps none "
+            "(pass the torch optimizer, or None to compare every trainable parameter)"
+        )
     return optimizer
 
 

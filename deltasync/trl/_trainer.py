@@ -83,7 +83,7 @@ class AsyncGRPOConfig(_TRLAsyncGRPOConfig):
     instead of refused, since TRL's default ``bf16=True`` needs a bf16-capable GPU."""
 
     def __post_init__(self) -> None:
-        if not has_cuda() and self.bf16 and not self.use_cpu:
+        if not has_cuda() and self.bf16 is not False and not self.use_cpu:
             self.bf16 = False
         super().__post_init__()
 

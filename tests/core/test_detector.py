@@ -128,3 +128,17 @@ def test_wrapped_optimizer_and_names() -> None:
         BF16ChangeDetector(model, object())
     assert checkpoint_name("module._orig_mod.model.layers.0.weight") == "model.layers.0.weight"
     assert checkpoint_name("model.layers.0._checkpoint_wrapped_module.mlp.weight") == "model.layers.0.mlp.weight"
+
+
+def test_accelerate_wrapped_optimizer() -> None:
+    """accelerate's AcceleratedOptimizer subclasses Optimizer: the hook must reach the inner one."""
+    from accelerate import Accelerator
+
+    model = small_transformer()
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+    detector = BF16ChangeDetector(model, opt)
+    published = bf16_state_dict(model)
+    train_step(model, opt, seed=0)
+    assert detector.steps_since_publish == 1
+    assert_exact(detector, published, model)

@@ -25,6 +25,7 @@ def setup(tiny_model_factory, tmp_path_factory):  # noqa: F811
         "--worker-extension-cls", "vllm_ext.DeltaWeightTransferEngine",
         "--weight-transfer-config", json.dumps({"backend": "delta"}),
         "--served-model-name", str(model_dir),
+        "--no-enable-chunked-prefill",  # TRL seeds requests; vLLM-CPU can't prefill those in chunks
     ]
     env = server_env(DELTASYNC_BUCKET=str(bucket), DELTASYNC_TOKEN=TOKEN)
     with running_server(model_dir, env=env, extra_args=extra) as server:

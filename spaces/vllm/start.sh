@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The rollout Space's entry point: vLLM's OpenAI-compatible server with deltasync's worker
+# extension and "delta" weight-transfer backend, following the bucket DELTASYNC_BUCKET, its
+# control routes (weight updates, pause/resume, RPC) behind the token DELTASYNC_TOKEN.
+#
+# Space settings (Settings > Variables and secrets):
+#   MODEL             variable  the model to serve, e.g. Qwen/Qwen3-1.7B (the trainer's --model)
+#   DELTASYNC_BUCKET  variable  the bucket the trainer publishes to, e.g. hf://buckets/me/run1
+#   DELTASYNC_TOKEN   secret    shared with the trainer; required: without it anyone could
+#                               pause this server or make it load versions from its bucket
+#   HF_TOKEN          secret    read access to a private bucket or a gated/private model
+#   VLLM_ARGS         variable  optional extra vLLM flags, e.g. "--max-model-len 8192"
+#
+# Outside a Space (tests, a CPU box): PYTHON picks the interpreter, HOST and PORT the address.
+set -euo pipefail
+
+if [ -z "${DELTASYNC_TOKEN:-}" ]; then
+    echo "start.sh: refusing to start: DELTASYNC_TOKEN is not set. Add it as a Space secret (the trainer" \
+         "needs the same value): without it anyone could pause this server or make it load weights." >&2
+    exit 64
+fi
+if [ -z "${MODEL:-}" ]; then
+    echo "start.sh: MODEL is not set: add a Space variable MODEL with the model to serve (e.g. Qwen/Qwen3-1.7B)." >&2
+    exit 64
+fi
+if [ -z "${DELTASYNC_BUCKET:-}" ]; then
+    echo "start.sh: DELTASYNC_BUCKET is not set: add a Space variable with the trainer's bucket" \
+         "(e.g. hf://buckets/me/run1)." >&2
+    exit 64
+fi
+
+read -r -a vllm_args <<< "${VLLM_ARGS:-}"
+# `deltasync serve` adds --worker-extension-cls vllm_ext.DeltaWeightTransferEngine and
+# --weight-transfer-config '{"backend": "delta"}', sets VLLM_SERVER_DEV_MODE=1, then execs
+# `python -m vllm.entrypoints.openai.api_server` with the arguments it does not know.
+exec "${PYTHON:-python3}" -m deltasync.cli serve "$MODEL" \
+    --bucket "$DELTASYNC_BUCKET" \
+    --middleware vllm_ext.TokenMiddleware \
+    --host "${HOST:-0.0.0.0}" \
+    --port "${PORT:-8000}" \
+    "${vllm_args[@]}" "$@"
