@@ -6,6 +6,7 @@ rollout servers follow it with :class:`DeltaReceiver`. See docs/protocol.md for 
 
 from __future__ import annotations
 
+from ._client import RolloutClient, ServerResult, ServerStatus, UpdateReport
 from ._detector import BF16ChangeDetector, bf16_state_dict, checkpoint_name
 from ._errors import (
     AuthError,
@@ -39,9 +40,13 @@ __all__ = [
     "Pointer",
     "PublishOptions",
     "PublishResult",
+    "RolloutClient",
+    "ServerResult",
+    "ServerStatus",
     "StagedUpdate",
     "Store",
     "StoreError",
+    "UpdateReport",
     "VersionError",
     "bf16_state_dict",
     "checkpoint_name",

@@ -92,6 +92,10 @@ class StagedUpdate:
             return sum(t.numel() for t in self._base.values())
         return sum(p.index.numel() for p in self._patches.values())
 
+    def shape(self, name: str) -> torch.Size:
+        """The shape of ``name`` after this update, without building its value."""
+        return self._base[name].shape
+
     def tensor(self, name: str) -> torch.Tensor:
         """The new full value of ``name`` (a fresh tensor; the receiver is not touched)."""
         if self._consumed:

@@ -234,12 +234,42 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
-_EXTRA_PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [_demo_parser]
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    from ._serve import add_parser
+
+    add_parser(sub)
+
+
+@_command("serve")
+def _serve(args: argparse.Namespace) -> int:
+    from ._serve import run
+
+    return run(args)
+
+
+def _spaces_parser(sub: argparse._SubParsersAction) -> None:
+    from ._spaces import add_parser
+
+    add_parser(sub)
+
+
+@_command("spaces")
+def _spaces(args: argparse.Namespace) -> int:
+    from ._spaces import run
+
+    return run(args)
+
+
+_EXTRA_PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [_demo_parser, _serve_parser, _spaces_parser]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 a deltasync error, 2 usage)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     try:
         return _COMMANDS[args.command](args)
     except DeltaSyncError as exc:

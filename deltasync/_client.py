@@ -1,0 +1,413 @@
+"""The trainer side of a server update: tell rollout servers that version N is committed.
+
+:class:`RolloutClient` speaks plain HTTP to vLLM servers started with ``vllm_ext`` (see
+``deltasync serve``). It sends no weights: each server pulls version N from its own bucket.
+Per server and concurrently (a thread each), :meth:`RolloutClient.update` runs vLLM's
+weight-update sequence::
+
+    POST /pause?mode=keep                 in-flight requests freeze, new ones queue
+    POST /start_weight_update
+    POST /update_weights                  {"update_info": {"version": N, "auth": TAG}}
+    POST /finish_weight_update            {"weight_version": "N"}
+    POST /reset_prefix_cache?reset_running_requests=true
+    POST /resume                          always, even after a failure
+
+then reads the server's state back through ``/collective_rpc`` (``deltasync_status``).
+A server that fails is reported with the server's own error text; it never raises.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ._auth import update_tag
+from ._errors import ConfigError, VersionError
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["RolloutClient", "ServerResult", "ServerStatus", "UpdateReport"]
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerResult:
+    """What one server did in :meth:`RolloutClient.update` or :meth:`RolloutClient.prefetch`."""
+
+    url: str
+    ok: bool
+    """The call succeeded on this server (for an update: it now serves the version)."""
+    version: int | None = None
+    """The version the server serves after the call (None: unknown, or the checkpoint it started with)."""
+    fingerprint: str | None = None
+    """Fingerprint of the served state, as the server computed it."""
+    kind: str | None = None
+    """"anchor" (loaded the newest anchor, then replayed deltas), "delta" or "none" (already there)."""
+    nbytes: int = 0
+    """Bytes the server downloaded from the bucket."""
+    stage_s: float = 0.0
+    """Seconds the server spent downloading, decoding and checking (0 if prefetched in time)."""
+    apply_s: float = 0.0
+    """Seconds the server spent loading the new values into the model."""
+    paused_s: float = 0.0
+    """Seconds from sending ``/pause`` to ``/resume`` answering."""
+    error: str | None = None
+    """What went wrong, in the server's words; None when ok."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateReport:
+    """The outcome of :meth:`RolloutClient.update` across all servers."""
+
+    version: int
+    results: list[ServerResult]
+
+    @property
+    def ok(self) -> bool:
+        """Every server serves ``version`` now."""
+        return all(r.ok for r in self.results)
+
+    @property
+    def updated(self) -> list[str]:
+        """URLs of the servers that serve ``version`` now."""
+        return [r.url for r in self.results if r.ok]
+
+    @property
+    def failed(self) -> list[ServerResult]:
+        """The servers that did not apply it, with their errors."""
+        return [r for r in self.results if not r.ok]
+
+    @property
+    def paused_s(self) -> float:
+        """The longest pause of any server."""
+        return max((r.paused_s for r in self.results), default=0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerStatus:
+    """What a server serves, from :meth:`RolloutClient.status`."""
+
+    url: str
+    ok: bool
+    """The server answered and all its workers agree."""
+    version: int | None = None
+    """The served version (None before its first update: the checkpoint it started with)."""
+    fingerprint: str | None = None
+    error: str | None = None
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    """Each worker's own report (one per tensor/pipeline-parallel rank)."""
+
+
+class _RequestError(Exception):
+    """One HTTP call failed; the message names the route and carries the server's words."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        """The HTTP status the server answered with; None when no answer came."""
+
+
+class _Server:
+    """HTTP calls to one server, each failure turned into a :class:`_RequestError`."""
+
+    def __init__(self, client: httpx.Client, url: str) -> None:
+        self.client = client
+        self.url = url
+
+    def post(self, route: str, *, body: Any = None, params: dict[str, str] | None = None, attempts: int = 1) -> Any:
+        """POST; ``attempts`` > 1 retries transport errors (only for calls that are safe to repeat)."""
+        import httpx
+
+        for attempt in range(attempts):
+            try:
+                response = self.client.post(self.url + route, json=body, params=params)
+                break
+            except httpx.TransportError as exc:
+                # After a 500, vLLM's server closes the connection; a request sent on it
+                # right away fails without reaching the server. A retry opens a new one.
+                if attempt + 1 < attempts:
+                    time.sleep(0.1 * (attempt + 1))
+                    continue
+                raise _RequestError(f"POST {route}: {type(exc).__name__}: {str(exc) or 'no answer'}") from exc
+            except httpx.HTTPError as exc:
+                raise _RequestError(f"POST {route}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 400:
+            status = response.status_code
+            raise _RequestError(f"POST {route}: HTTP {status}: {_error_text(response)}", status)
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+    def rpc(self, method: str, args: Sequence[Any], timeout: float, *, attempts: int = 1) -> list[Any]:
+        body = {"method": method, "args": list(args), "timeout": timeout}
+        answer = self.post("/collective_rpc", body=body, attempts=attempts)
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list) or not results:
+            raise _RequestError(f"POST /collective_rpc ({method}): unexpected answer {answer!r}")
+        for rank, result in enumerate(results):
+            if not isinstance(result, dict):
+                raise _RequestError(f"POST /collective_rpc ({method}): worker {rank} answered {result!r}")
+        return results
+
+
+def _error_text(response: httpx.Response) -> str:
+    """The message in a vLLM / FastAPI error body, else the body itself."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:4000] or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if "detail" in body:
+            detail = body["detail"]
+            return detail if isinstance(detail, str) else json.dumps(detail)
+        if body.get("message"):
+            return str(body["message"])
+    return json.dumps(body)[:4000]
+
+
+def _combine(url: str, workers: list[dict[str, Any]]) -> ServerStatus:
+    """One status from the workers' reports; their disagreement is an error."""
+    states = {(w.get("version"), w.get("fingerprint")) for w in workers}
+    if len(states) > 1:
+        detail = "; ".join(
+            f"rank {w.get('rank', i)} at version {w.get('version')} ({w.get('fingerprint')})"
+            for i, w in enumerate(workers)
+        )
+        return ServerStatus(url=url, ok=False, error=f"the server's workers disagree: {detail}", workers=workers)
+    version, fingerprint = states.pop()
+    return ServerStatus(url=url, ok=True, version=version, fingerprint=fingerprint, workers=workers)
+
+
+class RolloutClient:
+    """Tells rollout servers which committed version to serve, and reads back what they serve.
+
+    Args:
+        urls: base URL of each server (``http://host:port``), or one URL.
+        token: the servers' ``DELTASYNC_TOKEN``. When set, updates and prefetches carry the
+            tag HMAC-SHA256(token, ``"deltasync-update:<N>"``) and every request carries
+            ``Authorization: Bearer <token>`` (for ``vllm_ext.TokenMiddleware``).
+        timeout: seconds any one HTTP call may take (an update includes the download).
+        transport: an ``httpx`` transport to send requests through (tests, proxies).
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        token: str | None = None,
+        *,
+        timeout: float = 600.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if isinstance(urls, str):
+            urls = [urls]
+        self.urls = [str(u).rstrip("/") for u in urls]
+        if not self.urls:
+            raise ConfigError("urls is empty: give the base URL of at least one server, e.g. http://host:8000")
+        if len(set(self.urls)) != len(self.urls):
+            raise ConfigError(f"urls lists a server twice: {self.urls}")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"server URL {url!r} must start with http:// or https://")
+        if token is not None and not token:
+            raise ConfigError("token is empty: pass the servers' DELTASYNC_TOKEN, or None for servers without one")
+        if timeout <= 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {timeout}")
+        self.token = token
+        self.timeout = float(timeout)
+        self._transport = transport
+
+    # ------------------------------------------------------------------ public
+
+    def update(self, version: int) -> UpdateReport:
+        """Make every server serve committed ``version``; waits until each has applied it or failed."""
+        version = _check_version(version)
+        tag = self._tag(version)
+        results = self._each(lambda server: self._update_one(server, version, tag))
+        return UpdateReport(version=version, results=results)
+
+    def prefetch(self, version: int) -> dict[str, ServerResult]:
+        """Servers start downloading and decoding ``version`` in the background and keep generating.
+
+        A later :meth:`update` to the same version then only loads it. Returns at once.
+        """
+        version = _check_version(version)
+        tag = self._tag(version)
+        results = self._each(lambda server: self._prefetch_one(server, version, tag))
+        return {r.url: r for r in results}
+
+    def status(self) -> dict[str, ServerStatus]:
+        """What each server serves (all of a server's workers must agree)."""
+        statuses = self._each(self._status_one)
+        return {s.url: s for s in statuses}
+
+    # ------------------------------------------------------------------ per server
+
+    def _update_one(self, server: _Server, version: int, tag: str | None) -> ServerResult:
+        error: str | None = None
+        refused_pause = False
+        start = time.perf_counter()
+        try:
+            try:
+                server.post("/pause", params={"mode": "keep"})
+            except _RequestError as exc:
+                refused_pause = exc.status is not None  # an answer, so certainly not paused
+                raise
+            self._start_update(server)
+            try:
+                server.post("/update_weights", body={"update_info": {"version": version, "auth": tag}})
+            except _RequestError:
+                _close_session(server)
+                raise
+            server.post("/finish_weight_update", body={"weight_version": str(version)})
+            reset = server.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
+            if isinstance(reset, dict) and reset.get("success") is False:
+                error = (
+                    f"the weights are at version {version}, but the prefix cache could not be reset "
+                    "(cached KV from the old weights may be reused)"
+                )
+        except _RequestError as exc:
+            error = str(exc)
+        finally:
+            try:
+                server.post("/resume", attempts=3)
+            except _RequestError as exc:
+                if not refused_pause:
+                    error = f"{error}; then " if error else ""
+                    error += f"{exc} (the server may still be paused)"
+            paused_s = time.perf_counter() - start
+        try:
+            state = self._status_one(server)
+        except _RequestError as exc:  # pragma: no cover - _status_one reports, never raises
+            state = ServerStatus(url=server.url, ok=False, error=str(exc))
+        last = _last_update(state, version)
+        if error is None and not state.ok:
+            error = f"updated, but its status could not be read: {state.error}"
+        elif error is None and state.version != version:
+            error = f"the server reports version {state.version} after the update to version {version}"
+        return ServerResult(
+            url=server.url,
+            ok=error is None,
+            version=state.version,
+            fingerprint=state.fingerprint,
+            kind=last.get("kind") if error is None else None,
+            nbytes=int(last.get("nbytes", 0)) if error is None else 0,
+            stage_s=float(last.get("stage_s", 0.0)) if error is None else 0.0,
+            apply_s=float(last.get("apply_s", 0.0)) if error is None else 0.0,
+            paused_s=paused_s,
+            error=error,
+        )
+
+    @staticmethod
+    def _start_update(server: _Server) -> None:
+        try:
+            server.post("/start_weight_update")
+        except _RequestError as exc:
+            if "already active" not in str(exc):
+                raise
+            # A client that died between start and finish left a session open. The delta
+            # engine loads nothing between the calls, so closing it is safe.
+            _close_session(server)
+            server.post("/start_weight_update")
+
+    def _prefetch_one(self, server: _Server, version: int, tag: str | None) -> ServerResult:
+        try:
+            workers = server.rpc("deltasync_prefetch", [version, tag], self.timeout)
+        except _RequestError as exc:
+            return ServerResult(url=server.url, ok=False, error=str(exc))
+        failed = [w for w in workers if w.get("error")]
+        state = self._status_one(server)
+        error = None
+        if failed:
+            error = failed[0]["error"]
+            if failed[0].get("state") == "failed":
+                error = f"prefetch of version {version} failed: {error}"
+        elif not state.ok:
+            error = state.error
+        first = workers[0]
+        return ServerResult(
+            url=server.url,
+            ok=error is None,
+            version=state.version,
+            fingerprint=state.fingerprint,
+            kind=first.get("kind"),
+            nbytes=int(first.get("nbytes") or 0),
+            stage_s=float(first.get("stage_s") or 0.0),
+            error=error,
+        )
+
+    def _status_one(self, server: _Server) -> ServerStatus:
+        try:
+            workers = server.rpc("deltasync_status", [], self.timeout, attempts=3)
+        except _RequestError as exc:
+            return ServerStatus(url=server.url, ok=False, error=str(exc))
+        return _combine(server.url, workers)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _tag(self, version: int) -> str | None:
+        return None if self.token is None else update_tag(self.token, version)
+
+    def _each(self, call: Callable[[_Server], _T]) -> list[_T]:
+        """Run ``call`` for every server, a thread each; results in ``urls`` order."""
+        try:
+            import httpx
+        except ImportError as exc:  # pragma: no cover
+            raise ConfigError("RolloutClient needs httpx: pip install httpx") from exc
+
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token is not None else {}
+
+        def run(url: str) -> _T:
+            with httpx.Client(headers=headers, timeout=self.timeout, transport=self._transport) as client:
+                return call(_Server(client, url))
+
+        if len(self.urls) == 1:
+            return [run(self.urls[0])]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="deltasync") as pool:
+            return list(pool.map(run, self.urls))
+
+
+def _close_session(server: _Server) -> None:
+    """End a weight-update session that may be open on some of the server's workers.
+
+    vLLM closes the session of a worker whose update raised, but with several workers
+    only the last one raises (see ``vllm_ext``); the others still hold theirs. Closing
+    without a version leaves the served version's label alone; the workers without a
+    session refuse, and that refusal means nothing here.
+    """
+    try:
+        server.post("/finish_weight_update", attempts=3)
+    except _RequestError:
+        pass
+
+
+def _last_update(state: ServerStatus, version: int) -> dict[str, Any]:
+    """The workers' record of the update to ``version`` (slowest worker's times)."""
+    records = [w.get("last_update") or {} for w in state.workers]
+    records = [r for r in records if r.get("version") == version]
+    if not records:
+        return {}
+    return {
+        **records[0],
+        "stage_s": max(float(r.get("stage_s", 0.0)) for r in records),
+        "apply_s": max(float(r.get("apply_s", 0.0)) for r in records),
+    }
+
+
+def _check_version(version: object) -> int:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise VersionError(f"version must be a non-negative integer, got {version!r}")
+    return version

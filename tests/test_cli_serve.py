@@ -1,0 +1,80 @@
+"""``deltasync serve``: the vLLM command line and environment it execs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from deltasync import ConfigError
+from deltasync._serve import serve_command
+from deltasync.cli import main
+
+EXTENSION = ["--worker-extension-cls", "vllm_ext.DeltaWeightTransferEngine",
+             "--weight-transfer-config", '{"backend": "delta"}']  # fmt: skip
+
+
+@pytest.fixture
+def execs(monkeypatch):
+    calls = []
+    monkeypatch.setattr(os, "execvpe", lambda file, args, env: calls.append((file, args, env)))
+    monkeypatch.delenv("DELTASYNC_TOKEN", raising=False)
+    monkeypatch.delenv("DELTASYNC_BUCKET", raising=False)
+    return calls
+
+
+def test_serve_execs_the_api_server_with_the_extension_and_passes_vllm_args(execs, tmp_path, capsys):
+    bucket = tmp_path / "bucket"
+    code = main(["serve", "/models/tiny", "--bucket", str(bucket), "--max-model-len", "512", "--port", "8123",
+                 "--enforce-eager"])  # fmt: skip
+    assert code == 0
+    ((file, args, env),) = execs
+    assert file == sys.executable
+    assert args == [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/tiny", *EXTENSION,
+        "--max-model-len", "512", "--port", "8123", "--enforce-eager",
+    ]  # fmt: skip
+    assert json.loads(args[args.index("--weight-transfer-config") + 1]) == {"backend": "delta"}
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["DELTASYNC_BUCKET"] == str(bucket)
+    assert "DELTASYNC_TOKEN" not in env and "--middleware" not in args
+    assert "warning: no token" in capsys.readouterr().err
+
+
+def test_a_token_adds_the_middleware(execs, monkeypatch, tmp_path):
+    monkeypatch.setenv("MY_SECRET", "s3cret")
+    assert main(["serve", "m", "--bucket", "hf://buckets/me/run", "--token-env", "MY_SECRET"]) == 0
+    ((_, args, env),) = execs
+    assert args[-2:] == ["--middleware", "vllm_ext.TokenMiddleware"]
+    assert env["DELTASYNC_TOKEN"] == "s3cret" and env["DELTASYNC_BUCKET"] == "hf://buckets/me/run"
+    monkeypatch.setenv("DELTASYNC_TOKEN", "default")
+    monkeypatch.setenv("DELTASYNC_BUCKET", str(tmp_path))
+    assert main(["serve", "m"]) == 0  # bucket and token from the environment
+    assert execs[1][2]["DELTASYNC_TOKEN"] == "default" and "--middleware" in execs[1][1]
+
+
+def test_relative_bucket_paths_become_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _, env = serve_command("m", "bucket", environ={})
+    assert env["DELTASYNC_BUCKET"] == str(tmp_path / "bucket")
+
+
+def test_serve_errors(execs, monkeypatch, capsys):
+    assert main(["serve", "m"]) == 1
+    assert "error: deltasync serve needs the bucket to follow: give --bucket URL (or set DELTASYNC_BUCKET)" in (
+        capsys.readouterr().err
+    )
+    assert main(["serve", "m", "--bucket", "b", "--token-env", "NOPE_UNSET"]) == 1
+    assert "--token-env NOPE_UNSET: the environment variable NOPE_UNSET is not set or empty" in capsys.readouterr().err
+    assert main(["serve", "m", "--bucket", "b", "--worker-extension-cls", "x.Y"]) == 1
+    assert "sets --worker-extension-cls itself; drop --worker-extension-cls" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="sets --weight-transfer-config itself"):
+        serve_command("m", "b", vllm_args=["--weight-transfer-config={}"], environ={})
+    assert execs == []
+
+
+def test_other_commands_still_refuse_unknown_arguments(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["stats", "bucket", "--nope"])
+    assert exc.value.code == 2 and "unrecognized arguments: --nope" in capsys.readouterr().err

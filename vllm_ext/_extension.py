@@ -1,0 +1,41 @@
+"""The worker extension: deltasync methods reachable through ``/collective_rpc``.
+
+``--worker-extension-cls vllm_ext.DeltaWeightTransferEngine`` appends this class to the
+bases of every vLLM worker. vLLM refuses an extension attribute that the worker already
+has, so every name here starts with ``deltasync_``. Arguments and results are plain data,
+as collective_rpc requires.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._updater import WorkerUpdater, updater_for
+
+__all__ = ["DeltaWeightTransferEngine"]
+
+
+class DeltaWeightTransferEngine:
+    """Worker extension adding ``deltasync_status``, ``deltasync_prefetch`` and ``deltasync_apply``."""
+
+    def deltasync_status(self) -> dict[str, Any]:
+        """This worker's rank, version, fingerprint, bucket, last update and prefetch state."""
+        return _updater_of(self).status()
+
+    def deltasync_prefetch(self, version: int, auth: str | None = None) -> dict[str, Any]:
+        """Start downloading and decoding ``version`` in the background; returns at once."""
+        return _updater_of(self).prefetch(version, auth)
+
+    def deltasync_apply(self, version: int, auth: str | None = None) -> dict[str, Any]:
+        """Apply ``version`` now, without the weight-update routes.
+
+        The caller must pause generation and reset the prefix cache around it, as
+        ``RolloutClient.update`` does through the routes.
+        """
+        return _updater_of(self).update(version, auth)
+
+
+def _updater_of(worker: Any) -> WorkerUpdater:
+    # A function, not a method: every method of the extension becomes a collective_rpc
+    # target. The same updater as the "delta" engine's, so both paths share one receiver.
+    return updater_for(worker.model_runner.get_model(), worker.vllm_config)

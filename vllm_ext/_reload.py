@@ -1,0 +1,115 @@
+"""Load HF-named tensors into a running vLLM model in one step, with vLLM's layerwise reload.
+
+A running model cannot take ``model.load_weights`` directly: on CPU (and for quantized
+layers) the parameters were repacked into kernel formats after the first load. vLLM's
+layerwise reload puts every layer back into checkpoint format, buffers what arrives,
+re-processes each layer once all of its elements are in, and puts the old kernel tensors
+back into layers that received nothing. Two consequences shape this module:
+
+- A fused layer (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, see the model's
+  ``packed_modules_mapping``) is rebuilt only from ALL its parts, biases included; a
+  partial set leaves uninitialised memory in it. :func:`reload_groups` says what to send
+  with each changed parameter.
+- Between ``initialize`` and ``finalize`` the model is not usable, so both run inside one
+  call, after every check has passed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+__all__ = ["module_groups", "reload_groups", "reload_weights"]
+
+logger = logging.getLogger(__name__)
+
+
+def module_groups(names: Iterable[str], packed: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
+    """Checkpoint names grouped by the vLLM module that loads them.
+
+    ``model.layers.0.self_attn.q_proj.weight`` and ``...k_proj.bias`` both belong to
+    ``model.layers.0.self_attn.qkv_proj`` when ``packed`` maps ``qkv_proj`` to
+    ``[q_proj, k_proj, v_proj]``; any other parameter belongs to its own module.
+    """
+    fused_of = {member: fused for fused, members in packed.items() for member in members}
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        module = name.rpartition(".")[0]
+        parent, _, leaf = module.rpartition(".")
+        if leaf in fused_of:
+            module = f"{parent}.{fused_of[leaf]}" if parent else fused_of[leaf]
+        groups.setdefault(module, []).append(name)
+    return groups
+
+
+def reload_groups(changed: Iterable[str], names: Sequence[str], packed: Mapping[str, Sequence[str]]) -> list[str]:
+    """The parameters to send so that every module touched by ``changed`` is rebuilt whole.
+
+    ``names`` is the full list of checkpoint names (its order is kept).
+    """
+    groups = module_groups(names, packed)
+    group_of = {name: key for key, members in groups.items() for name in members}
+    wanted: set[str] = set()
+    for name in changed:
+        wanted.update(groups[group_of[name]])
+    return [name for name in names if name in wanted]
+
+
+def reload_weights(
+    model: torch.nn.Module, vllm_config: object, weights: Iterator[tuple[str, torch.Tensor]]
+) -> tuple[set[str], list[str]]:
+    """Load ``(checkpoint name, tensor)`` pairs into ``model`` with a layerwise reload.
+
+    Returns the vLLM parameter names loaded and the modules that received only part of
+    their elements (non-empty means the caller sent an incomplete fused group: those
+    modules now hold garbage and must be reloaded whole). The model is finalized even
+    when loading raises, so it never stays on the meta device.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    model_config = vllm_config.model_config  # type: ignore[attr-defined]
+    holders = _shared_parameter_holders(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with set_current_vllm_config(vllm_config), torch.no_grad():  # type: ignore[arg-type]
+        initialize_layerwise_reload(model)
+        try:
+            loaded = set(model.load_weights(weights) or ())
+        finally:
+            partial = _partially_loaded(model)
+            finalize_layerwise_reload(model, model_config)
+        # A tied lm_head shares its Parameter with embed_tokens, but the reload only
+        # re-processes the module the checkpoint name maps to. On CPU the lm_head keeps its
+        # own packed copy of the weight for its GEMM: re-process every other holder too.
+        for name in loaded:
+            for module_name, module in holders.get(id(params.get(name)), ()):
+                if not name.startswith(module_name + ".") and hasattr(module, "quant_method"):
+                    module.quant_method.process_weights_after_loading(module)
+    return loaded, partial
+
+
+def _shared_parameter_holders(model: torch.nn.Module) -> dict[int, list[tuple[str, torch.nn.Module]]]:
+    holders: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append((module_name, module))
+    return {key: value for key, value in holders.items() if len(value) > 1}
+
+
+def _partially_loaded(model: torch.nn.Module) -> list[str]:
+    """Modules that got some but not all of their elements since ``initialize``."""
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    except ImportError:  # a vLLM without these internals: nothing to check with
+        return []
+    partial = []
+    for module_name, module in model.named_modules():
+        info = get_layerwise_info(module)
+        if not info.can_load() or is_deferred_attention_layer(module):
+            continue
+        if 0 < info.load_numel < (info.load_numel_total or 0):
+            partial.append(module_name)
+    return partial
