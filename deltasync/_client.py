@@ -249,6 +249,29 @@ class RolloutClient:
         results = self._each(lambda server: self._prefetch_one(server, version, tag))
         return {r.url: r for r in results}
 
+    def wait_prefetched(self, version: int, *, timeout: float = 600.0, poll: float = 0.05) -> dict[str, bool]:
+        """Wait until every server has finished prefetching ``version`` (ready or failed).
+
+        Lets a trainer hold back the pause until the servers only have to swap the version in.
+        Returns url -> whether that server has it staged; a server that failed to prefetch, or
+        doesn't answer, is False (its update will stage again, or report the error).
+        """
+        version = _check_version(version)
+        deadline = time.monotonic() + timeout
+        done: dict[str, bool] = {}
+        while True:
+            for url, state in self.status().items():
+                if url in done:
+                    continue
+                jobs = [w.get("prefetch") for w in state.workers] if state.ok else []
+                if not state.ok or any(j is None or j.get("version") != version for j in jobs):
+                    done[url] = False  # nothing (more) to wait for
+                elif all(j.get("state") in ("ready", "failed") for j in jobs):
+                    done[url] = all(j.get("state") == "ready" for j in jobs)
+            if len(done) == len(self.urls) or time.monotonic() > deadline:
+                return {url: done.get(url, False) for url in self.urls}
+            time.sleep(poll)
+
     def status(self) -> dict[str, ServerStatus]:
         """What each server serves (all of a server's workers must agree)."""
         statuses = self._each(self._status_one)

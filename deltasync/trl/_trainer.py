@@ -191,9 +191,12 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
             result = self._publisher.publish()  # servers keep generating meanwhile
             t_published = time.time()
             if self._delta_config.prefetch:
+                # Servers download and decode while still generating; pause only once staged.
                 self._client.prefetch(result.version)
+                self._client.wait_prefetched(result.version, timeout=self._delta_config.timeout)
+            t_staged = time.time()
             report = self._client.update(result.version)
-            self._record(result, report, t_published - t_barrier)
+            self._record(result, report, t_published - t_barrier, t_staged - t_published)
             served = [r.version for r in report.results if r.version is not None]
             if served:
                 # What every server serves at least: samples are tagged with it for staleness.
@@ -210,12 +213,13 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         now = time.time()
         return now, now, now
 
-    def _record(self, result: PublishResult, report: UpdateReport, upload_s: float) -> None:
+    def _record(self, result: PublishResult, report: UpdateReport, upload_s: float, prefetch_s: float) -> None:
         metrics = self._metrics["train"]
         metrics["delta/changed_fraction"].append(result.changed_fraction)
         metrics["delta/bytes"].append(float(result.nbytes))
         metrics["delta/kind"].append(1.0 if result.kind == "anchor" else 0.0)
         metrics["sync/upload_s"].append(upload_s)
+        metrics["sync/prefetch_s"].append(prefetch_s)
         metrics["sync/paused_s"].append(report.paused_s)
         metrics["sync/version"].append(float(result.version))
         metrics["sync/failed_servers"].append(float(len(report.failed)))
@@ -226,6 +230,7 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
                 "nbytes": result.nbytes,
                 "changed_fraction": result.changed_fraction,
                 "upload_s": upload_s,
+                "prefetch_s": prefetch_s,
                 "paused_s": report.paused_s,
                 "served": [r.version for r in report.results],
                 "failed": {r.url: r.error for r in report.results if not r.ok},

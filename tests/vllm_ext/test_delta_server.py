@@ -279,10 +279,9 @@ def test_prefetch_then_update(world, server, client):
     version = world.adamw_step()
     (result,) = client.prefetch(version).values()
     assert result.ok, result.error
-    deadline = time.monotonic() + 120
-    while _status(client).workers[0]["prefetch"]["state"] != "ready":
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    assert client.wait_prefetched(version, timeout=120) == {server.url: True}
+    assert _status(client).workers[0]["prefetch"]["state"] == "ready"
+    assert _status(client).version == version - 1  # staged, not applied
     report = _update(client, version, "delta: AdamW step, prefetched")
     last = _status(client).workers[0]["last_update"]
     assert last["prefetched"] is True and report.results[0].fingerprint == world.fingerprint
