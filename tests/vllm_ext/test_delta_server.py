@@ -257,31 +257,41 @@ def test_missing_and_wrong_tokens_are_refused(world, server, client):
 def test_a_request_in_flight_during_an_update_finishes(world, server, client):
     version = world.publisher.version  # the version the refusals above left committed
     answer: dict = {}
+    streaming = threading.Event()
 
     def generate() -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
-        response = requests.post(server.url + "/v1/completions", json=body, timeout=600)
-        answer["status"] = response.status_code
-        answer["tokens"] = response.json()["usage"]["completion_tokens"] if response.ok else response.text
+        body = {"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=600) as response:
+            answer["status"] = response.status_code
+            for line in response.iter_lines():
+                if line.startswith(b"data: {"):
+                    streaming.set()
+                    usage = json.loads(line[6:]).get("usage")
+                    if usage:
+                        answer["tokens"] = usage["completion_tokens"]
+            answer["finished"] = time.monotonic()
 
     thread = threading.Thread(target=generate)
     thread.start()
-    time.sleep(1.0)
-    assert thread.is_alive(), "the generation ended before the update; make it longer"
+    assert streaming.wait(120), "the generation never started"
+    update_started = time.monotonic()  # the first tokens are out: the request is in flight
     report = _update(client, version, "delta during a 900-token generation")
     thread.join(timeout=600)
-    assert answer == {"status": 200, "tokens": 900}
+    assert answer["status"] == 200 and answer["tokens"] == 900
+    assert answer["finished"] > update_started, "the generation ended before the update; make it longer"
     assert report.results[0].version == version
     assert _status(client).fingerprint == world.fingerprint
 
 
 def test_prefetch_then_update(world, server, client):
     version = world.adamw_step()
+    served = _status(client).version
     (result,) = client.prefetch(version).values()
     assert result.ok, result.error
     assert client.wait_prefetched(version, timeout=120) == {server.url: True}
     assert _status(client).workers[0]["prefetch"]["state"] == "ready"
-    assert _status(client).version == version - 1  # staged, not applied
+    assert _status(client).version == served  # staged, not applied
     report = _update(client, version, "delta: AdamW step, prefetched")
     last = _status(client).workers[0]["last_update"]
     assert last["prefetched"] is True and report.results[0].fingerprint == world.fingerprint
