@@ -93,12 +93,15 @@ def test_trainer_keeps_the_server_exact(setup, tmp_path) -> None:
         "delta/changed_fraction", "delta/kind", "sync/upload_s", "sync/paused_s", "sync/version"))
 
 
-def test_weight_sync_steps_2_and_a_restarted_trainer_stay_exact(setup, tmp_path) -> None:
+def test_weight_sync_steps_2_gradient_accumulation_and_a_restarted_trainer_stay_exact(setup, tmp_path) -> None:
     model_dir, bucket, url = setup
-    trainer = make_trainer(model_dir, bucket, url, tmp_path, steps=4, weight_sync_steps=2)
+    trainer = make_trainer(
+        model_dir, bucket, url, tmp_path, steps=4, weight_sync_steps=2, gradient_accumulation_steps=2
+    )
     trainer.train()
     history = trainer.delta_history
     assert len(history) == 3  # cold sync + after steps 2 and 4
+    assert trainer.delta_publisher.detector.steps_since_publish == 0
     assert history[0]["kind"] == "anchor"  # a new trainer on a used bucket starts with an anchor
     assert all(h["served"] == [h["version"]] for h in history)
     assert_server_serves_trainer(trainer, url)
