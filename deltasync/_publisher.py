@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -252,7 +252,7 @@ class DeltaPublisher:
             self.detector.commit(changes)
         seconds = time.perf_counter() - start
         self._history[version]["seconds"] = seconds
-        return PublishResult(**{**asdict(result), "seconds": seconds})
+        return replace(result, seconds=seconds)
 
     def _anchor_due(self, pointer: Pointer, version: int) -> bool:
         return version - pointer.anchor >= self.options.anchor_every

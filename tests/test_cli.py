@@ -76,6 +76,11 @@ def test_errors_are_one_line_hints(tmp_path, capsys) -> None:
     assert "no version is committed in this bucket yet" in err
     assert main(["inspect", str(tmp_path / "nope.safetensors")]) == 1
     assert "no such file" in capsys.readouterr().err
+    assert main(["demo", "--steps", "0", "--output", str(tmp_path / "demo")]) == 1
+    assert "--steps must be >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()  # refused before anything was written
+    assert main(["stats", "hf://datasets/me/data"]) == 1
+    assert "names a dataset repo, not a Hugging Face bucket" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["frobnicate"])
     assert exc.value.code == 2
