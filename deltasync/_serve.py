@@ -17,14 +17,27 @@ from collections.abc import Mapping, Sequence
 from ._auth import TOKEN_ENV
 from ._errors import ConfigError
 
-__all__ = ["BUCKET_ENV", "add_parser", "run", "serve_command"]
+__all__ = ["BUCKET_ENV", "add_parser", "extension_args", "run", "serve_command"]
 
 BUCKET_ENV = "DELTASYNC_BUCKET"
 _VLLM_MODULE = "vllm.entrypoints.openai.api_server"
-_EXTENSION = "vllm_ext.DeltaWeightTransferEngine"
+_EXTENSION = "vllm_ext.DeltaWorkerExtension"
 _MIDDLEWARE = "vllm_ext.TokenMiddleware"
 # deltasync sets these itself; a second value from the user would silently win or clash.
 _OWN_FLAGS = ("--worker-extension-cls", "--weight-transfer-config")
+
+
+def extension_args(*, middleware: bool = False) -> list[str]:
+    """The vLLM flags that load deltasync into a server: the worker extension and the
+    ``"delta"`` weight-transfer backend, plus the token middleware when ``middleware``.
+
+    The one definition of these flags: ``deltasync serve``, the demo, the examples, the
+    Spaces and the tests all take them from here.
+    """
+    args = ["--worker-extension-cls", _EXTENSION, "--weight-transfer-config", json.dumps({"backend": "delta"})]
+    if middleware:
+        args += ["--middleware", _MIDDLEWARE]
+    return args
 
 
 def serve_command(
@@ -59,8 +72,7 @@ def serve_command(
     command = [
         sys.executable, "-m", _VLLM_MODULE,
         "--model", model,
-        "--worker-extension-cls", _EXTENSION,
-        "--weight-transfer-config", json.dumps({"backend": "delta"}),
+        *extension_args(),
     ]  # fmt: skip
     if token:
         env[TOKEN_ENV] = token

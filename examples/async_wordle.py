@@ -68,6 +68,7 @@ from trl.experimental.async_grpo.async_rollout_worker import (  # noqa: E402
     _chain_to_sequences,
 )
 
+from deltasync._serve import extension_args  # noqa: E402
 from deltasync.envs.wordle import WordleEnvClient, WordleObservation, episode_rewards  # noqa: E402
 
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
@@ -535,9 +536,7 @@ def _run_tiny(args: argparse.Namespace, out: Path, token: str, chosen: dict[str,
             model_dir,
             env={"DELTASYNC_BUCKET": bucket, "DELTASYNC_TOKEN": token, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
             extra_args=[
-                "--worker-extension-cls", "vllm_ext.DeltaWeightTransferEngine",
-                "--weight-transfer-config", json.dumps({"backend": "delta"}),
-                "--middleware", "vllm_ext.TokenMiddleware",
+                *extension_args(middleware=True),
                 "--served-model-name", str(model_dir),
                 # vLLM-CPU crashes ("CPU Generator does not use offset") when a seeded request (TRL
                 # seeds every one) is prefilled in chunks, as the long game prompts recomputed after

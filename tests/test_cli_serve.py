@@ -12,7 +12,7 @@ from deltasync import ConfigError
 from deltasync._serve import serve_command
 from deltasync.cli import main
 
-EXTENSION = ["--worker-extension-cls", "vllm_ext.DeltaWeightTransferEngine",
+EXTENSION = ["--worker-extension-cls", "vllm_ext.DeltaWorkerExtension",
              "--weight-transfer-config", '{"backend": "delta"}']  # fmt: skip
 
 

@@ -4,13 +4,13 @@ Start a server that follows a bucket (``deltasync serve`` fills all of this in):
 
     VLLM_SERVER_DEV_MODE=1 DELTASYNC_BUCKET=<url> DELTASYNC_TOKEN=<secret> \\
     python -m vllm.entrypoints.openai.api_server --model MODEL \\
-        --worker-extension-cls vllm_ext.DeltaWeightTransferEngine \\
+        --worker-extension-cls vllm_ext.DeltaWorkerExtension \\
         --weight-transfer-config '{"backend": "delta"}' \\
         --middleware vllm_ext.TokenMiddleware
 
-- :class:`DeltaEngine` is the ``"delta"`` weight-transfer backend behind vLLM's
+- :class:`DeltaWeightTransferEngine` is the ``"delta"`` weight-transfer backend behind vLLM's
   ``/start_weight_update``, ``/update_weights`` and ``/finish_weight_update`` routes.
-- :class:`DeltaWeightTransferEngine` is the worker extension: ``deltasync_status``,
+- :class:`DeltaWorkerExtension` is the worker extension: ``deltasync_status``,
   ``deltasync_prefetch`` and ``deltasync_apply`` through ``/collective_rpc``.
 - :class:`TokenMiddleware` requires the token on vLLM's control routes.
 - :func:`register` registers the backend; it runs when this package is imported (the
@@ -23,11 +23,11 @@ imports TRL.
 
 from __future__ import annotations
 
-from ._engine import DeltaEngine
-from ._extension import DeltaWeightTransferEngine
+from ._engine import DeltaWeightTransferEngine
+from ._extension import DeltaWorkerExtension
 from ._middleware import TokenMiddleware
 
-__all__ = ["BACKEND", "DeltaEngine", "DeltaWeightTransferEngine", "TokenMiddleware", "register"]
+__all__ = ["BACKEND", "DeltaWeightTransferEngine", "DeltaWorkerExtension", "TokenMiddleware", "register"]
 
 #: The name of the weight-transfer backend (``--weight-transfer-config '{"backend": "delta"}'``).
 BACKEND = "delta"
@@ -38,7 +38,7 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     try:
-        WeightTransferEngineFactory.register_engine(BACKEND, "vllm_ext._engine", "DeltaEngine")
+        WeightTransferEngineFactory.register_engine(BACKEND, "vllm_ext._engine", "DeltaWeightTransferEngine")
     except ValueError as exc:
         if "already registered" not in str(exc):
             raise

@@ -22,7 +22,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from ._updater import WorkerUpdater, updater_for
 
-__all__ = ["DeltaEngine", "DeltaInitInfo", "DeltaUpdateInfo"]
+__all__ = ["DeltaWeightTransferEngine", "DeltaInitInfo", "DeltaUpdateInfo"]
 
 
 @dataclass
@@ -47,7 +47,7 @@ class DeltaUpdateInfo(WeightTransferUpdateInfo):
             raise TypeError(f"auth must be a hex string or null, got {type(self.auth).__name__}")
 
 
-class DeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
+class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
     """Applies versions from the bucket named by ``DELTASYNC_BUCKET`` (see :mod:`vllm_ext`)."""
 
     init_info_cls = DeltaInitInfo

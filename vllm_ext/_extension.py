@@ -1,6 +1,6 @@
 """The worker extension: deltasync methods reachable through ``/collective_rpc``.
 
-``--worker-extension-cls vllm_ext.DeltaWeightTransferEngine`` appends this class to the
+``--worker-extension-cls vllm_ext.DeltaWorkerExtension`` appends this class to the
 bases of every vLLM worker. vLLM refuses an extension attribute that the worker already
 has, so every name here starts with ``deltasync_``. Arguments and results are plain data,
 as collective_rpc requires.
@@ -12,10 +12,10 @@ from typing import Any
 
 from ._updater import WorkerUpdater, updater_for
 
-__all__ = ["DeltaWeightTransferEngine"]
+__all__ = ["DeltaWorkerExtension"]
 
 
-class DeltaWeightTransferEngine:
+class DeltaWorkerExtension:
     """Worker extension adding ``deltasync_status``, ``deltasync_prefetch`` and ``deltasync_apply``."""
 
     def deltasync_status(self) -> dict[str, Any]:

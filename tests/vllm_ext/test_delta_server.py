@@ -33,16 +33,13 @@ from vllm_fixtures import (  # noqa: F401  (fixtures)
 
 from deltasync import DeltaPublisher, RolloutClient, bf16_state_dict, fingerprint
 from deltasync._auth import update_tag
+from deltasync._serve import extension_args
 from deltasync._server import VLLMServer
 
 pytestmark = [pytest.mark.server, requires_vllm]
 
 TOKEN = "test-token-3f9a"
-EXTENSION_ARGS = [
-    "--worker-extension-cls", "vllm_ext.DeltaWeightTransferEngine",
-    "--weight-transfer-config", '{"backend": "delta"}',
-    "--middleware", "vllm_ext.TokenMiddleware",
-]  # fmt: skip
+EXTENSION_ARGS = extension_args(middleware=True)
 # Token ids, not text: 297 tokens span three 128-token KV blocks, so a prefix cache that
 # kept KV from the old weights would change the answer.
 LONG_PROMPT = list(range(3, 300))

@@ -17,6 +17,7 @@ import torch
 from vllm_fixtures import greedy, requires_vllm, running_server, tiny_model_factory  # noqa: F401  (fixture)
 
 from deltasync import DeltaPublisher, RolloutClient, bf16_state_dict, fingerprint
+from deltasync._serve import extension_args
 
 pytestmark = [
     pytest.mark.server,
@@ -44,8 +45,7 @@ def test_two_workers_update_refuse_and_stay_exact(tiny_model_factory, tmp_path):
     assert publisher.publish().kind == "delta"
     want = fingerprint(bf16_state_dict(model))
 
-    extension = ["--worker-extension-cls", "vllm_ext.DeltaWeightTransferEngine",
-                 "--weight-transfer-config", '{"backend": "delta"}']  # fmt: skip
+    extension = extension_args()
     env = {**TP_ENV, "DELTASYNC_BUCKET": str(bucket)}
     with running_server(model_dir, env=env, extra_args=[*TP_ARGS, *extension], log_file=tmp_path / "tp.log") as server:
         client = RolloutClient(server.url)
