@@ -1,10 +1,20 @@
-"""``--middleware vllm_ext.TokenMiddleware``: a bearer token on vLLM's control routes.
+"""``--middleware vllm_ext.TokenMiddleware``: every vLLM route but the public ones needs a token.
 
-``VLLM_SERVER_DEV_MODE=1`` (which the weight-update routes need) also opens routes that
-pause the server, run methods on its workers, put it to sleep or load adapters. This ASGI
-middleware lets those through only with ``Authorization: Bearer $DELTASYNC_TOKEN``;
-completions, health, models and the other public routes pass untouched (use vLLM's
-``--api-key`` for those). Without a token the server refuses to start.
+``VLLM_SERVER_DEV_MODE=1`` (which the weight-update routes need) opens routes that pause the
+server, run methods on its workers, put it to sleep or reset its caches; runtime LoRA updating
+opens routes (and SageMaker twins such as ``/adapters``) that make it serve new weights. Each
+vLLM release adds more. So this ASGI middleware names what may pass without a token,
+:data:`PUBLIC_ROUTES` (inference and read-only routes), and answers every other request with
+401 unless it carries ``Authorization: Bearer $DELTASYNC_TOKEN``. Websockets follow the same
+rule (closed with 1008, policy violation). ``DELTASYNC_PUBLIC_ROUTES`` adds routes to the public
+list. Use vLLM's ``--api-key`` to close the public routes too. Without a token the server
+refuses to start.
+
+A path is public only when the router sees exactly a public route's path: the same
+``scope["path"]`` (which the ASGI server has already percent-decoded), less ``root_path``
+as Starlette strips it. Any other spelling (``//v1/completions``, ``/v1/completions/``,
+``/v1/./completions``, ``/v1/%2e/completions``) needs the token, so no spelling of a
+protected route can pass as a public one.
 """
 
 from __future__ import annotations
@@ -13,12 +23,13 @@ import json
 import logging
 import os
 import re
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 from deltasync._auth import TOKEN_ENV, bearer_matches
+from deltasync._errors import ConfigError
 
-__all__ = ["PROTECTED_PATHS", "TokenMiddleware"]
+__all__ = ["PUBLIC_ROUTES", "PUBLIC_ROUTES_ENV", "TokenMiddleware", "public_routes", "route_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,82 +39,124 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-#: Routes that need the token: weight transfer, pause/resume, RPC, sleep/wake, caches,
-#: LoRA loading, and the other operator routes of vLLM 0.32.
-PROTECTED_PATHS = frozenset(
+#: The routes that answer without the token (any method): inference and read-only routes
+#: of vLLM 0.32. Everything else needs ``Authorization: Bearer $DELTASYNC_TOKEN``, including
+#: routes a later vLLM adds. Paths are matched exactly as the router sees them.
+PUBLIC_ROUTES = frozenset(
     {
-        # weight transfer
-        "/init_weight_transfer_engine",
-        "/shutdown_weight_transfer_engine",
-        "/start_weight_update",
-        "/start_draft_weight_update",
-        "/update_weights",
-        "/finish_weight_update",
-        "/update_weight_version",
-        "/weight_info",
-        "/weight_checker",
-        # pause / resume
-        "/pause",
-        "/resume",
-        "/is_paused",
-        "/abort_requests",
-        # RPC into the workers
-        "/collective_rpc",
-        # sleep / wake
-        "/sleep",
-        "/wake_up",
-        "/is_sleeping",
-        "/release_kv_cache_memory",
-        # caches
-        "/reset_prefix_cache",
-        "/reset_mm_cache",
-        "/reset_encoder_cache",
-        # LoRA loading
-        "/v1/load_lora_adapter",
-        "/v1/unload_lora_adapter",
-        # other operator routes
-        "/server_info",
-        "/get_world_size",
-        "/start_profile",
-        "/stop_profile",
-        "/scale_elastic_ep",
-        "/is_scaling_elastic_ep",
+        # completions and chat (OpenAI API)
+        "/v1/completions",
+        "/v1/chat/completions",
+        # embeddings
+        "/v1/embeddings",
+        # scoring: score, rerank, generative scoring
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/generative_scoring",
+        # tokenize / detokenize
+        "/tokenize",
+        "/detokenize",
+        # models, health, ping, version, metrics, load
+        "/v1/models",
+        "/health",
+        "/ping",
+        "/version",
+        "/metrics",
+        "/load",
     }
 )
-_PROTECTED_PREFIXES = ("/fault_tolerance/",)
-_SLASHES = re.compile(r"/{2,}")
+
+#: The environment variable that adds routes to :data:`PUBLIC_ROUTES`: exact paths separated
+#: by commas or whitespace, e.g. ``DELTASYNC_PUBLIC_ROUTES="/v1/messages /v1/responses"``.
+PUBLIC_ROUTES_ENV = "DELTASYNC_PUBLIC_ROUTES"
+
+_SEPARATORS = re.compile(r"[\s,]+")
 
 
-def _protected(path: str) -> bool:
-    # Routes match exactly; normalise so "//pause" or "/pause/" cannot slip past.
-    path = _SLASHES.sub("/", path).rstrip("/") or "/"
-    return path in PROTECTED_PATHS or path.startswith(_PROTECTED_PREFIXES)
+def _is_exact_path(entry: str) -> bool:
+    # The one spelling the router matches: printable ASCII, "/" then segments that are not
+    # empty, "." or "..", no trailing "/", no percent-escape (paths arrive decoded), no {template}.
+    if not entry.startswith("/") or not entry.isascii() or not entry.isprintable() or " " in entry:
+        return False
+    return entry == "/" or all(
+        segment not in ("", ".", "..") and not any(char in segment for char in "%{}")
+        for segment in entry.split("/")[1:]
+    )
+
+
+def public_routes(extra: str | None = None) -> frozenset[str]:
+    """:data:`PUBLIC_ROUTES` plus the routes listed in ``extra`` (``$DELTASYNC_PUBLIC_ROUTES``).
+
+    Raises :class:`~deltasync.ConfigError` naming an entry that is not an exact route path.
+    """
+    added = [entry for entry in _SEPARATORS.split(extra or "") if entry]
+    for entry in added:
+        if not _is_exact_path(entry):
+            raise ConfigError(
+                f"{PUBLIC_ROUTES_ENV} lists {entry!r}, which is not an exact route path: give paths "
+                "such as /v1/messages, starting with '/', without '//', a trailing '/', '.' or '..' "
+                "segments, percent-escapes or {parameters}, separated by commas or spaces"
+            )
+    return PUBLIC_ROUTES.union(added)
+
+
+def route_path(scope: Mapping[str, Any]) -> str:
+    """The path Starlette's router matches: ``scope["path"]`` less a leading ``root_path``.
+
+    The same rule as ``starlette._utils.get_route_path`` (the test suite checks that they agree).
+    """
+    path: str = scope["path"]
+    root_path: str = scope.get("root_path") or ""
+    if not root_path or not path.startswith(root_path):
+        return path
+    if path == root_path:
+        return ""
+    if path[len(root_path)] == "/":
+        return path[len(root_path) :]
+    return path
 
 
 class TokenMiddleware:
-    """Plain ASGI middleware: 401 on protected routes without ``Bearer $DELTASYNC_TOKEN``."""
+    """Plain ASGI middleware: 401 on every route but the public ones without ``Bearer $DELTASYNC_TOKEN``.
+
+    ``token`` defaults to ``$DELTASYNC_TOKEN``; the public routes are
+    :func:`public_routes` of ``$DELTASYNC_PUBLIC_ROUTES``, read when the server starts.
+    """
 
     def __init__(self, app: ASGIApp, token: str | None = None) -> None:
         self.app = app
         self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self.public: frozenset[str] = PUBLIC_ROUTES
         self.config_error: str | None = None
+        try:
+            self.public = public_routes(os.environ.get(PUBLIC_ROUTES_ENV))
+        except ConfigError as exc:
+            self.config_error = f"vllm_ext.TokenMiddleware: {exc}"
         if not self.token:
             self.config_error = (
                 f"vllm_ext.TokenMiddleware needs a token: set {TOKEN_ENV} in the server's environment "
                 "(or drop --middleware vllm_ext.TokenMiddleware to run without authentication)"
             )
+        if self.config_error is not None:
             logger.error(self.config_error)
+        elif added := sorted(self.public - PUBLIC_ROUTES):
+            logger.info("vllm_ext.TokenMiddleware: also public (%s): %s", PUBLIC_ROUTES_ENV, ", ".join(added))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.config_error is not None:
             await self._refuse_to_run(scope, receive, send)
             return
         kind = scope["type"]
-        if kind not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+        if kind == "lifespan":
             await self.app(scope, receive, send)
             return
-        path = scope["path"].removeprefix(scope.get("root_path", "") or "")
-        if not _protected(path):
+        if kind not in ("http", "websocket"):
+            raise RuntimeError(f"vllm_ext.TokenMiddleware: unknown ASGI scope type {kind!r}")
+        path = route_path(scope)
+        if path in self.public or _cors_preflight(scope):
             await self.app(scope, receive, send)
             return
         header = _header(scope, b"authorization")
@@ -112,10 +165,13 @@ class TokenMiddleware:
             await self.app(scope, receive, send)
             return
         if header is None:
-            why = f"{path} needs 'Authorization: Bearer <token>' with this server's {TOKEN_ENV}; none was sent"
+            why = (
+                f"{path} needs 'Authorization: Bearer <token>' with this server's {TOKEN_ENV}; none was sent "
+                "(without it only the public inference and read-only routes answer)"
+            )
         else:
             why = f"{path}: the bearer token is wrong (it must equal this server's {TOKEN_ENV})"
-        await _deny(scope, send, 401, why)
+        await _deny(scope, receive, send, 401, why)
 
     async def _refuse_to_run(self, scope: Scope, receive: Receive, send: Send) -> None:
         assert self.config_error is not None
@@ -125,7 +181,18 @@ class TokenMiddleware:
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.failed", "message": self.config_error})
             return
-        await _deny(scope, send, 503, self.config_error)
+        await _deny(scope, receive, send, 503, self.config_error)
+
+
+def _cors_preflight(scope: Scope) -> bool:
+    # Browsers send no credentials with a preflight; vLLM's CORSMiddleware (inside this one)
+    # answers it without calling any route.
+    return (
+        scope["type"] == "http"
+        and scope.get("method") == "OPTIONS"
+        and _header(scope, b"origin") is not None
+        and _header(scope, b"access-control-request-method") is not None
+    )
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -135,9 +202,13 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-async def _deny(scope: Scope, send: Send, status: int, message: str) -> None:
+async def _deny(scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
     if scope["type"] == "websocket":
-        await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
+        if (await receive())["type"] != "websocket.connect":
+            return
+        # A close frame's reason holds at most 123 bytes of UTF-8.
+        reason = message.encode()[:123].decode(errors="ignore")
+        await send({"type": "websocket.close", "code": 1008, "reason": reason})
         return
     kind = "Unauthorized" if status == 401 else "ServiceUnavailable"
     body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
