@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The rollout Space's entry point: vLLM's OpenAI-compatible server with deltasync's worker
 # extension and "delta" weight-transfer backend, following the bucket DELTASYNC_BUCKET, its
-# control routes (weight updates, pause/resume, RPC) behind the token DELTASYNC_TOKEN.
+# routes other than inference and read-only ones (weight updates, pause/resume, RPC, LoRA)
+# behind the token DELTASYNC_TOKEN.
 #
 # Space settings (Settings > Variables and secrets):
 #   MODEL             variable  the model to serve, e.g. Qwen/Qwen3-1.7B (the trainer's --model)
@@ -10,6 +11,8 @@
 #                               pause this server or make it load versions from its bucket
 #   HF_TOKEN          secret    read access to a private bucket or a gated/private model
 #   VLLM_ARGS         variable  optional extra vLLM flags, e.g. "--max-model-len 8192"
+#   DELTASYNC_PUBLIC_ROUTES  variable  optional routes open without the token besides the
+#                               inference and read-only ones, e.g. "/v1/messages /v1/responses"
 #
 # Outside a Space (tests, a CPU box): PYTHON picks the interpreter, HOST and PORT the address.
 set -euo pipefail
