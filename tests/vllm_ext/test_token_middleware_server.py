@@ -196,6 +196,9 @@ def test_completions_work_without_the_token(server):
     assert status == 200 and len(json.loads(answer)["choices"][0]["text"]) > 0
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert _send(server, "POST", "/v1/chat/completions", body=chat)[0] == 200
+    status, headers, stream = _send(server, "POST", "/v1/chat/completions", body={**chat, "stream": True})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert stream.count(b"data: ") >= 3 and stream.rstrip().endswith(b"data: [DONE]")
     for path in ("/health", "/ping", "/version", "/metrics", "/load", "/v1/models"):
         assert _send(server, "GET", path)[0] == 200, path
     # An encoded letter reaches completions: the server decodes it before the router and the middleware.
