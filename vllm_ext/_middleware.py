@@ -7,14 +7,15 @@ vLLM release adds more. So this ASGI middleware names what may pass without a to
 :data:`PUBLIC_ROUTES` (inference and read-only routes), and answers every other request with
 401 unless it carries ``Authorization: Bearer $DELTASYNC_TOKEN``. Websockets follow the same
 rule (closed with 1008, policy violation). ``DELTASYNC_PUBLIC_ROUTES`` adds routes to the public
-list. Use vLLM's ``--api-key`` to close the public routes too. Without a token the server
-refuses to start.
+list; vLLM's ``--api-key`` closes the public ``/v1`` routes too. CORS preflights pass (browsers
+send them without credentials; vLLM's CORS middleware answers them before any route). Without
+a token the server refuses to start.
 
 A path is public only when the router sees exactly a public route's path: the same
 ``scope["path"]`` (which the ASGI server has already percent-decoded), less ``root_path``
 as Starlette strips it. Any other spelling (``//v1/completions``, ``/v1/completions/``,
-``/v1/./completions``, ``/v1/%2e/completions``) needs the token, so no spelling of a
-protected route can pass as a public one.
+``/v1/./completions``, or ``/v1/%2e/completions`` which arrives as the latter) needs the
+token, so no spelling of a protected route can pass as a public one.
 """
 
 from __future__ import annotations

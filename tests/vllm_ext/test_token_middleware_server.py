@@ -181,6 +181,10 @@ def test_the_in_process_app_refuses_as_the_server_does(app):
         assert client.get(prefix + "/version").status_code == 200
         assert client.post(prefix + "/pause").status_code == 401
         assert client.post(prefix + "/pause", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 500
+        # A CORS preflight passes the middleware and is answered by vLLM's CORS middleware, not the route.
+        preflight = {"Origin": "https://example.org", "Access-Control-Request-Method": "POST"}
+        answer = client.options(prefix + "/pause", headers=preflight)
+        assert answer.status_code in (200, 400) and "access-control-allow-methods" in answer.headers
         for path in ("/v1/realtime", "/pause", "/v1/completions/"):
             with pytest.raises(WebSocketDisconnect) as refused, client.websocket_connect(prefix + path):
                 pass
