@@ -112,7 +112,8 @@ def test_public_routes_pass_without_a_token(method):
     middleware, calls = _middleware()
     for path in _public_routes():
         assert _request(middleware, path, method=method)[0] == 200
-        assert _request(middleware, path, "Bearer wrong", method=method)[0] == 200  # the token is not checked
+        # Not checked here: on public routes the header may carry vLLM's --api-key instead.
+        assert _request(middleware, path, "Bearer wrong", method=method)[0] == 200
     assert calls == [path for path in _public_routes() for _ in range(2)]
 
 
