@@ -137,7 +137,9 @@ def _model_ids(server) -> list[str]:
 
 
 def _is_refusal(status: int, headers: dict, body: bytes) -> bool:
-    return status == 401 and headers.get("www-authenticate") == 'Bearer realm="deltasync"' and b"DELTASYNC_TOKEN" in body
+    """The middleware's 401 (not some other 401, e.g. from vLLM's --api-key)."""
+    refused = headers.get("www-authenticate") == 'Bearer realm="deltasync"'
+    return status == 401 and refused and b"DELTASYNC_TOKEN" in body
 
 
 def _spellings(path: str) -> list[str]:
