@@ -112,6 +112,19 @@ def test_split_anchor_part_bytes(split) -> None:
     assert data == len(meta).to_bytes(8, "little") + meta + bytes.fromhex("a040c040")
 
 
+def test_protocol_md_example_is_current(split) -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+    section = doc[doc.index("## 18. Split versions"):]
+    data = split.read_bytes("anchors/00000000.part1.safetensors")
+    header = data[8 : 8 + int.from_bytes(data[:8], "little")].decode().rstrip()
+    assert header in section and "420 bytes" in section and "header length 408" in section
+    text = split.read_bytes("latest.json").decode()
+    anchor_entry = text[text.index('  {\n   "changed": 7') : text.index('   "version": 0\n  }') + len('   "version": 0\n  }')]
+    assert anchor_entry in section
+
+
 def test_split_pointer_bytes(split) -> None:
     pointer = json.loads(split.read_bytes("latest.json"))
     assert pointer["format_version"] == 2
