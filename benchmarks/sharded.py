@@ -45,7 +45,8 @@ from codec import DEFAULT_LR, ModelShape, _machine, _normal, build_model  # noqa
 
 TARGETS = {
     "snapshot_ratio": "per-rank snapshot bytes x W / single-process snapshot bytes == 1",
-    "publish_vs_gather": "slowest rank's publish / slowest rank's full_tensor() gather < 1",
+    "publish_vs_gather": "slowest rank's publish / slowest rank's full_tensor() gather < 1, for W >= 2 (on one "
+    "rank full_tensor() returns the local tensor: there is nothing to gather)",
 }
 
 
@@ -230,7 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs": results,
         "targets": {
             "snapshot_ratio": all(abs(r["snapshot_ratio"] - 1) < 0.01 for r in rows),
-            "publish_vs_gather": all(r["publish_vs_gather"] < 1 for r in rows),
+            "publish_vs_gather": all(r["publish_vs_gather"] < 1 for r in rows if r["world"] > 1),
         },
     }
 
@@ -248,13 +249,14 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"| {r['world']} | {r['snapshot_bytes_per_rank'] / 1e6:.1f} MB | {r['snapshot_ratio']:.3f} | "
             f"{r['publish_s']:.3f} | {r['detect_s']:.3f} / {r['write_s']:.3f} | {r['gather_s']:.3f} | "
-            f"**{r['publish_vs_gather']:.2f}** | {r['bytes_written'] / 1e6:.2f} MB | {r['changed_pct']:.2f}% |"
+            + (f"**{r['publish_vs_gather']:.2f}**" if r["world"] > 1 else "n/a (nothing to gather)")
+            + f" | {r['bytes_written'] / 1e6:.2f} MB | {r['changed_pct']:.2f}% |"
         )
     t = result["targets"]
     lines += [
         "",
         f"Targets: snapshot bytes per rank = 1/W of a single process's: {'met' if t['snapshot_ratio'] else 'NOT met'}; "
-        f"sharded publish faster than the gather alone at every W: {'met' if t['publish_vs_gather'] else 'NOT met'}.",
+        f"sharded publish faster than the gather alone at every W >= 2: {'met' if t['publish_vs_gather'] else 'NOT met'}.",
     ]
     return "\n".join(lines)
 
