@@ -317,3 +317,47 @@ def run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
         dist.destroy_process_group()
         if rank == 0 and os.environ.get("DELTASYNC_KEEP_BUCKETS") is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def run_hsdp(rank: int, world: int, init_file: str, root: str, out: str) -> None:
+    """HSDP on 4 ranks, 2 replica groups x 2 shards: ranks 0 and 1 (replica 0) write 2 parts."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=180),
+    )
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        net = _fsdp(Net(), mesh)
+        opt = torch.optim.AdamW(net.parameters(), lr=3e-5)
+        pub = DeltaPublisher(Path(root) / "h", net, opt, anchor_every=4, anchor_bytes_ratio=0)
+        layout = pub.detector.layout
+        assert layout is not None and layout.description == "HSDP, 2 replicas x 2 shards", layout
+        assert (layout.writer, layout.part, layout.parts) == (rank < 2, rank % 2 if rank < 2 else 0, 2)
+        assert (pub.detector.snapshot_bytes > 0) == (rank < 2)
+        receiver = DeltaReceiver(Path(root) / "h") if rank == 0 else None
+        kinds = []
+        for i in range(7):
+            if i:
+                step(net, opt, seed=300 * i + rank)
+            result = pub.publish()
+            kinds.append(result.kind)
+            want = gathered(net)
+            if receiver is not None:
+                assert receiver.sync() == result.version
+                assert_exact(receiver, want, f"HSDP 2x2 version {result.version}")
+                pointer = Pointer.from_bytes(open_store(Path(root) / "h").read_bytes(POINTER_PATH))
+                assert [p.path.rsplit("/", 1)[1] for p in pointer.chain[-1].parts] == [
+                    f"{result.version:08d}.part0.safetensors", f"{result.version:08d}.part1.safetensors"
+                ]
+        assert kinds == ["anchor", "delta", "delta", "delta", "anchor", "delta", "delta"], kinds
+        if rank == 0:
+            Path(out).write_text("ok")
+        pub.close()
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()

@@ -37,3 +37,14 @@ def test_sharded_publish_is_exact(tmp_path: Path, world: int) -> None:
     assert report["versions_a"] == 32 - 3  # three publishes failed and committed nothing
     assert report["chain_a"] == report["versions_a"] % 10 + 1 or report["chain_a"] >= 1
     assert report["versions_b"] == 10
+
+
+def test_hsdp_two_replica_groups_of_two_shards(tmp_path: Path) -> None:
+    out = tmp_path / "ok"
+    mp.spawn(
+        _sharded_workers.run_hsdp,
+        args=(4, str(tmp_path / "init"), str(tmp_path / "buckets"), str(out)),
+        nprocs=4,
+        join=True,
+    )
+    assert out.read_text() == "ok"
