@@ -165,8 +165,8 @@ def iter_anchor_parts(files: Sequence[bytes], entry: ChainEntry, *, url: str) ->
     """
     if not entry.parts:
         where = _where(url, entry, 0)
+        _check_part(read_header(files[0], where=where), None, entry, 0, where)
         header, tensors = decode_anchor(files[0], where=where)
-        _check_part(header, None, entry, 0, where)
         slices = tuple(
             AnchorSlice(name, tuple(t.shape), 0, t.numel(), t.reshape(-1)) for name, t in tensors.items()
         )

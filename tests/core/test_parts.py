@@ -344,3 +344,13 @@ def test_fingerprint_shares_add_up() -> None:
         for begin, end in ((0, 4), (4, 4), (4, flat.numel())):
             total += fingerprint_share(name, flat[begin:end], begin)
     assert format_fingerprint(total) == fingerprint(state)
+
+
+def test_a_part_listed_as_a_single_file_is_refused(split) -> None:
+    data = split.read_bytes("anchors/00000000.part1.safetensors")
+    split.write_bytes("anchors/00000000.safetensors", data)
+    entry = ChainEntry(version=0, kind="anchor", path="anchors/00000000.safetensors", nbytes=len(data),
+                       sha256=sha256_hex(data), fingerprint=fingerprint(STATE0), changed=7)  # fmt: skip
+    split.write_bytes("latest.json", Pointer(version=0, anchor=0, fingerprint=entry.fingerprint, total=7, chain=(entry,)).to_bytes())
+    with pytest.raises(FormatError, match="the file is part 1 of 2, the pointer lists one file"):
+        DeltaReceiver(split).sync()
