@@ -15,6 +15,7 @@ from ._errors import (
     FormatError,
     IntegrityError,
     NotFoundError,
+    PublishError,
     StoreError,
     VersionError,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "IntegrityError",
     "NotFoundError",
     "Pointer",
+    "PublishError",
     "PublishOptions",
     "PublishResult",
     "RolloutClient",

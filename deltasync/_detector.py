@@ -9,6 +9,7 @@ import torch
 
 from ._errors import ConfigError
 from ._format import Change
+from ._sharded import OwnedSlice, ShardLayout, check_not_zero3, shard_layout
 
 __all__ = ["BF16ChangeDetector", "checkpoint_name", "named_parameters", "bf16_state_dict"]
 
@@ -77,6 +78,12 @@ class BF16ChangeDetector:
     the trainable ones inside the optimizer (or every trainable one without an optimizer);
     the others never appear in deltas, only in anchors.
 
+    Several processes (``torch.distributed`` initialised): with FSDP2 (``Shard(0)`` DTensor
+    parameters, uneven and empty shards included) each rank compares only its local shard
+    against a bf16 snapshot of that shard, so it keeps 2 bytes per *local* element and never
+    gathers a parameter; indices in the changes are flat indices of the full parameter. With
+    DDP rank 0 alone keeps a snapshot; with HSDP one replica group does (see :attr:`layout`).
+
     Args:
         model: the model being trained (wrappers such as DDP are fine).
         optimizer: the optimizer stepping it, or None.
@@ -93,10 +100,23 @@ class BF16ChangeDetector:
     ) -> None:
         self._model = model
         self._snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
+        check_not_zero3(model)
         params = dict(named_parameters(model))
+        self.layout: ShardLayout | None = shard_layout(list(params.items()))
+        """How ranks split the work; None in a single process."""
+        self._slices: dict[str, OwnedSlice] = {} if self.layout is None else self.layout.slices
         if optimizer is not None:
             inner = _inner_optimizer(optimizer)
             in_optimizer = {id(p) for group in inner.param_groups for p in group["params"]}
+            if self.layout is not None:
+                unseen = [n for n, p in params.items() if p.requires_grad and id(p) not in in_optimizer]
+                if unseen:
+                    raise ConfigError(
+                        f"{len(unseen)} trainable parameter(s) are not in the optimizer ({', '.join(unseen[:5])}"
+                        f"{', ...' if len(unseen) > 5 else ''}); with {self.layout.description} the optimizer must hold "
+                        "the model's own parameters (wrap the model before building the optimizer, and pass that "
+                        "optimizer), or freeze them with requires_grad_(False)"
+                    )
             self._tracked = {n: p for n, p in params.items() if p.requires_grad and id(p) in in_optimizer}
             self._hook = inner.register_step_post_hook(self._on_step)
             # name -> number of the last optimizer step that touched it
@@ -105,6 +125,9 @@ class BF16ChangeDetector:
             self._tracked = {n: p for n, p in params.items() if p.requires_grad}
             self._hook = None
             self._marks = None
+        if self.layout is not None:
+            # Only what this rank owns is compared here; other ranks own the rest.
+            self._tracked = {n: p for n, p in self._tracked.items() if self._slices[n].end > self._slices[n].begin}
         self._step = 0
         self._captured_at = 0
         self._pending_at = 0
@@ -132,23 +155,38 @@ class BF16ChangeDetector:
                 if name is not None and p.grad is not None:
                     self._marks[name] = self._step
 
-    def _current(self, param: torch.Tensor) -> torch.Tensor:
-        device = param.device if self._snapshot_device is None else self._snapshot_device
-        return param.detach().to(device=device, dtype=torch.bfloat16).reshape(-1)
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes this process keeps for the last published state (2 per owned element)."""
+        return sum(t.numel() * t.element_size() for t in self._snapshot.values())
+
+    def _flat(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """The elements of ``param`` this process compares, flat (its local shard when sharded)."""
+        if self.layout is None:
+            return param.detach().reshape(-1)
+        return self._slices[name].local(param)
+
+    def _offset(self, name: str) -> int:
+        return 0 if self.layout is None else self._slices[name].begin
+
+    def _current(self, param: torch.Tensor, name: str | None = None) -> torch.Tensor:
+        flat = param.detach().reshape(-1) if name is None else self._flat(name, param)
+        device = flat.device if self._snapshot_device is None else self._snapshot_device
+        return flat.to(device=device, dtype=torch.bfloat16)
 
     def _scratch(self, device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Reused bf16 and bool buffers: allocating (and page-faulting) fresh ones for every
         parameter at every publish costs more than the conversion and comparison themselves."""
         bufs = self._buffers.get(device)
         if bufs is None or bufs[0].numel() < numel:
-            size = max(numel, max(p.numel() for p in self._tracked.values()))
+            size = max(numel, max(t.numel() for t in self._snapshot.values()))
             bufs = (torch.empty(size, dtype=torch.bfloat16, device=device), torch.empty(size, dtype=torch.bool, device=device))
             self._buffers[device] = bufs
         return bufs[0][:numel], bufs[1][:numel]
 
     def reset(self) -> None:
         """Take the current bf16 values as the published state (after an anchor)."""
-        self._snapshot = {name: self._current(p).clone() for name, p in self._tracked.items()}
+        self._snapshot = {name: self._current(p, name).clone() for name, p in self._tracked.items()}
         if self._marks is not None:
             self._marks.clear()
         self._captured_at = self._pending_at = self._step
@@ -168,15 +206,16 @@ class BF16ChangeDetector:
             param = self._tracked[name]
             snap = self._snapshot[name]
             current, diff = self._scratch(snap.device, snap.numel())
-            current.copy_(param.detach().reshape(-1))  # rounds to nearest even, like Tensor.to
+            current.copy_(self._flat(name, param))  # rounds to nearest even, like Tensor.to
             torch.ne(current.view(torch.int16), snap.view(torch.int16), out=diff)
             if diff.device.type == "cpu":
                 index = torch.from_numpy(np.flatnonzero(diff.numpy()))  # several times faster here
             else:
                 index = diff.nonzero().reshape(-1)
             if index.numel():
+                offset = self._offset(name)
                 out[name] = Change(
-                    index=index.cpu(),
+                    index=index.cpu() + offset if offset else index.cpu(),
                     new=current[index].cpu(),
                     old=snap[index].cpu(),
                 )
@@ -186,7 +225,9 @@ class BF16ChangeDetector:
         """Record that ``changes`` were published: the snapshot now holds their new values."""
         for name, change in changes.items():
             snap = self._snapshot[name]
-            snap[change.index.to(snap.device)] = change.new.to(snap.device)
+            offset = self._offset(name)
+            index = change.index - offset if offset else change.index
+            snap[index.to(snap.device)] = change.new.to(snap.device)
         captured = self._pending_at
         if self._marks is not None:
             for name in [n for n, step in self._marks.items() if step <= captured]:

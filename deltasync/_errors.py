@@ -16,6 +16,7 @@ __all__ = [
     "StoreError",
     "NotFoundError",
     "AuthError",
+    "PublishError",
 ]
 
 
@@ -49,3 +50,7 @@ class NotFoundError(StoreError, FileNotFoundError):
 
 class AuthError(DeltaSyncError):
     """A request did not carry the right token."""
+
+
+class PublishError(DeltaSyncError):
+    """A collective publish failed on at least one rank; no rank committed the version."""

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-__all__ = ["fingerprint", "fingerprint_update", "format_fingerprint", "parse_fingerprint"]
+__all__ = ["fingerprint", "fingerprint_share", "fingerprint_update", "format_fingerprint", "parse_fingerprint"]
 
 _MASK = (1 << 64) - 1
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -50,14 +50,14 @@ def _hash_sum(seed: np.uint64, index: np.ndarray, bits: np.ndarray) -> int:
     return int(np.add.reduce(x, dtype=np.uint64))
 
 
-def _tensor_sum(name: str, values: torch.Tensor) -> int:
+def _tensor_sum(name: str, values: torch.Tensor, offset: int = 0) -> int:
     bits = _bits_u16(values)
     seed = _seed(name)
     total = 0
     with np.errstate(over="ignore"):
         for start in range(0, bits.size, _CHUNK):
             chunk = bits[start : start + _CHUNK]
-            index = np.arange(start, start + chunk.size, dtype=np.uint64)
+            index = np.arange(offset + start, offset + start + chunk.size, dtype=np.uint64)
             total = (total + _hash_sum(seed, index, chunk)) & _MASK
     return total
 
@@ -83,6 +83,15 @@ def fingerprint(state_dict: Mapping[str, torch.Tensor]) -> str:
     for name, tensor in state_dict.items():
         total = (total + _tensor_sum(name, tensor)) & _MASK
     return format_fingerprint(total)
+
+
+def fingerprint_share(name: str, values: torch.Tensor, offset: int) -> int:
+    """The hashes of a contiguous flat slice of ``name`` starting at ``offset``, summed mod 2**64.
+
+    A state split into slices has as its fingerprint the sum of its slices' shares: this is
+    how sharded writers each hash only what they hold.
+    """
+    return _tensor_sum(name, values, offset)
 
 
 def fingerprint_update(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import struct
 from collections.abc import Callable, Mapping
@@ -31,15 +32,19 @@ from ._errors import FormatError
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "PARTS_FORMAT_VERSION",
+    "READABLE_FORMAT_VERSIONS",
     "POINTER_PATH",
     "HISTORY_PATH",
     "CODECS",
     "ChainEntry",
+    "PartEntry",
     "Pointer",
     "Change",
     "FileHeader",
     "anchor_path",
     "delta_path",
+    "part_path",
     "encode_anchor",
     "encode_delta",
     "decode_anchor",
@@ -50,6 +55,9 @@ __all__ = [
 
 FORMAT_NAME = "deltasync"
 FORMAT_VERSION = 1
+PARTS_FORMAT_VERSION = 2
+"""The format version of a version split into several part files (one per sharded writer)."""
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, PARTS_FORMAT_VERSION)
 POINTER_PATH = "latest.json"
 HISTORY_PATH = "history.jsonl"
 CODECS = ("raw", "zstd")
@@ -69,11 +77,30 @@ def delta_path(version: int) -> str:
     return f"deltas/{version:08d}.safetensors"
 
 
+def part_path(kind: str, version: int, part: int) -> str:
+    """Part ``part`` of a version written by several writers (format version 2)."""
+    return f"{kind}s/{version:08d}.part{part}.safetensors"
+
+
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 # --------------------------------------------------------------------------- the pointer
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartEntry:
+    """One file of a committed version: where it is and what its bytes must be."""
+
+    path: str
+    nbytes: int
+    sha256: str
+    changed: int
+    """Elements this file sets."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "nbytes": self.nbytes, "sha256": self.sha256, "changed": self.changed}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,8 +121,27 @@ class ChainEntry:
     """Fingerprint of the full state after this version."""
     changed: int
     """Elements changed by this version (for an anchor: every element)."""
+    parts: tuple[PartEntry, ...] = ()
+    """A version written by several writers: its part files, in part order. ``path`` and
+    ``sha256`` are then empty and ``nbytes`` is the sum over the parts."""
+
+    @property
+    def files(self) -> tuple[PartEntry, ...]:
+        """The files of this version: its parts, or its one file."""
+        if self.parts:
+            return self.parts
+        return (PartEntry(path=self.path, nbytes=self.nbytes, sha256=self.sha256, changed=self.changed),)
 
     def to_json(self) -> dict[str, Any]:
+        if self.parts:
+            return {
+                "version": self.version,
+                "kind": self.kind,
+                "nbytes": self.nbytes,
+                "fingerprint": self.fingerprint,
+                "changed": self.changed,
+                "parts": [part.to_json() for part in self.parts],
+            }
         return {
             "version": self.version,
             "kind": self.kind,
@@ -125,9 +171,10 @@ class Pointer:
         raise KeyError(version)
 
     def to_bytes(self) -> bytes:
+        multi = any(item.parts for item in self.chain)
         body = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": PARTS_FORMAT_VERSION if multi else FORMAT_VERSION,
             "version": self.version,
             "anchor": self.anchor,
             "fingerprint": self.fingerprint,
@@ -144,14 +191,16 @@ class Pointer:
             raise FormatError(f"{where}: not a deltasync pointer (invalid JSON: {exc})") from exc
         if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
             raise FormatError(f"{where}: not a deltasync pointer (format is not {FORMAT_NAME!r})")
-        if body.get("format_version") != FORMAT_VERSION:
+        if body.get("format_version") not in READABLE_FORMAT_VERSIONS:
             raise FormatError(
                 f"{where}: format_version {body.get('format_version')!r} is not supported "
-                f"(this deltasync reads {FORMAT_VERSION}); upgrade deltasync"
+                f"(this deltasync reads {', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade deltasync"
             )
         try:
             chain = tuple(
-                ChainEntry(
+                _multi_part_entry(item)
+                if isinstance(item, dict) and "parts" in item
+                else ChainEntry(
                     version=int(item["version"]),
                     kind=str(item["kind"]),
                     path=str(item["path"]),
@@ -172,6 +221,8 @@ class Pointer:
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"{where}: malformed pointer ({exc!r})") from exc
         pointer._check(where)
+        if body["format_version"] == FORMAT_VERSION and any(item.parts for item in pointer.chain):
+            raise FormatError(f"{where}: a format_version 1 pointer cannot list part files (that needs version 2)")
         return pointer
 
     def _check(self, where: str) -> None:
@@ -187,10 +238,49 @@ class Pointer:
             kind = "anchor" if item.version == self.anchor else "delta"
             if item.kind != kind:
                 raise FormatError(f"{where}: version {item.version} should be a {kind}, not {item.kind!r}")
-            if not _PATH_RE.match(item.path) or not item.path.startswith(kind + "s/"):
+            if item.parts:
+                _check_parts(item, where)
+            elif not _PATH_RE.match(item.path) or not item.path.startswith(kind + "s/"):
                 raise FormatError(f"{where}: version {item.version} names an invalid path {item.path!r}")
         if self.chain and self.chain[-1].fingerprint != self.fingerprint:
             raise FormatError(f"{where}: the pointer's fingerprint disagrees with its last chain entry")
+
+
+def _multi_part_entry(item: dict[str, Any]) -> ChainEntry:
+    parts = tuple(
+        PartEntry(
+            path=str(part["path"]),
+            nbytes=int(part["nbytes"]),
+            sha256=str(part["sha256"]),
+            changed=int(part["changed"]),
+        )
+        for part in item["parts"]
+    )
+    return ChainEntry(
+        version=int(item["version"]),
+        kind=str(item["kind"]),
+        path="",
+        nbytes=int(item["nbytes"]),
+        sha256="",
+        fingerprint=str(item["fingerprint"]),
+        changed=int(item["changed"]),
+        parts=parts,
+    )
+
+
+def _check_parts(item: ChainEntry, where: str) -> None:
+    if len(item.parts) < 2:
+        raise FormatError(f"{where}: version {item.version} lists {len(item.parts)} part(s); a split version has at least 2")
+    for number, part in enumerate(item.parts):
+        expected = part_path(item.kind, item.version, number)
+        if part.path != expected:
+            raise FormatError(
+                f"{where}: part {number} of version {item.version} is named {part.path!r}, expected {expected!r}"
+            )
+    if sum(part.nbytes for part in item.parts) != item.nbytes:
+        raise FormatError(f"{where}: version {item.version}'s nbytes is not the sum of its parts' sizes")
+    if sum(part.changed for part in item.parts) != item.changed:
+        raise FormatError(f"{where}: version {item.version}'s changed count is not the sum of its parts'")
 
 
 # --------------------------------------------------------------------------- file headers
@@ -219,11 +309,18 @@ class FileHeader:
     """Fingerprint of the state a delta applies to."""
     names: tuple[str, ...] | None = None
     """zstd deltas: the changed parameters, in the order their elements are stored."""
+    part: int | None = None
+    """A split version (format version 2): this file's part number, ``0 .. parts - 1``."""
+    parts: int | None = None
+    """A split version: how many parts it has."""
+    slices: tuple[tuple[str, tuple[int, ...], int, int], ...] | None = None
+    """An anchor part: ``(name, full shape, begin, end)`` per parameter of the state, in name
+    order; the part holds flat elements ``begin .. end - 1`` of each."""
 
     def to_metadata(self) -> dict[str, str]:
         meta = {
             "format": FORMAT_NAME,
-            "format_version": str(FORMAT_VERSION),
+            "format_version": str(FORMAT_VERSION if self.parts is None else PARTS_FORMAT_VERSION),
             "kind": self.kind,
             "version": str(self.version),
             "base": "none" if self.base is None else str(self.base),
@@ -238,17 +335,23 @@ class FileHeader:
             meta["base_fingerprint"] = self.base_fingerprint
         if self.names is not None:
             meta["names"] = json.dumps(list(self.names), separators=(",", ":"))
+        if self.parts is not None:
+            meta["part"] = str(self.part)
+            meta["parts"] = str(self.parts)
+        if self.slices is not None:
+            meta["slices"] = json.dumps([[n, list(s), b, e] for n, s, b, e in self.slices], separators=(",", ":"))
         return meta
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, str] | None, *, where: str) -> FileHeader:
         if not meta or meta.get("format") != FORMAT_NAME:
             raise FormatError(f"{where}: not a deltasync file (its metadata has no format={FORMAT_NAME!r})")
-        if meta.get("format_version") != str(FORMAT_VERSION):
+        if meta.get("format_version") not in {str(v) for v in READABLE_FORMAT_VERSIONS}:
             raise FormatError(
                 f"{where}: format_version {meta.get('format_version')!r} is not supported "
-                f"(this deltasync reads {FORMAT_VERSION}); upgrade deltasync"
+                f"(this deltasync reads {', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade deltasync"
             )
+        split = meta["format_version"] == str(PARTS_FORMAT_VERSION)
         try:
             kind = meta["kind"]
             if kind not in ("anchor", "delta"):
@@ -274,6 +377,7 @@ class FileHeader:
                 fingerprint=meta["fingerprint"],
                 base_fingerprint=meta.get("base_fingerprint"),
                 names=names,
+                **(_part_fields(meta, kind) if split else {}),
             )
         except KeyError as exc:
             raise FormatError(f"{where}: metadata lacks the key {exc}") from exc
@@ -286,6 +390,33 @@ class FileHeader:
         if kind == "anchor" and (header.base is not None or header.anchor != header.version):
             raise FormatError(f"{where}: anchor {header.version} must name itself as anchor and no base")
         return header
+
+
+def _part_fields(meta: Mapping[str, str], kind: str) -> dict[str, Any]:
+    """The metadata keys only a part of a split version (format version 2) carries."""
+    part, parts = int(meta["part"]), int(meta["parts"])
+    if not 0 <= part < parts:
+        raise ValueError(f"part {part} is outside 0..{parts - 1}")
+    fields: dict[str, Any] = {"part": part, "parts": parts}
+    if kind == "anchor":
+        raw = json.loads(meta["slices"])
+        if not isinstance(raw, list):
+            raise ValueError("'slices' is not a JSON list")
+        slices = []
+        for item in raw:
+            name, shape, begin, end = item
+            if (
+                not isinstance(name, str)
+                or not isinstance(shape, list)
+                or not all(type(d) is int and d >= 0 for d in shape)
+                or type(begin) is not int
+                or type(end) is not int
+                or not 0 <= begin <= end <= math.prod(shape)
+            ):
+                raise ValueError(f"'slices' entry {item!r} is not [name, shape, begin, end] within the shape")
+            slices.append((name, tuple(shape), begin, end))
+        fields["slices"] = tuple(slices)
+    return fields
 
 
 # --------------------------------------------------------------------------- container
@@ -417,8 +548,13 @@ def encode_delta(
     base_fingerprint: str,
     level: int = 3,
     numels: Mapping[str, int] | None = None,
+    part: tuple[int, int] | None = None,
 ) -> bytes:
-    """A delta from ``version - 1`` to ``version``. Parameters with no change are left out."""
+    """A delta from ``version - 1`` to ``version``. Parameters with no change are left out.
+
+    ``part=(number, count)`` writes part ``number`` of a version split over ``count`` writers
+    (format version 2); its indices are still flat indices of the full parameters.
+    """
     if codec not in CODECS:
         raise FormatError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
     items = [(name, change) for name, change in changes.items() if change.index.numel()]
@@ -435,6 +571,8 @@ def encode_delta(
         fingerprint=fingerprint,
         base_fingerprint=base_fingerprint,
         names=tuple(name for name, _ in items) if codec == "zstd" else None,
+        part=None if part is None else part[0],
+        parts=None if part is None else part[1],
     )
     meta = header.to_metadata()
     if codec == "raw":

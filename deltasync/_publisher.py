@@ -11,20 +11,23 @@ import torch
 
 from ._detector import BF16ChangeDetector, bf16_state_dict, named_parameters
 from ._errors import ConfigError, NotFoundError
-from ._fingerprint import fingerprint, fingerprint_update
+from ._fingerprint import fingerprint, fingerprint_share, fingerprint_update, format_fingerprint, parse_fingerprint
 from ._format import (
     CODECS,
     HISTORY_PATH,
     POINTER_PATH,
     ChainEntry,
     Change,
+    PartEntry,
     Pointer,
     anchor_path,
     delta_path,
     encode_anchor,
     encode_delta,
+    part_path,
     sha256_hex,
 )
+from ._parts import AnchorSlice, encode_anchor_part
 from .stores import open_store
 
 if TYPE_CHECKING:
@@ -130,8 +133,11 @@ class DeltaPublisher:
         self.detector = detector or BF16ChangeDetector(
             model, optimizer, snapshot_device=self.options.snapshot_device
         )
-        self._pointer: Pointer | None = self._read_pointer()
-        self._history: dict[int, dict[str, object]] = self._read_history()
+        if self.detector.layout is None:
+            self._pointer: Pointer | None = self._read_pointer()
+            self._history: dict[int, dict[str, object]] = self._read_history()
+        else:
+            self._init_collective()
         self._need_anchor = True
 
     # ------------------------------------------------------------------ state
@@ -171,7 +177,14 @@ class DeltaPublisher:
     # ------------------------------------------------------------------ publish
 
     def publish(self, *, anchor: bool = False) -> PublishResult:
-        """Write the next version and commit it. ``anchor=True`` forces a full anchor."""
+        """Write the next version and commit it. ``anchor=True`` forces a full anchor.
+
+        With several processes (FSDP2, HSDP, DDP) this is collective: every rank of the default
+        process group calls it, each writer rank writes its own part, rank 0 commits, and every
+        rank returns the same result or raises :class:`~deltasync.PublishError`.
+        """
+        if self.detector.layout is not None:
+            return self._publish_collective(anchor)
         start = time.perf_counter()
         version = 0 if self._pointer is None else self._pointer.version + 1
         pointer = self._pointer
@@ -253,6 +266,161 @@ class DeltaPublisher:
         seconds = time.perf_counter() - start
         self._history[version]["seconds"] = seconds
         return replace(result, seconds=seconds)
+
+    # ------------------------------------------------------------------ several processes
+
+    def _init_collective(self) -> None:
+        layout = self.detector.layout
+        assert layout is not None
+        # Rank 0 alone reads, so that every rank starts from the same pointer.
+        found = layout.agree("reading the pointer", lambda: (None, self._read_pointer() if layout.rank == 0 else None))
+        pointer = found[1][0]
+        self._pointer = pointer
+        self._history = self._read_history() if layout.rank == 0 else {}
+
+    def _publish_collective(self, anchor: bool) -> PublishResult:
+        start = time.perf_counter()
+        layout = self.detector.layout
+        assert layout is not None
+        pointer = self._pointer
+        version = 0 if pointer is None else pointer.version + 1
+        kind = "anchor" if anchor or self._need_anchor or pointer is None or self._anchor_due(pointer, version) else "delta"
+        numels = {name: s.numel for name, s in layout.slices.items()}
+        split = layout.parts > 1
+        changes: dict[str, Change] = {}
+        while True:
+            if kind == "delta":
+                assert pointer is not None
+                changes, shares = layout.agree(f"detecting the changes of version {version}", self._local_changes)
+                new_fp = format_fingerprint(parse_fingerprint(pointer.fingerprint) + sum(shares))
+                data, sizes = layout.agree(
+                    f"encoding delta {version}",
+                    lambda: self._encode_part(encode_delta(
+                        changes,
+                        version=version,
+                        anchor=pointer.anchor,
+                        codec=self.options.codec,
+                        total=pointer.total,
+                        fingerprint=new_fp,
+                        base_fingerprint=pointer.fingerprint,
+                        level=self.options.zstd_level,
+                        numels=numels,
+                        part=(layout.part, layout.parts) if split else None,
+                    )),
+                )
+                if not self._too_big(pointer, sum(sizes)):
+                    break
+                kind = "anchor"
+            slices, shares = layout.agree(f"reading the weights of anchor {version}", self._local_anchor)
+            new_fp = format_fingerprint(sum(shares))
+            total = sum(numels.values())
+            data, _ = layout.agree(
+                f"encoding anchor {version}",
+                lambda: self._encode_part(
+                    encode_anchor_part(slices, version=version, fingerprint=new_fp, total=total, part=layout.part, parts=layout.parts)
+                    if split
+                    else encode_anchor({s.name: s.values.view(s.shape) for s in slices}, version=version, fingerprint=new_fp)
+                ),
+            )
+            break
+        path = (part_path(kind, version, layout.part) if split else (anchor_path if kind == "anchor" else delta_path)(version))
+        changed = sum(c.index.numel() for c in changes.values()) if kind == "delta" else sum(s.end - s.begin for s in slices)
+
+        def write() -> tuple[None, PartEntry | None]:
+            if not layout.writer:
+                return None, None
+            self.store.write_bytes(path, data)
+            return None, PartEntry(path=path, nbytes=len(data), sha256=sha256_hex(data), changed=changed)
+
+        _, written = layout.agree(f"writing {kind} {version}", write)
+        files = [item for item in written if item is not None]
+        if split:
+            files.sort(key=lambda item: int(item.path.rsplit(".part", 1)[1].split(".")[0]))
+            entry = ChainEntry(
+                version=version,
+                kind=kind,
+                path="",
+                nbytes=sum(f.nbytes for f in files),
+                sha256="",
+                fingerprint=new_fp,
+                changed=sum(f.changed for f in files),
+                parts=tuple(files),
+            )
+        else:
+            (only,) = files
+            entry = ChainEntry(
+                version=version, kind=kind, path=only.path, nbytes=only.nbytes, sha256=only.sha256,
+                fingerprint=new_fp, changed=only.changed,
+            )
+        if kind == "anchor":
+            new_pointer = Pointer(version=version, anchor=version, fingerprint=new_fp, total=sum(numels.values()), chain=(entry,))
+        else:
+            assert pointer is not None
+            new_pointer = Pointer(
+                version=version, anchor=pointer.anchor, fingerprint=new_fp, total=pointer.total, chain=(*pointer.chain, entry)
+            )
+        result = PublishResult(
+            version=version,
+            kind=kind,
+            path=entry.path or entry.parts[0].path,
+            nbytes=entry.nbytes,
+            changed=entry.changed,
+            total=new_pointer.total,
+            fingerprint=new_fp,
+            seconds=0.0,
+        )
+
+        def commit() -> tuple[None, None]:
+            if layout.rank == 0:
+                self._history[version] = {**asdict(result), "time": time.time()}
+                try:
+                    self._write_history()
+                    self.store.write_bytes(POINTER_PATH, new_pointer.to_bytes())  # the commit point
+                except BaseException:
+                    del self._history[version]
+                    raise
+            return None, None
+
+        layout.agree(f"committing version {version}", commit)
+        self._pointer = new_pointer
+        if kind == "anchor":
+            self.detector.reset()
+            self._need_anchor = False
+            if layout.rank == 0:
+                self._retain(version)
+        else:
+            self.detector.commit(changes)
+        seconds = time.perf_counter() - start
+        if layout.rank == 0:
+            self._history[version]["seconds"] = seconds
+        return replace(result, seconds=seconds)
+
+    def _local_changes(self) -> tuple[dict[str, Change], int]:
+        """This rank's changes and its share of the fingerprint's move (0 on ranks that own nothing)."""
+        changes = self.detector.changes()
+        share = 0
+        for name, change in changes.items():
+            share += parse_fingerprint(fingerprint_update(format_fingerprint(0), name, change.index, change.old, change.new))
+        return changes, share
+
+    def _local_anchor(self) -> tuple[list[AnchorSlice], int]:
+        """This rank's slice of every parameter in bf16, and its share of the fingerprint."""
+        layout = self.detector.layout
+        assert layout is not None
+        slices, share = [], 0
+        for name, param in named_parameters(self.model):
+            owned = layout.slices[name]
+            values = owned.local(param).to(device="cpu", dtype=torch.bfloat16, copy=True) if layout.writer else None
+            if values is None:
+                continue
+            slices.append(AnchorSlice(name, owned.shape, owned.begin, owned.end, values))
+            share += fingerprint_share(name, values, owned.begin)
+        return slices, share
+
+    def _encode_part(self, data: bytes) -> tuple[bytes, int]:
+        layout = self.detector.layout
+        assert layout is not None
+        return (data, len(data)) if layout.writer else (b"", 0)
 
     def _anchor_due(self, pointer: Pointer, version: int) -> bool:
         return version - pointer.anchor >= self.options.anchor_every

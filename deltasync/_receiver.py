@@ -11,7 +11,8 @@ import torch
 
 from ._errors import FormatError, IntegrityError, NotFoundError, VersionError
 from ._fingerprint import fingerprint, fingerprint_update
-from ._format import POINTER_PATH, ChainEntry, Change, Pointer, decode_anchor, decode_delta, sha256_hex
+from ._format import POINTER_PATH, ChainEntry, Change, Pointer, sha256_hex
+from ._parts import decode_version, fetch_version
 from .stores import open_store
 
 if TYPE_CHECKING:
@@ -247,9 +248,9 @@ class DeltaReceiver:
             first = self._version + 1  # type: ignore[operator]
         else:
             entry = pointer.entry(pointer.anchor)
-            data = self._read(entry)
-            where = f"{url}/{entry.path} (version {entry.version})"
-            header, tensors = decode_anchor(data, where=where)
+            files = self._read_version(entry)
+            where = self._where(entry)
+            header, tensors = decode_version(files, entry, url=url)  # type: ignore[assignment]
             self._check_header(header, entry, pointer, where)
             got = fingerprint(tensors)
             if got != header.fingerprint:
@@ -260,15 +261,15 @@ class DeltaReceiver:
             staged._base = tensors
             staged.fingerprint = got
             staged.versions.append(entry.version)
-            staged.nbytes += len(data)
+            staged.nbytes += sum(map(len, files))
             first = pointer.anchor + 1
         numels = {name: t.numel() for name, t in staged._base.items()}
         for v in range(first, target + 1):
             entry = pointer.entry(v)
-            data = self._read(entry)
-            where = f"{url}/{entry.path} (version {v})"
-            header, changes = decode_delta(
-                data, where=where, numels=numels, base_values=lambda n, i: self._current(staged, n, i)
+            files = self._read_version(entry)
+            where = self._where(entry)
+            header, changes = decode_version(  # type: ignore[assignment]
+                files, entry, url=url, numels=numels, base_values=lambda n, i: self._current(staged, n, i)
             )
             self._check_header(header, entry, pointer, where)
             if header.base_fingerprint != staged.fingerprint:
@@ -283,9 +284,20 @@ class DeltaReceiver:
                     f"{header.fingerprint} (corrupted values or a wrong base state)"
                 )
             staged.versions.append(v)
-            staged.nbytes += len(data)
+            staged.nbytes += sum(map(len, files))
         staged.seconds = time.perf_counter() - start
         return staged
+
+    def _read_version(self, entry: ChainEntry) -> list[bytes]:
+        """Every file of a version (one, or one per part), each checked against the pointer."""
+        if not entry.parts:
+            return [self._read(entry)]
+        return fetch_version(self.store, entry)
+
+    def _where(self, entry: ChainEntry) -> str:
+        if not entry.parts:
+            return f"{self.store.url}/{entry.path} (version {entry.version})"
+        return f"{self.store.url}/{entry.kind}s/{entry.version:08d}.part* ({len(entry.parts)} parts of version {entry.version})"
 
     def _read(self, entry: ChainEntry) -> bytes:
         where = f"{self.store.url}/{entry.path} (version {entry.version})"

@@ -70,6 +70,8 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"base         {'-' if header.base is None else header.base}")
     print(f"anchor       {header.anchor}")
     print(f"codec        {header.codec}")
+    if header.parts is not None:
+        print(f"part         {header.part} of {header.parts} (format version 2: one file per sharded writer)")
     print(f"size         {_human(len(data))}")
     print(f"parameters   {header.params}")
     print(f"changed      {header.changed} of {header.total} elements ({100 * header.changed / max(header.total, 1):.4f}%)")
@@ -80,7 +82,11 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"base fp      {header.base_fingerprint}")
     print()
     rows: list[list[str]] = []
-    if header.kind == "anchor":
+    if header.kind == "anchor" and header.slices is not None:
+        for name, shape, begin, end in header.slices:
+            rows.append([name, "x".join(map(str, shape)) or "scalar", f"{begin}..{end}", str(end - begin)])
+        print(_table(rows, ["parameter", "full shape", "flat elements", "in this part"]))
+    elif header.kind == "anchor":
         for name in sorted(tensors):
             t = tensors[name]
             rows.append([name, "x".join(map(str, t.shape)), str(t.numel()), str(t.dtype).removeprefix("torch.")])
@@ -117,10 +123,15 @@ def _verify(args: argparse.Namespace) -> int:
             staged = receiver.stage(entry.version)
         except DeltaSyncError as exc:
             print(f"version {entry.version}: BAD: {exc}")
-            print(f"error: the first bad version is {entry.version} ({entry.path})", file=sys.stderr)
+            files = ", ".join(f.path for f in entry.files)
+            print(f"error: the first bad version is {entry.version} ({files})", file=sys.stderr)
             return 1
         receiver.apply(staged)
-        print(f"version {entry.version}: ok  {entry.kind:6s} {_human(entry.nbytes):>10s}  fingerprint {receiver.fingerprint}")
+        parts = f"  {len(entry.parts)} parts" if entry.parts else ""
+        print(
+            f"version {entry.version}: ok  {entry.kind:6s} {_human(entry.nbytes):>10s}  "
+            f"fingerprint {receiver.fingerprint}{parts}"
+        )
     print(f"ok: {len(pointer.chain)} versions verified, state fingerprint {receiver.fingerprint}")
     return 0
 
@@ -144,7 +155,7 @@ def _history(bucket: str) -> tuple[Pointer, list[dict]]:
     for entry in pointer.chain:  # the pointer is authoritative for what it lists
         records.setdefault(entry.version, {"version": entry.version})
         records[entry.version].update(
-            kind=entry.kind, nbytes=entry.nbytes, changed=entry.changed, total=pointer.total
+            kind=entry.kind, nbytes=entry.nbytes, changed=entry.changed, total=pointer.total, files=len(entry.files)
         )
     return pointer, [records[v] for v in sorted(records) if v <= pointer.version]
 
@@ -153,12 +164,13 @@ def _history(bucket: str) -> tuple[Pointer, list[dict]]:
 def _stats(args: argparse.Namespace) -> int:
     pointer, records = _history(args.bucket)
     rows = []
+    split = any(r.get("files", 1) > 1 for r in records)
     for r in records:
         frac = r["changed"] / r["total"] if r.get("total") else 0.0
         seconds = r.get("seconds")
         rows.append([str(r["version"]), r["kind"], _human(r["nbytes"]), f"{100 * frac:.3f}%",
-                     "-" if seconds is None else f"{seconds:.2f}"])
-    print(_table(rows, ["version", "kind", "bytes", "changed", "publish s"]))
+                     "-" if seconds is None else f"{seconds:.2f}"] + ([str(r.get("files", "-"))] if split else []))
+    print(_table(rows, ["version", "kind", "bytes", "changed", "publish s"] + (["files"] if split else [])))
     anchors = [r["nbytes"] for r in records if r["kind"] == "anchor"]
     shipped = sum(r["nbytes"] for r in records)
     if anchors:

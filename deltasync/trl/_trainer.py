@@ -99,7 +99,9 @@ class _DeltaWeightTransfer:
         self.trainer = trainer
 
     def init_weight_transfer(self) -> None:
-        self.trainer._start_delta_sync()
+        # TRL calls this on the main process only; the publisher is built by the first sync,
+        # which every process runs (building it is collective with several processes).
+        pass
 
     def pause(self) -> None:  # pragma: no cover - the overridden sync never calls it
         raise RuntimeError("delta sync pauses servers itself")
@@ -152,6 +154,9 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
     # ------------------------------------------------------------------ lifecycle
 
     def _start_delta_sync(self) -> None:
+        # Called by the first sync on every process: publishing is collective, talking to servers is not.
+        if self._publisher is not None:
+            return
         config = self._delta_config
         assert config is not None
         bucket = config.bucket or os.path.join(self.args.output_dir, "deltasync-bucket")
@@ -163,16 +168,28 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
             self.optimizer,
             **{k: getattr(config.publish_options, k) for k in PublishOptions.__dataclass_fields__},
         )
-        self._client = RolloutClient(urls, token=token, timeout=config.timeout)
-        logger.info("delta sync: bucket %s, servers %s", self._publisher.store.url, ", ".join(urls))
+        if self.accelerator.is_main_process:
+            self._client = RolloutClient(urls, token=token, timeout=config.timeout)
+            layout = self._publisher.detector.layout
+            logger.info(
+                "delta sync: bucket %s, servers %s%s", self._publisher.store.url, ", ".join(urls),
+                "" if layout is None else f", {layout.description} ({layout.parts} file(s) per version)",
+            )
 
     def _stop_delta_sync(self) -> None:
         if self._publisher is not None:
             self._publisher.close()
 
+    def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._inner_training_loop(*args, **kwargs)
+        finally:
+            if not self.accelerator.is_main_process:  # TRL calls destroy() on the main process only
+                self._stop_delta_sync()
+
     @property
     def delta_publisher(self) -> DeltaPublisher | None:
-        """The publisher (exists from train begin on, on the main process)."""
+        """The publisher (exists from train begin on, on every process)."""
         return self._publisher
 
     @property
@@ -186,9 +203,12 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
             return super()._sync_weight_merged(t0)
         self.accelerator.wait_for_everyone()
         t_barrier = time.time()
+        self._start_delta_sync()
+        assert self._publisher is not None
+        # Collective with several processes: each rank writes its own part, rank 0 commits.
+        result = self._publisher.publish()  # servers keep generating meanwhile
         if self.accelerator.is_main_process:
-            assert self._publisher is not None and self._client is not None
-            result = self._publisher.publish()  # servers keep generating meanwhile
+            assert self._client is not None
             t_published = time.time()
             if self._delta_config.prefetch:
                 # Servers download and decode while still generating; pause only once staged.

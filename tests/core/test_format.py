@@ -958,9 +958,13 @@ BAD_DELTAS = {
         "not a deltasync file (its metadata has no format='deltasync')",
     ),
     "no metadata at all": (lambda: st_save({"x": torch.zeros(1)}), "not a deltasync file"),
-    "format_version 2": (
+    "format_version 3": (
+        lambda: rebuild(_raw(), meta={"format_version": "3"}),
+        "format_version '3' is not supported (this deltasync reads 1, 2); upgrade deltasync",
+    ),
+    "format_version 2 without part keys": (
         lambda: rebuild(_raw(), meta={"format_version": "2"}),
-        "format_version '2' is not supported (this deltasync reads 1); upgrade deltasync",
+        "metadata lacks the key 'part'",
     ),
     "missing version": (lambda: rebuild(_raw(), meta={"version": None}), "metadata lacks the key 'version'"),
     "missing kind": (
@@ -1190,9 +1194,9 @@ BAD_POINTERS = {
     "not UTF-8": (lambda: b"\xff", "not a deltasync pointer (invalid JSON"),
     "a JSON list": (lambda: b"[]", "not a deltasync pointer (format is not 'deltasync')"),
     "no format": (lambda: _pointer(format=None), "not a deltasync pointer (format is not 'deltasync')"),
-    "format_version 2": (
-        lambda: _pointer(format_version=2),
-        "format_version 2 is not supported (this deltasync reads 1); upgrade deltasync",
+    "format_version 3": (
+        lambda: _pointer(format_version=3),
+        "format_version 3 is not supported (this deltasync reads 1, 2); upgrade deltasync",
     ),
     "format_version as a string": (lambda: _pointer(format_version="1"), "format_version '1' is not supported"),
     "missing total": (lambda: _pointer(total=None), "malformed pointer (KeyError('total'))"),

@@ -1,0 +1,363 @@
+"""What each rank runs in the sharded-publish tests (imported by spawned processes).
+
+Everything here runs inside one gloo process group per world size; the full model is gathered
+only to check what the receiver holds, never by the code under test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deltasync import (
+    BF16ChangeDetector,
+    ConfigError,
+    DeltaPublisher,
+    DeltaReceiver,
+    PublishError,
+    bf16_state_dict,
+    fingerprint,
+    open_store,
+)
+from deltasync._format import POINTER_PATH, Change, Pointer, encode_anchor, encode_delta
+from deltasync.stores import Store
+
+
+class Net(nn.Module):
+    """A small Qwen2 LM with tied embeddings (vocab 259: no world size divides it) and a
+    ``Linear(5, 1)`` whose single row leaves every rank but the first with an empty shard."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(seed)
+        config = Qwen2Config(
+            vocab_size=259,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+        )
+        self.lm = Qwen2ForCausalLM(config).float()
+        self.extra = nn.Linear(5, 1)
+
+    def forward(self, ids: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=ids).loss + 0.1 * self.extra(side).square().mean()
+
+
+def step(net: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 259, (2, 12), generator=gen)
+    side = torch.randn(2, 5, generator=gen)
+    net(ids, side).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def gathered(net: nn.Module) -> dict[str, torch.Tensor]:
+    """The full bf16 model, for checking only (a collective: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in net.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+        out[name.removeprefix("module.")] = full.to(torch.bfloat16)
+    return out
+
+
+def assert_exact(receiver: DeltaReceiver, want: dict[str, torch.Tensor], where: str) -> None:
+    got = receiver.state_dict()
+    assert set(got) == set(want), (where, sorted(set(got) ^ set(want)))
+    for name, tensor in want.items():
+        assert got[name].shape == tensor.shape, (where, name)
+        assert torch.equal(got[name].view(torch.int16), tensor.view(torch.int16)), (where, name)
+    assert receiver.fingerprint == fingerprint(want), where
+
+
+class FlakyStore(Store):
+    """A local bucket whose writes fail on purpose when ``fail`` matches (one shot)."""
+
+    def __init__(self, root: Path) -> None:
+        self.inner = open_store(root)
+        self.url = self.inner.url
+        self.fail: str | None = None
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.inner.read_bytes(path)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        if self.fail is not None and self.fail in path:
+            self.fail = None
+            raise OSError(f"injected failure writing {path}")
+        self.inner.write_bytes(path, data)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self.inner.list(prefix)
+
+    def delete(self, paths: list[str]) -> None:
+        self.inner.delete(paths)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+
+def _fsdp(net: Net, mesh: object) -> Net:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in net.lm.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def _refusals(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    net = _fsdp(Net(), mesh)
+    partial = torch.optim.AdamW([p for n, p in net.named_parameters() if not n.startswith("extra.")], lr=1e-4)
+    try:
+        BF16ChangeDetector(net, partial)
+    except ConfigError as exc:
+        assert "not in the optimizer (extra.weight, extra.bias)" in str(exc) and f"FSDP2, {world} shards" in str(exc), exc
+    else:
+        raise AssertionError("parameters outside the optimizer were accepted")
+    tp = nn.Linear(6, 4)
+    tp.weight = nn.Parameter(distribute_tensor(tp.weight.detach(), mesh, [Shard(1)]))
+    try:
+        BF16ChangeDetector(tp)
+    except ConfigError as exc:
+        assert "parameter 'weight' is placed ['S(1)']" in str(exc) or "Shard(dim=1)" in str(exc), exc
+    else:
+        raise AssertionError("a Shard(1) parameter was accepted")
+
+
+def _fsdp_runs(rank: int, world: int, root: Path) -> dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    net = _fsdp(Net(), mesh)
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-5)
+    report: dict[str, object] = {}
+
+    # -------- run A: publish after every step, zstd, anchors every 10 versions, failures injected
+    store = FlakyStore(root / "a")
+    pub = DeltaPublisher(store, net, opt, anchor_every=10, anchor_bytes_ratio=0)
+    layout = pub.detector.layout
+    assert layout is not None and layout.parts == world and layout.writer and layout.part == rank
+    local = sum(s.end - s.begin for s in layout.slices.values())
+    snapshots = layout.all_gather((pub.detector.snapshot_bytes, local))
+    receiver = DeltaReceiver(root / "a") if rank == 0 else None
+    result = pub.publish()
+    want = gathered(net)
+    total = sum(t.numel() for t in want.values())
+    assert pub.detector.snapshot_bytes == 2 * local, (pub.detector.snapshot_bytes, local)
+    snapshots = layout.all_gather((pub.detector.snapshot_bytes, local))
+    assert sum(b for b, _ in snapshots) == 2 * total
+    report["snapshot_bytes"] = [b for b, _ in snapshots]
+    report["total"] = total
+    if receiver is not None:
+        receiver.sync()
+        assert_exact(receiver, want, "anchor 0")
+        assert result.fingerprint == fingerprint(want)
+    # (version at which to fail, what to fail, rank that fails)
+    failures = {4: ("deltas/", world - 1), 9: (POINTER_PATH, 0), 10: ("anchors/", world - 1)}
+    kinds, failed = [], []
+    for i in range(1, 33):
+        step(net, opt, seed=1000 * i + rank)
+        next_version = pub.version + 1
+        plan = failures.pop(next_version, None) if i > 1 else None
+        if plan is not None and rank == plan[1]:
+            store.fail = plan[0]
+        if plan is not None:
+            try:
+                pub.publish()
+            except PublishError as exc:
+                assert f"failed on 1 of {world} ranks, nothing was committed" in str(exc), exc
+                assert f"rank {plan[1]}: OSError: injected failure writing {plan[0]}" in str(exc), exc
+                failed.append(next_version)
+            else:
+                raise AssertionError(f"the injected failure at version {next_version} was not reported")
+            assert pub.version == next_version - 1
+            if receiver is not None:
+                assert receiver.latest() == next_version - 1  # nothing was committed
+                assert receiver.sync() == next_version - 1
+            continue
+        result = pub.publish()
+        kinds.append(result.kind)
+        want = gathered(net)
+        if receiver is not None:
+            assert receiver.sync() == result.version
+            assert_exact(receiver, want, f"version {result.version}")
+            assert result.fingerprint == fingerprint(want)
+            pointer = Pointer.from_bytes(open_store(root / "a").read_bytes(POINTER_PATH))
+            assert len(pointer.chain[-1].parts) == (world if world > 1 else 0)
+    assert failed == [4, 9, 10], failed
+    assert "anchor" in kinds and "delta" in kinds
+    if rank == 0:
+        late = DeltaReceiver(root / "a")  # catch up from a split anchor and split deltas
+        late.sync()
+        assert_exact(late, want, "late receiver")
+        report["versions_a"] = pub.version
+        report["chain_a"] = len(Pointer.from_bytes(open_store(root / "a").read_bytes(POINTER_PATH)).chain)
+    pub.close()
+
+    # -------- run B: publish every 3rd step, raw codec, anchors by size
+    pub = DeltaPublisher(root / "b", net, opt, codec="raw", anchor_every=100, anchor_bytes_ratio=0.5)
+    receiver = DeltaReceiver(root / "b") if rank == 0 else None
+    pub.publish()
+    if receiver is not None:
+        receiver.sync()
+    for i in range(1, 31):
+        step(net, opt, seed=7000 * i + rank)
+        if i % 3:
+            continue
+        result = pub.publish()
+        want = gathered(net)
+        if receiver is not None:
+            assert receiver.sync() == result.version
+            assert_exact(receiver, want, f"run B version {result.version}")
+    report["versions_b"] = pub.version
+    pub.close()
+    return report
+
+
+def _ddp_and_hsdp(rank: int, world: int, root: Path) -> None:
+    """DDP: rank 0 alone writes, single files byte-identical to a single process's. HSDP with
+    one shard per replica group: the first replica group (rank 0) alone writes."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    net = DistributedDataParallel(Net())
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-5)
+    pub = DeltaPublisher(root / "ddp", net, opt, anchor_every=4, anchor_bytes_ratio=0)
+    assert pub.detector.layout is not None and pub.detector.layout.writer == (rank == 0)
+    assert (pub.detector.snapshot_bytes > 0) == (rank == 0)
+    receiver = DeltaReceiver(root / "ddp") if rank == 0 else None
+    before = bf16_state_dict(net)
+    for i in range(8):
+        if i:
+            step(net, opt, seed=i)
+        result = pub.publish()
+        after = bf16_state_dict(net)
+        if rank == 0:
+            data = open_store(root / "ddp").read_bytes(result.path)
+            if result.kind == "anchor":
+                expected = encode_anchor(after, version=result.version, fingerprint=fingerprint(after))
+            else:
+                changes = {}
+                for name, new in after.items():
+                    index = torch.nonzero(new.view(-1).view(torch.int16) != before[name].view(-1).view(torch.int16)).reshape(-1)
+                    if index.numel():
+                        changes[name] = Change(index=index, new=new.view(-1)[index], old=before[name].view(-1)[index])
+                expected = encode_delta(
+                    changes, version=result.version, anchor=result.version - result.version % 4, codec="zstd",
+                    total=result.total, fingerprint=fingerprint(after), base_fingerprint=fingerprint(before),
+                    numels={n: t.numel() for n, t in after.items()},
+                )
+            assert data == expected, f"DDP version {result.version} differs from a single process's bytes"
+            assert receiver is not None and receiver.sync() == result.version
+            assert_exact(receiver, after, f"DDP version {result.version}")
+        before = after
+    files = open_store(root / "ddp").list("")
+    assert not any(".part" in f for f in files), files
+    pub.close()
+
+    if world == 2:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        hnet = _fsdp(Net(), mesh)
+        hopt = torch.optim.AdamW(hnet.parameters(), lr=3e-5)
+        hpub = DeltaPublisher(root / "hsdp", hnet, hopt)
+        layout = hpub.detector.layout
+        assert layout is not None and layout.description == "HSDP, 2 replicas x 1 shards", layout.description
+        assert layout.writer == (rank == 0)
+        hreceiver = DeltaReceiver(root / "hsdp") if rank == 0 else None
+        for i in range(4):
+            if i:
+                step(hnet, hopt, seed=50 + i)  # same data on both replicas would also do
+            result = hpub.publish()
+            want = gathered(hnet)
+            if hreceiver is not None:
+                assert hreceiver.sync() == result.version
+                assert_exact(hreceiver, want, f"HSDP version {result.version}")
+        hpub.close()
+
+
+def run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=180),
+    )
+    try:
+        _refusals(rank, world)
+        report = _fsdp_runs(rank, world, Path(root))
+        _ddp_and_hsdp(rank, world, Path(root))
+        if rank == 0:
+            import json
+
+            Path(out).write_text(json.dumps(report))
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+        if rank == 0 and os.environ.get("DELTASYNC_KEEP_BUCKETS") is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run_hsdp(rank: int, world: int, init_file: str, root: str, out: str) -> None:
+    """HSDP on 4 ranks, 2 replica groups x 2 shards: ranks 0 and 1 (replica 0) write 2 parts."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=180),
+    )
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        net = _fsdp(Net(), mesh)
+        opt = torch.optim.AdamW(net.parameters(), lr=3e-5)
+        pub = DeltaPublisher(Path(root) / "h", net, opt, anchor_every=4, anchor_bytes_ratio=0)
+        layout = pub.detector.layout
+        assert layout is not None and layout.description == "HSDP, 2 replicas x 2 shards", layout
+        assert (layout.writer, layout.part, layout.parts) == (rank < 2, rank % 2 if rank < 2 else 0, 2)
+        assert (pub.detector.snapshot_bytes > 0) == (rank < 2)
+        receiver = DeltaReceiver(Path(root) / "h") if rank == 0 else None
+        kinds = []
+        for i in range(7):
+            if i:
+                step(net, opt, seed=300 * i + rank)
+            result = pub.publish()
+            kinds.append(result.kind)
+            want = gathered(net)
+            if receiver is not None:
+                assert receiver.sync() == result.version
+                assert_exact(receiver, want, f"HSDP 2x2 version {result.version}")
+                pointer = Pointer.from_bytes(open_store(Path(root) / "h").read_bytes(POINTER_PATH))
+                assert [p.path.rsplit("/", 1)[1] for p in pointer.chain[-1].parts] == [
+                    f"{result.version:08d}.part0.safetensors", f"{result.version:08d}.part1.safetensors"
+                ]
+        assert kinds == ["anchor", "delta", "delta", "delta", "anchor", "delta", "delta"], kinds
+        if rank == 0:
+            Path(out).write_text("ok")
+        pub.close()
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
