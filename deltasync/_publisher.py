@@ -133,6 +133,8 @@ class DeltaPublisher:
         self._pointer: Pointer | None = self._read_pointer()
         self._history: dict[int, dict[str, object]] = self._read_history()
         self._need_anchor = True
+        self.anchor_metadata: dict[str, str] = {}
+        """Extra ``x-`` metadata written into every anchor (an adapter bucket's PEFT config)."""
 
     # ------------------------------------------------------------------ state
 
@@ -198,7 +200,7 @@ class DeltaPublisher:
         if changes is None:
             state = bf16_state_dict(self.model)
             new_fp = fingerprint(state)
-            data = encode_anchor(state, version=version, fingerprint=new_fp)
+            data = encode_anchor(state, version=version, fingerprint=new_fp, extra_metadata=self.anchor_metadata)
             total = sum(t.numel() for t in state.values())
             entry = ChainEntry(
                 version=version,
