@@ -19,6 +19,7 @@ from ._errors import (
     VersionError,
 )
 from ._fingerprint import fingerprint
+from ._lora import AdapterError, AdapterRolloutClient, adapter_publisher, merged_publisher
 from ._format import Change, Pointer
 from ._publisher import DeltaPublisher, PublishOptions, PublishResult
 from ._receiver import DeltaReceiver, StagedUpdate
@@ -27,6 +28,8 @@ from .stores import Store, open_store
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdapterError",
+    "AdapterRolloutClient",
     "AuthError",
     "BF16ChangeDetector",
     "Change",
@@ -48,8 +51,10 @@ __all__ = [
     "StoreError",
     "UpdateReport",
     "VersionError",
+    "adapter_publisher",
     "bf16_state_dict",
     "checkpoint_name",
     "fingerprint",
+    "merged_publisher",
     "open_store",
 ]
