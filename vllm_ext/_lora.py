@@ -24,6 +24,7 @@ not vLLM's path-taking ones). :class:`deltasync.AdapterRolloutClient` speaks to 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import logging
 import os
@@ -117,6 +118,7 @@ class _AdapterSync:
         self.token = token
         self.receiver: DeltaReceiver | None = None
         self.directory = Path(tempfile.mkdtemp(prefix="deltasync-lora-"))  # mode 0700: private
+        atexit.register(shutil.rmtree, self.directory, True)
         self.loaded: dict[int, str] = {}
         """version -> adapter name, for the versions loaded by this middleware."""
         self.retired: list[Path] = []

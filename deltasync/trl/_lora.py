@@ -64,10 +64,25 @@ def choose_peft_sync(trainer: AsyncGRPOTrainer, config: DeltaSyncConfig) -> str 
     if isinstance(decision, Exception):
         raise decision
     if decision == "adapter" and trainer.rollout_worker is not None:
-        # TRL's worker requests "<lora_name>-v<model_version>" once it has a lora_name.
-        trainer.rollout_worker.lora_name = config.lora_name
+        _request_adapters(trainer.rollout_worker, config.lora_name)
     logger.info("delta sync: PEFT model, %s mode", decision)
     return decision
+
+
+def _request_adapters(worker: Any, lora_name: str) -> None:
+    """Make TRL's rollout worker request ``<lora_name>-v<model_version>`` instead of the base model.
+
+    TRL 1.16 passes ``lora_name`` to the spawned rollout loop through the worker's
+    ``_loop_kwargs`` (set at construction, read when the loop starts at train begin); with a
+    weight transfer of its own it passes None.
+    """
+    kwargs = getattr(worker, "_loop_kwargs", None)
+    if not isinstance(kwargs, dict) or "lora_name" not in kwargs:
+        raise ConfigError(
+            f"{type(worker).__name__} takes no lora_name: this TRL version's rollout worker is not supported in "
+            "adapter mode; use peft_sync='merged'"
+        )
+    kwargs["lora_name"] = lora_name
 
 
 def _decide(trainer: AsyncGRPOTrainer, config: DeltaSyncConfig, model: Any) -> str:

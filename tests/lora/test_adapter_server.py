@@ -10,6 +10,7 @@ logprobs must be equal, and so must the base model's. Two server starts in all.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import requests
@@ -42,9 +43,11 @@ class Lab:
             *LORA_ARGS,
             "--served-model-name", str(model_dir),
             "--no-enable-chunked-prefill",  # TRL seeds requests
+            "--enable-log-requests",  # the log names the adapter of every request
         ]  # fmt: skip
         env = server_env(DELTASYNC_BUCKET=str(self.bucket), DELTASYNC_TOKEN=TOKEN)
-        self.server = VLLMServer(model_dir, env=env, extra_args=extra)
+        self.log = root / "server.log"
+        self.server = VLLMServer(model_dir, env=env, extra_args=extra, log_file=self.log)
         self.client = AdapterRolloutClient([self.server.url], TOKEN, keep=2)
 
     @property
@@ -151,7 +154,7 @@ def test_trl_trainer_with_peft_config_in_adapter_mode(lab, tmp_path) -> None:
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
     )  # fmt: skip
     assert trainer._peft_sync == "adapter"  # decided from the server's lora_config
-    assert trainer.rollout_worker.lora_name == "trl-policy"
+    log_start = lab.log.stat().st_size
     trainer.train()
     history = trainer.delta_history
     assert len(history) == 3  # the cold sync, then one per step
@@ -165,6 +168,30 @@ def test_trl_trainer_with_peft_config_in_adapter_mode(lab, tmp_path) -> None:
     assert status.fingerprint == fingerprint(adapter_state_dict(model))
     assert f"trl-policy-v{versions[-1]}" in status.workers[0]["loaded"]
     assert all(h["nbytes"] < 20_000 for h in history)  # the adapter only, never the base weights
+    # TRL's rollout worker asked for the published adapters, never for the base model
+    with open(lab.log, "rb") as f:
+        f.seek(log_start)
+        requests_log = f.read().decode(errors="replace")
+    asked = re.findall(r"lora_request: (None|LoRARequest\(lora_name='([^']+)')", requests_log)
+    assert asked and all(name for _, name in asked), "a rollout request named the base model"
+    assert {name for _, name in asked} <= {f"trl-policy-v{v}" for v in versions}
+    assert f"trl-policy-v{versions[0]}" in {name for _, name in asked}
+
+
+def test_trl_trainer_checks_the_server_before_training(lab, tmp_path) -> None:
+    from peft import LoraConfig
+
+    from deltasync import AdapterError
+
+    before = lab.status()
+    config = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    with pytest.raises(AdapterError, match="rank 16, but the server was started with --max-lora-rank 8: restart it with --max-lora-rank 16"):
+        make_trl_trainer(lab.model_dir, lab.bucket, lab.url, tmp_path, steps=1, peft_config=config)
+    # a forced mode is not probed: merged weights even though the server has LoRA
+    trainer = make_trl_trainer(lab.model_dir, lab.bucket, lab.url, tmp_path, steps=1, peft_config=config, peft_sync="merged")
+    assert trainer._peft_sync == "merged" and trainer.rollout_worker._loop_kwargs["lora_name"] is None
+    after = lab.status()
+    assert (after.version, after.fingerprint) == (before.version, before.fingerprint)
 
 
 def test_a_fresh_server_loading_the_saved_adapters_answers_the_same(lab) -> None:

@@ -95,7 +95,7 @@ def test_trl_trainer_with_peft_config_in_merged_mode(lab, tmp_path) -> None:
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
     )  # fmt: skip
     assert trainer._peft_sync == "merged"  # the server runs without --enable-lora
-    assert trainer.rollout_worker.lora_name is None
+    assert trainer.rollout_worker._loop_kwargs["lora_name"] is None
     trainer.train()
     history = trainer.delta_history
     assert len(history) == 3
@@ -104,6 +104,19 @@ def test_trl_trainer_with_peft_config_in_merged_mode(lab, tmp_path) -> None:
     status = lab.status()
     assert status.version == trainer.model_version == history[-1]["version"]
     assert status.fingerprint == fingerprint(merged_state_dict(model))
+
+
+def test_trl_trainer_refuses_adapter_mode_without_enable_lora(lab, tmp_path) -> None:
+    from peft import LoraConfig
+
+    from deltasync import AdapterError
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    with pytest.raises(AdapterError, match="adapter mode needs a server started with --enable-lora"):
+        make_trl_trainer(lab.model_dir, lab.bucket, lab.url, tmp_path, steps=1, peft_config=config, peft_sync="adapter")
+    dora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, use_dora=True)
+    with pytest.raises(AdapterError, match="use_dora=True"):
+        make_trl_trainer(lab.model_dir, lab.bucket, lab.url, tmp_path, steps=1, peft_config=dora)
 
 
 def test_a_fresh_server_from_the_merged_checkpoint_answers_the_same(lab) -> None:
