@@ -20,6 +20,7 @@ from ._errors import (
     VersionError,
 )
 from ._fingerprint import fingerprint
+from ._lora import AdapterError, AdapterRolloutClient, adapter_publisher, merged_publisher
 from ._format import Change, Pointer
 from ._publisher import DeltaPublisher, PublishOptions, PublishResult
 from ._receiver import DeltaReceiver, StagedUpdate
@@ -28,6 +29,8 @@ from .stores import Store, open_store
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdapterError",
+    "AdapterRolloutClient",
     "AuthError",
     "BF16ChangeDetector",
     "Change",
@@ -50,8 +53,10 @@ __all__ = [
     "StoreError",
     "UpdateReport",
     "VersionError",
+    "adapter_publisher",
     "bf16_state_dict",
     "checkpoint_name",
     "fingerprint",
+    "merged_publisher",
     "open_store",
 ]

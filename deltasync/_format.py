@@ -481,8 +481,18 @@ def _load(data: bytes, *, where: str) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- anchors
 
 
-def encode_anchor(state: Mapping[str, torch.Tensor], *, version: int, fingerprint: str) -> bytes:
-    """An anchor: every parameter, in bf16, under its checkpoint name."""
+def encode_anchor(
+    state: Mapping[str, torch.Tensor],
+    *,
+    version: int,
+    fingerprint: str,
+    extra_metadata: Mapping[str, str] | None = None,
+) -> bytes:
+    """An anchor: every parameter, in bf16, under its checkpoint name.
+
+    ``extra_metadata``: further metadata keys, each starting with ``x-`` (e.g. the PEFT
+    adapter config of an adapter bucket, see :mod:`deltasync._lora`); readers that do not
+    know a key ignore it."""
     tensors = {}
     total = 0
     for name, tensor in state.items():
@@ -501,7 +511,19 @@ def encode_anchor(state: Mapping[str, torch.Tensor], *, version: int, fingerprin
         total=total,
         fingerprint=fingerprint,
     )
-    return _safetensors_bytes(tensors, header.to_metadata())
+    metadata = header.to_metadata()
+    for key, value in (extra_metadata or {}).items():
+        if not key.startswith("x-") or not isinstance(value, str):
+            raise FormatError(f"anchor {version}: extra metadata key {key!r} must start with 'x-' and map to a string")
+        metadata[key] = value
+    return _safetensors_bytes(tensors, metadata)
+
+
+def read_metadata(data: bytes, *, where: str) -> dict[str, str]:
+    """Every metadata key of a file (the header fields and any ``x-`` keys), unvalidated."""
+    read_header(data, where=where)  # a deltasync file, or a FormatError
+    (length,) = struct.unpack("<Q", data[:8])
+    return dict(json.loads(data[8 : 8 + length].decode())["__metadata__"])
 
 
 def decode_anchor(data: bytes, *, where: str) -> tuple[FileHeader, dict[str, torch.Tensor]]:

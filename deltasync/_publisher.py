@@ -139,6 +139,8 @@ class DeltaPublisher:
         else:
             self._init_collective()
         self._need_anchor = True
+        self.anchor_metadata: dict[str, str] = {}
+        """Extra ``x-`` metadata written into every anchor (an adapter bucket's PEFT config)."""
 
     # ------------------------------------------------------------------ state
 
@@ -211,7 +213,7 @@ class DeltaPublisher:
         if changes is None:
             state = bf16_state_dict(self.model)
             new_fp = fingerprint(state)
-            data = encode_anchor(state, version=version, fingerprint=new_fp)
+            data = encode_anchor(state, version=version, fingerprint=new_fp, extra_metadata=self.anchor_metadata)
             total = sum(t.numel() for t in state.values())
             entry = ChainEntry(
                 version=version,

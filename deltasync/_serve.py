@@ -23,6 +23,7 @@ BUCKET_ENV = "DELTASYNC_BUCKET"
 _VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 _EXTENSION = "vllm_ext.DeltaWorkerExtension"
 _MIDDLEWARE = "vllm_ext.TokenMiddleware"
+_LORA_MIDDLEWARE = "vllm_ext.LoraSyncMiddleware"
 # deltasync sets these itself; a second value from the user would silently win or clash.
 _OWN_FLAGS = ("--worker-extension-cls", "--weight-transfer-config")
 
@@ -80,6 +81,8 @@ def serve_command(
             command += ["--middleware", _MIDDLEWARE]
     else:
         env.pop(TOKEN_ENV, None)
+    if "--enable-lora" in vllm_args and _LORA_MIDDLEWARE not in vllm_args:
+        command += ["--middleware", _LORA_MIDDLEWARE]  # adapter versions from the bucket
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env[BUCKET_ENV] = bucket
     return command + list(vllm_args), env

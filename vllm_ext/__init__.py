@@ -13,6 +13,7 @@ Start a server that follows a bucket (``deltasync serve`` fills all of this in):
 - :class:`DeltaWorkerExtension` is the worker extension: ``deltasync_status``,
   ``deltasync_prefetch`` and ``deltasync_apply`` through ``/collective_rpc``.
 - :class:`TokenMiddleware` requires the token on vLLM's control routes.
+- :class:`LoraSyncMiddleware` loads adapter versions from the bucket (``--enable-lora``).
 - :func:`register` registers the backend; it runs when this package is imported (the
   worker extension imports it in every worker) and as the ``vllm.general_plugins`` entry
   point ``deltasync``.
@@ -25,9 +26,10 @@ from __future__ import annotations
 
 from ._engine import DeltaWeightTransferEngine
 from ._extension import DeltaWorkerExtension
+from ._lora import LoraSyncMiddleware
 from ._middleware import TokenMiddleware
 
-__all__ = ["BACKEND", "DeltaWeightTransferEngine", "DeltaWorkerExtension", "TokenMiddleware", "register"]
+__all__ = ["BACKEND", "DeltaWeightTransferEngine", "DeltaWorkerExtension", "LoraSyncMiddleware", "TokenMiddleware", "register"]
 
 #: The name of the weight-transfer backend (``--weight-transfer-config '{"backend": "delta"}'``).
 BACKEND = "delta"

@@ -60,6 +60,11 @@ class DeltaSyncConfig:
     to swap it in."""
     timeout: float = 600.0
     """Seconds to wait for a server's answer."""
+    peft_sync: str | None = None
+    """PEFT models: "adapter" (adapter versions, servers with ``--enable-lora``), "merged" (merged
+    weights), or None to decide from the servers' ``lora_config`` as TRL does."""
+    lora_name: str = "trl-policy"
+    """Adapter mode: adapters are served as ``<lora_name>-v<version>``."""
     publish_options: PublishOptions = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -145,11 +150,11 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         else:
             with async_grpo_cpu_patches():
                 super().__init__(*args, **kwargs)
+        self._peft_sync: str | None = None
         if delta_sync is not None:
-            from accelerate.utils import is_peft_model
+            from ._lora import choose_peft_sync
 
-            if is_peft_model(self.accelerator.unwrap_model(self.model)):
-                raise ConfigError("delta_sync does not support PEFT/LoRA models yet; train the full model or use TRL's sync")
+            self._peft_sync = choose_peft_sync(self, delta_sync)  # None unless a PEFT model
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -162,6 +167,14 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         bucket = config.bucket or os.path.join(self.args.output_dir, "deltasync-bucket")
         urls = config.server_urls or [self.args.vllm_server_base_url]
         token = config.token if config.token is not None else os.environ.get(TOKEN_ENV) or None
+        if self._peft_sync is not None:
+            from ._lora import start_peft_sync
+
+            self._publisher, self._client = start_peft_sync(
+                self, self._peft_sync, bucket, urls, token, config, config.publish_options
+            )
+            logger.info("delta sync: bucket %s, servers %s", self._publisher.store.url, ", ".join(urls))
+            return
         self._publisher = DeltaPublisher(
             bucket,
             self.accelerator.unwrap_model(self.model),

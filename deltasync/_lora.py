@@ -1,0 +1,457 @@
+"""PEFT / LoRA models through the bucket: adapter versions, or merged-weight deltas.
+
+Two ways to ship a LoRA policy, the same two as TRL's own async GRPO:
+
+- **adapter mode** (the server runs ``--enable-lora``): the bucket holds versions of the
+  adapter alone, its LoRA tensors under the names ``save_pretrained`` writes, with the PEFT
+  adapter config and a fingerprint of the base model in every anchor's metadata
+  (:data:`ADAPTER_CONFIG_KEY`, :data:`BASE_FINGERPRINT_KEY`). Same format, checks, anchors and
+  retention as full-model versions. The server materialises version N into a private
+  directory and loads it as ``<lora_name>-v<N>`` (``vllm_ext.LoraSyncMiddleware``);
+  :class:`AdapterRolloutClient` drives that.
+- **merged mode** (a server without LoRA): the bucket holds ordinary full-model versions of
+  the merged weights ``W + scale * B @ A``, rounded to bf16 exactly as PEFT's merge followed
+  by ``.to(torch.bfloat16)`` gives. The merged value of a LoRA-targeted weight is computed
+  when it is compared or written; the base weights are never copied, and the change
+  detector's snapshot holds the merged bf16 state of the targeted weights only.
+
+This module never imports vLLM; PEFT is imported only by the functions that need it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._client import RolloutClient, ServerResult, ServerStatus, _RequestError, _Server
+from ._detector import BF16ChangeDetector, _inner_optimizer, checkpoint_name
+from ._errors import ConfigError, DeltaSyncError
+from ._fingerprint import fingerprint, format_fingerprint, parse_fingerprint
+from ._publisher import DeltaPublisher
+
+if TYPE_CHECKING:
+    import os
+
+    from .stores import Store
+
+__all__ = [
+    "ADAPTER_CONFIG_KEY",
+    "BASE_FINGERPRINT_KEY",
+    "AdapterError",
+    "AdapterRolloutClient",
+    "VLLM_LORA_RANKS",
+    "adapter_config",
+    "adapter_publisher",
+    "adapter_rank",
+    "adapter_state_dict",
+    "base_fingerprint",
+    "check_adapter_config",
+    "check_server_lora",
+    "merged_publisher",
+    "merged_state_dict",
+]
+
+#: Anchor metadata key: the adapter's PEFT config as JSON (what ``adapter_config.json`` holds).
+ADAPTER_CONFIG_KEY = "x-peft-config"
+#: Anchor metadata key: fingerprint of the base model's weights in bf16 (checkpoint names).
+BASE_FINGERPRINT_KEY = "x-base-fingerprint"
+#: Ranks vLLM builds stacked LoRA buffers for (``--max-lora-rank`` takes only these).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: Routes of ``vllm_ext.LoraSyncMiddleware``.
+UPDATE_ROUTE = "/deltasync/lora/update"
+STATUS_ROUTE = "/deltasync/lora/status"
+
+_LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_PEFT_PREFIX = "base_model.model."
+# Modules vLLM cannot put a LoRA on (its LoRA manager covers linear layers only).
+_UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head", "wte", "wpe", "embed_in", "embed_out")
+
+
+class AdapterError(DeltaSyncError, ValueError):
+    """An adapter, or an adapter bucket, cannot be served: the message says why and the fix."""
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def adapter_config(config: object) -> dict[str, Any]:
+    """A PEFT config (``LoraConfig`` or its dict) as plain JSON data, as ``adapter_config.json`` holds it."""
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()  # type: ignore[union-attr]
+    if not isinstance(config, Mapping):
+        raise AdapterError(f"adapter config: expected a PEFT config or a dict, got {type(config).__name__}")
+    return json.loads(json.dumps(dict(config), default=_jsonable, sort_keys=True))
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if hasattr(value, "value"):  # enums such as PeftType / TaskType
+        return value.value  # type: ignore[attr-defined]
+    return str(value)
+
+
+def adapter_rank(config: Mapping[str, Any]) -> int:
+    """The largest rank of any module (``rank_pattern`` can lift modules above ``r``)."""
+    ranks = [int(config.get("r") or 0), *(int(v) for v in (config.get("rank_pattern") or {}).values())]
+    return max(ranks)
+
+
+def check_adapter_config(config: Mapping[str, Any]) -> None:
+    """Raise :class:`AdapterError` unless the adapter is plain LoRA that vLLM (and a merge) can express.
+
+    The same rules as TRL's adapter sync: LoRA only, no DoRA, no ``modules_to_save``, no
+    trained biases, no parameter (MoE) LoRA, no embedding or head targets.
+    """
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise AdapterError(f"peft_type={peft_type}: delta sync ships LoRA adapters only; use a LoraConfig")
+    if config.get("use_dora"):
+        raise AdapterError(
+            "use_dora=True: DoRA's magnitude vectors are not part of a vLLM LoRA adapter; train with use_dora=False"
+        )
+    if config.get("modules_to_save"):
+        raise AdapterError(
+            f"modules_to_save={config['modules_to_save']}: fully trained modules cannot ride in a LoRA adapter; "
+            "drop modules_to_save (or train those modules as LoRA targets)"
+        )
+    if (config.get("bias") or "none") != "none":
+        raise AdapterError(f"bias={config['bias']!r} trains bias terms, which a LoRA adapter cannot carry; use bias='none'")
+    if config.get("target_parameters"):
+        raise AdapterError(
+            f"target_parameters={config['target_parameters']}: parameter (fused-MoE) LoRA is not supported; "
+            "target modules instead"
+        )
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):
+        targets = [targets]
+    bad = sorted(t for t in targets if any(u in t for u in _UNSUPPORTED_TARGETS))
+    if bad:
+        raise AdapterError(
+            f"target_modules={sorted(targets)} includes {bad}: vLLM serves LoRA on linear layers only, "
+            "not on embeddings or the head; target e.g. q_proj, k_proj, v_proj, o_proj"
+        )
+
+
+def check_server_lora(server_lora: Mapping[str, Any] | None, config: Mapping[str, Any], *, max_staleness: int) -> None:
+    """Raise :class:`AdapterError` unless a server with LoRA config ``server_lora`` can serve the adapter.
+
+    ``server_lora`` is the ``lora_config`` of vLLM's ``/server_info`` (None: no ``--enable-lora``).
+    Each sync loads the next version before the oldest servable one is unloaded, so the server
+    holds ``max_staleness + 2`` adapters for a moment (vLLM would silently evict one otherwise).
+    """
+    if server_lora is None:
+        raise AdapterError(
+            "adapter mode needs a server started with --enable-lora (and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1); "
+            "start it so, or use peft_sync='merged'"
+        )
+    rank = adapter_rank(config)
+    max_rank = int(server_lora.get("max_lora_rank") or 0)
+    if rank > max_rank:
+        fit = next((r for r in VLLM_LORA_RANKS if r >= rank), None)
+        fix = f"restart it with --max-lora-rank {fit}" if fit else f"lower r below {VLLM_LORA_RANKS[-1] + 1}"
+        raise AdapterError(f"the adapter has rank {rank}, but the server was started with --max-lora-rank {max_rank}: {fix}")
+    max_loras = int(server_lora.get("max_loras") or 0)
+    need = max_staleness + 2
+    if max_loras < need:
+        raise AdapterError(
+            f"the server was started with --max-loras {max_loras}, but max_staleness={max_staleness} lets requests "
+            f"name {need - 1} adapter versions and each sync loads the next before unloading the oldest: restart it "
+            f"with --max-loras {need}, or lower max_staleness"
+        )
+
+
+# --------------------------------------------------------------------------- the model's pieces
+
+
+def _active_adapter(model: torch.nn.Module, adapter: str | None) -> str:
+    if adapter is not None:
+        return adapter
+    active = getattr(model, "active_adapters", None)
+    if not active:
+        raise ConfigError(f"{type(model).__name__} is not a PEFT model with an active adapter")
+    return active[0]
+
+
+def _base_name(name: str) -> str:
+    """A base parameter's checkpoint name from its PEFT name."""
+    return checkpoint_name(name).removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def _adapter_parameters(model: torch.nn.Module, adapter: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """The adapter's LoRA tensors under the names ``save_pretrained`` writes."""
+    marker = f".{adapter}."
+    out = []
+    for name, param in model.named_parameters():
+        name = checkpoint_name(name)
+        if "lora_" in name and marker in name:
+            out.append((name.replace(marker, "."), param))
+    if not out:
+        raise ConfigError(f"the model has no LoRA tensors for adapter {adapter!r}")
+    return out
+
+
+def _lora_layers(model: torch.nn.Module, adapter: str) -> dict[str, Any]:
+    """Base checkpoint name of each LoRA-targeted weight -> its PEFT ``LoraLayer``."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and adapter in module.lora_A:
+            layers[_base_name(name + ".base_layer.weight")] = module
+    return layers
+
+
+def _base_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """The base model's parameters under their checkpoint names (tied weights once)."""
+    seen: set[int] = set()
+    for name, param in model.named_parameters():
+        if "lora_" in name or id(param) in seen:
+            continue
+        if "modules_to_save" in name or "original_module" in name:
+            raise AdapterError(f"{name}: modules_to_save cannot be shipped; drop modules_to_save from the LoRA config")
+        seen.add(id(param))
+        yield _base_name(name), param
+
+
+def adapter_state_dict(model: torch.nn.Module, adapter: str | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors in bf16, under ``save_pretrained``'s names: what an adapter version holds."""
+    adapter = _active_adapter(model, adapter)
+    return {name: p.detach().to("cpu", torch.bfloat16, copy=True) for name, p in _adapter_parameters(model, adapter)}
+
+
+def base_fingerprint(model: torch.nn.Module) -> str:
+    """Fingerprint of the base model's weights in bf16, as a server computes it from its checkpoint."""
+    return fingerprint(dict(_base_parameters(model)))
+
+
+def fingerprint_sum(parts: list[str]) -> str:
+    """The fingerprint of a state from the fingerprints of disjoint parts of it (they add)."""
+    return format_fingerprint(sum(parse_fingerprint(p) for p in parts))
+
+
+class _MergedWeight:
+    """A LoRA-targeted weight's merged value, computed when asked for (never stored)."""
+
+    requires_grad = False
+
+    def __init__(self, layer: Any, adapter: str) -> None:
+        self.layer = layer
+        self.adapter = adapter
+        self.base = layer.get_base_layer().weight
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.base.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
+
+    def numel(self) -> int:
+        return self.base.numel()
+
+    def detach(self) -> torch.Tensor:
+        # What PEFT's merge computes (weight.data += get_delta_weight), without touching the weight.
+        with torch.no_grad():
+            return self.base.detach() + self.layer.get_delta_weight(self.adapter)
+
+
+def merged_state_dict(model: torch.nn.Module, adapter: str | None = None) -> dict[str, torch.Tensor]:
+    """The merged model in bf16 under checkpoint names: what merged mode publishes."""
+    return {name: p.detach().to("cpu", torch.bfloat16, copy=True) for name, p in _MergedView(model, adapter).named_parameters()}
+
+
+class _View(torch.nn.Module):
+    """A module whose ``named_parameters`` are given pairs, for :class:`DeltaPublisher`."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__()
+        self.__dict__["_pairs"] = pairs  # not registered: the tensors stay the model's own
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:  # type: ignore[override]
+        return iter(self.__dict__["_pairs"])
+
+
+class _MergedView(_View):
+    """The merged model: targeted weights as :class:`_MergedWeight`, other weights as they are."""
+
+    def __init__(self, model: torch.nn.Module, adapter: str | None = None) -> None:
+        adapter = _active_adapter(model, adapter)
+        check_adapter_config(adapter_config(model.peft_config[adapter]))  # type: ignore[index]
+        layers = _lora_layers(model, adapter)
+        pairs: list[tuple[str, Any]] = []
+        for name, param in _base_parameters(model):
+            pairs.append((name, _MergedWeight(layers[name], adapter) if name in layers else param))
+        super().__init__(pairs)
+        self.__dict__["layers"] = layers
+        self.__dict__["adapter"] = adapter
+
+
+class MergedChangeDetector(BF16ChangeDetector):
+    """:class:`BF16ChangeDetector` over the merged weights of the LoRA-targeted layers.
+
+    A step that changes a layer's ``lora_A`` or ``lora_B`` marks its base weight; at publish
+    time the merged value is computed and compared in bf16 against the snapshot of what was
+    last published. Base weights that no LoRA targets never change and are never compared.
+    """
+
+    def __init__(self, view: _MergedView, optimizer: object | None = None, *, snapshot_device: str | None = "cpu") -> None:
+        # Same state as the parent's __init__, with merged weights as the tracked "parameters".
+        self._model = view
+        self._snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
+        adapter = view.__dict__["adapter"]
+        layers = view.__dict__["layers"]
+        self._tracked = {name: weight for name, weight in view.named_parameters() if isinstance(weight, _MergedWeight)}
+        self._by_id = {}
+        for name in self._tracked:
+            layer = layers[name]
+            for param in (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight):
+                self._by_id[id(param)] = name
+        if optimizer is not None:
+            inner = _inner_optimizer(optimizer)
+            self._hook = inner.register_step_post_hook(self._on_step)
+            self._marks: dict[str, int] | None = {}
+        else:
+            self._hook = None
+            self._marks = None
+        self._step = 0
+        self._captured_at = 0
+        self._pending_at = 0
+        self._snapshot: dict[str, torch.Tensor] = {}
+        self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.reset()
+
+
+# --------------------------------------------------------------------------- publishers
+
+
+def adapter_publisher(
+    bucket: str | os.PathLike[str] | Store,
+    model: torch.nn.Module,
+    optimizer: object | None = None,
+    *,
+    adapter: str | None = None,
+    **options: object,
+) -> DeltaPublisher:
+    """A :class:`DeltaPublisher` of the adapter alone (adapter mode); checks the adapter first."""
+    adapter = _active_adapter(model, adapter)
+    config = adapter_config(model.peft_config[adapter])  # type: ignore[index]
+    check_adapter_config(config)
+    publisher = DeltaPublisher(bucket, _View(_adapter_parameters(model, adapter)), optimizer, **options)
+    publisher.anchor_metadata = {
+        ADAPTER_CONFIG_KEY: json.dumps(config, sort_keys=True),
+        BASE_FINGERPRINT_KEY: base_fingerprint(model),
+    }
+    return publisher
+
+
+def merged_publisher(
+    bucket: str | os.PathLike[str] | Store,
+    model: torch.nn.Module,
+    optimizer: object | None = None,
+    *,
+    adapter: str | None = None,
+    **options: object,
+) -> DeltaPublisher:
+    """A :class:`DeltaPublisher` of the merged weights (merged mode), for a server without LoRA."""
+    view = _MergedView(model, adapter)
+    snapshot_device = options.get("snapshot_device", "cpu")
+    detector = MergedChangeDetector(view, optimizer, snapshot_device=snapshot_device)  # type: ignore[arg-type]
+    return DeltaPublisher(bucket, view, optimizer, detector=detector, **options)
+
+
+# --------------------------------------------------------------------------- the client
+
+
+class AdapterRolloutClient(RolloutClient):
+    """:class:`RolloutClient` for adapter mode: ``update(N)`` makes servers load adapter version N.
+
+    Each server (``vllm_ext.LoraSyncMiddleware``) reads version N from its own bucket, loads it
+    as ``<lora_name>-v<N>`` and unloads versions older than the newest ``keep``. Generation
+    never pauses: a new version is a new adapter name. :meth:`status` reports the newest
+    loaded version and its fingerprint.
+
+    Args:
+        lora_name: the name adapters are served under (TRL's rollout worker requests
+            ``<lora_name>-v<model_version>``).
+        keep: adapter versions each server keeps loaded (TRL: ``max_staleness + 1``).
+        Others: as :class:`RolloutClient`.
+    """
+
+    def __init__(self, urls: Any, token: str | None = None, *, lora_name: str = "trl-policy", keep: int = 2, **kwargs: Any) -> None:
+        super().__init__(urls, token, **kwargs)
+        if not isinstance(lora_name, str) or not _LORA_NAME.match(lora_name):
+            raise ConfigError(f"lora_name {lora_name!r}: use letters, digits, '.', '_' and '-' (at most 100)")
+        if not isinstance(keep, int) or keep < 1:
+            raise ConfigError(f"keep must be an integer >= 1 (adapter versions kept loaded), got {keep!r}")
+        self.lora_name = lora_name
+        self.keep = keep
+
+    def adapter_name(self, version: int) -> str:
+        return f"{self.lora_name}-v{version}"
+
+    def prefetch(self, version: int) -> dict[str, ServerResult]:
+        """Nothing to prefetch: adapters load while the server keeps generating."""
+        return {}
+
+    def wait_prefetched(self, version: int, *, timeout: float = 600.0, poll: float = 0.05) -> dict[str, bool]:
+        return {url: True for url in self.urls}
+
+    def _update_one(self, server: _Server, version: int, tag: str | None) -> ServerResult:
+        body = {"version": version, "auth": tag, "name": self.lora_name, "keep": self.keep}
+        try:
+            answer = server.post(UPDATE_ROUTE, body=body)
+        except _RequestError as exc:
+            state = self._status_one(server)
+            return ServerResult(url=server.url, ok=False, version=state.version, fingerprint=state.fingerprint, error=str(exc))
+        answer = answer if isinstance(answer, dict) else {}
+        served = answer.get("version")
+        error = None if served == version else f"the server reports adapter version {served} after the update to {version}"
+        return ServerResult(
+            url=server.url,
+            ok=error is None,
+            version=served,
+            fingerprint=answer.get("fingerprint"),
+            kind=answer.get("kind"),
+            nbytes=int(answer.get("nbytes") or 0),
+            stage_s=float(answer.get("stage_s") or 0.0),
+            apply_s=float(answer.get("apply_s") or 0.0),
+            paused_s=0.0,
+            error=error,
+        )
+
+    def _status_one(self, server: _Server) -> ServerStatus:
+        try:
+            answer = server.post(STATUS_ROUTE, attempts=3)
+        except _RequestError as exc:
+            return ServerStatus(url=server.url, ok=False, error=str(exc))
+        if not isinstance(answer, dict):
+            return ServerStatus(url=server.url, ok=False, error=f"POST {STATUS_ROUTE}: unexpected answer {answer!r}")
+        return ServerStatus(
+            url=server.url, ok=True, version=answer.get("version"), fingerprint=answer.get("fingerprint"), workers=[answer]
+        )
+
+
+def server_lora_config(url: str, token: str | None = None, *, timeout: float = 60.0) -> tuple[dict[str, Any] | None, int]:
+    """``(lora_config, data_parallel_size)`` from a vLLM server's ``/server_info`` (dev mode)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        response = httpx.get(
+            url.rstrip("/") + "/server_info", params={"config_format": "json"}, headers=headers, timeout=timeout
+        )
+        response.raise_for_status()
+        config = response.json()["vllm_config"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"{url}/server_info: could not read the server's config ({exc}); the server must run with "
+            "VLLM_SERVER_DEV_MODE=1 (deltasync serve sets it) and accept the token"
+        ) from exc
+    parallel = config.get("parallel_config") or {}
+    return config.get("lora_config"), int(parallel.get("data_parallel_size") or 1)

@@ -1,0 +1,338 @@
+"""``--middleware vllm_ext.LoraSyncMiddleware``: serve adapter versions from the bucket.
+
+vLLM's LoRA loading lives in the API-server process (``OpenAIServingModels``), so this
+runs there, as ASGI middleware with two routes of its own:
+
+- ``POST /deltasync/lora/update {"version": N, "auth": TAG, "name": NAME, "keep": K}``:
+  reads adapter version N from the server's own bucket (``DELTASYNC_BUCKET``, fixed at
+  start-up; no request names a path or a bucket), checks it (integrity and fingerprints by
+  :class:`~deltasync.DeltaReceiver`; the adapter config; its rank against
+  ``--max-lora-rank``; the base-model fingerprint against the checkpoint this server runs),
+  writes it into a private directory and loads it as ``NAME-vN`` through vLLM's runtime LoRA
+  loading, then unloads versions older than the newest ``K`` (their files go one update
+  later, as TRL does: vLLM reads adapter files lazily). A failure changes nothing: the
+  adapters already loaded stay, and the version stays.
+- ``POST /deltasync/lora/status``: the newest loaded version, its fingerprint, the loaded
+  adapters, the last update and the last error.
+
+Both routes need ``Authorization: Bearer $DELTASYNC_TOKEN`` when the server has a token,
+and updates also carry the tag of their version, as weight updates do. The server needs
+``--enable-lora`` (``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is not needed: these routes are
+not vLLM's path-taking ones). :class:`deltasync.AdapterRolloutClient` speaks to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deltasync import DeltaReceiver, DeltaSyncError, VersionError
+from deltasync._auth import TOKEN_ENV, bearer_matches, check_update_tag
+from deltasync._format import anchor_path, read_metadata
+from deltasync._lora import (
+    ADAPTER_CONFIG_KEY,
+    BASE_FINGERPRINT_KEY,
+    STATUS_ROUTE,
+    UPDATE_ROUTE,
+    _LORA_NAME,
+    AdapterError,
+    adapter_rank,
+    check_adapter_config,
+    fingerprint_sum,
+)
+from deltasync._serve import BUCKET_ENV
+
+from ._checkpoint import resolve_model_dir
+
+__all__ = ["LoraSyncMiddleware"]
+
+logger = logging.getLogger(__name__)
+
+_NOT_PARAMETERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class LoraSyncMiddleware:
+    """ASGI middleware adding ``/deltasync/lora/update`` and ``/deltasync/lora/status`` (see module)."""
+
+    def __init__(self, app: Any, token: str | None = None, bucket: str | None = None) -> None:
+        self.app = app
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self.bucket = bucket if bucket is not None else os.environ.get(BUCKET_ENV) or None
+        self._sync: _AdapterSync | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        path = path.removeprefix(scope.get("root_path", "") or "").rstrip("/")
+        if path not in (UPDATE_ROUTE, STATUS_ROUTE):
+            await self.app(scope, receive, send)
+            return
+        if scope.get("method") != "POST":
+            await _answer(send, 405, _error(f"{path} takes POST", "MethodNotAllowed", 405))
+            return
+        if self.token is not None and not bearer_matches(self.token, _header(scope, b"authorization")):
+            why = f"{path} needs 'Authorization: Bearer <token>' with this server's {TOKEN_ENV}"
+            await _answer(send, 401, _error(why, "Unauthorized", 401))
+            return
+        body = await _read_body(receive)
+        if self._sync is None:
+            self._sync = _AdapterSync(scope["app"].state, self.bucket, self.token)
+        if path == STATUS_ROUTE:
+            await _answer(send, 200, self._sync.status())
+            return
+        try:
+            request = json.loads(body or b"{}")
+            if not isinstance(request, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as exc:
+            await _answer(send, 400, _error(f"{path}: bad JSON body ({exc})", "BadRequest", 400))
+            return
+        try:
+            result = await self._sync.update(request)
+        except DeltaSyncError as exc:
+            status = 401 if type(exc).__name__ == "AuthError" else 400 if isinstance(exc, (AdapterError, VersionError)) else 500
+            message = f"deltasync: adapter version {request.get('version')} not loaded: {exc}"
+            self._sync.last_error = {"version": request.get("version"), "error": message, "time": time.time()}
+            logger.error("%s", message)
+            await _answer(send, status, _error(message, type(exc).__name__, status))
+            return
+        await _answer(send, 200, result)
+
+
+class _AdapterSync:
+    """One API server's adapter state: its receiver, private directory and loaded versions."""
+
+    def __init__(self, state: Any, bucket: str | None, token: str | None) -> None:
+        self.models = state.openai_serving_models
+        self.vllm_config = state.vllm_config
+        self.bucket = bucket
+        self.token = token
+        self.receiver: DeltaReceiver | None = None
+        self.directory = Path(tempfile.mkdtemp(prefix="deltasync-lora-"))  # mode 0700: private
+        atexit.register(shutil.rmtree, self.directory, True)
+        self.loaded: dict[int, str] = {}
+        """version -> adapter name, for the versions loaded by this middleware."""
+        self.retired: list[Path] = []
+        """Directories of unloaded versions, deleted at the next update."""
+        self.anchor_meta: tuple[int, dict[str, str]] | None = None
+        self.served_base: str | None = None
+        self.last: dict[str, Any] | None = None
+        self.last_error: dict[str, Any] | None = None
+        self.lock = asyncio.Lock()
+
+    def status(self) -> dict[str, Any]:
+        receiver = self.receiver
+        return {
+            "version": None if receiver is None else receiver.version,
+            "fingerprint": None if receiver is None else receiver.fingerprint,
+            "bucket": self.bucket,
+            "auth": self.token is not None,
+            "loaded": [self.loaded[v] for v in sorted(self.loaded)],
+            "base_fingerprint": self.served_base,
+            "last_update": self.last,
+            "last_error": self.last_error,
+        }
+
+    async def update(self, request: dict[str, Any]) -> dict[str, Any]:
+        from deltasync._client import _check_version
+
+        version = _check_version(request.get("version"))
+        check_update_tag(self.token, version, request.get("auth"))
+        name = request.get("name")
+        if not isinstance(name, str) or not _LORA_NAME.match(name):
+            raise AdapterError(f"name {name!r}: use letters, digits, '.', '_' and '-' (at most 100)")
+        keep = request.get("keep", 2)
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise AdapterError(f"keep must be an integer >= 1, got {keep!r}")
+        lora_config = self.vllm_config.lora_config
+        if lora_config is None:
+            raise AdapterError("this server runs without LoRA: restart it with --enable-lora --max-lora-rank R --max-loras K")
+        if self.bucket is None:
+            raise AdapterError(f"this server follows no bucket: start it with {BUCKET_ENV} set (deltasync serve --bucket)")
+        async with self.lock:
+            start = time.perf_counter()
+            adapter = f"{name}-v{version}"
+            receiver = self.receiver
+            if receiver is not None and receiver.version is not None and version < receiver.version:
+                raise VersionError(f"version {version} is older than the newest loaded adapter version {receiver.version}")
+            if receiver is not None and receiver.version == version and self.loaded.get(version) == adapter:
+                self.last = {"version": version, "kind": "none", "nbytes": 0, "stage_s": 0.0, "apply_s": 0.0}
+                return {**self.status(), "kind": "none", "nbytes": 0, "stage_s": 0.0, "apply_s": 0.0}
+            staged, state, config, base, anchor_meta = await asyncio.to_thread(self._stage, version)
+            check_adapter_config(config)
+            rank = adapter_rank(config)
+            if rank > lora_config.max_lora_rank:
+                raise AdapterError(
+                    f"adapter version {version} has rank {rank}, above this server's --max-lora-rank "
+                    f"{lora_config.max_lora_rank}: restart the server with a larger --max-lora-rank, or train a smaller r"
+                )
+            if self.served_base is None:
+                self.served_base = await asyncio.to_thread(self._served_base_fingerprint)
+            if base != self.served_base:
+                raise AdapterError(
+                    f"adapter version {version} was trained on another base model (base fingerprint {base}; this "
+                    f"server's checkpoint has {self.served_base}): point the server at the trainer's base model, "
+                    "or the trainer at another bucket"
+                )
+            stage_s = time.perf_counter() - start
+            path = await asyncio.to_thread(self._materialise, adapter, state, config)
+            t_load = time.perf_counter()
+            await self._load(adapter, path)
+            assert self.receiver is not None
+            self.receiver.apply(staged)
+            self.anchor_meta = anchor_meta
+            self.loaded[version] = adapter
+            unloaded = await self._retire(version - keep)
+            apply_s = time.perf_counter() - t_load
+            self.last = {
+                "version": version,
+                "kind": staged.kind,
+                "nbytes": staged.nbytes,
+                "stage_s": stage_s,
+                "apply_s": apply_s,
+                "adapter": adapter,
+                "time": time.time(),
+            }
+            logger.info("deltasync: loaded adapter %s (%s, %d bytes)", adapter, staged.kind, staged.nbytes)
+            return {**self.status(), "kind": staged.kind, "nbytes": staged.nbytes, "stage_s": stage_s,
+                    "apply_s": apply_s, "unloaded": unloaded}  # fmt: skip
+
+    # ------------------------------------------------------------------ steps
+
+    def _stage(self, version: int) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any], str, tuple[int, dict[str, str]]]:
+        """Download and check version ``version``; returns it with the full adapter state and its metadata."""
+        if self.receiver is None:
+            self.receiver = DeltaReceiver(self.bucket)  # type: ignore[arg-type]
+        receiver = self.receiver
+        latest = receiver.latest()
+        if version > latest:
+            raise VersionError(f"version {version} is not committed in {receiver.store.url} (the newest is {latest})")
+        staged = receiver.stage(version)
+        if staged.kind == "anchor":
+            state = dict(staged.tensors())
+            anchor = staged.versions[0]
+        else:
+            state = receiver.state_dict()
+            state.update(staged.tensors())
+            assert self.anchor_meta is not None
+            anchor = self.anchor_meta[0]
+        if self.anchor_meta is not None and self.anchor_meta[0] == anchor:
+            anchor_meta = self.anchor_meta
+        else:
+            where = f"{receiver.store.url}/{anchor_path(anchor)}"
+            anchor_meta = (anchor, read_metadata(receiver.store.read_bytes(anchor_path(anchor)), where=where))
+        meta = anchor_meta[1]
+        if ADAPTER_CONFIG_KEY not in meta or BASE_FINGERPRINT_KEY not in meta:
+            raise AdapterError(
+                f"{receiver.store.url}: anchor {anchor} holds no adapter ({ADAPTER_CONFIG_KEY} is missing): this bucket "
+                "holds full-model versions; serve it without --enable-lora, or point the server at an adapter bucket"
+            )
+        try:
+            config = json.loads(meta[ADAPTER_CONFIG_KEY])
+        except ValueError as exc:
+            raise AdapterError(f"anchor {anchor}: {ADAPTER_CONFIG_KEY} is not JSON ({exc})") from exc
+        if not isinstance(config, dict):
+            raise AdapterError(f"anchor {anchor}: {ADAPTER_CONFIG_KEY} is not a JSON object")
+        return staged, state, config, meta[BASE_FINGERPRINT_KEY], anchor_meta
+
+    def _served_base_fingerprint(self) -> str:
+        """Fingerprint of the checkpoint this server runs, tensor by tensor (never all in memory)."""
+        from safetensors import safe_open
+
+        from deltasync import fingerprint
+
+        model_config = self.vllm_config.model_config
+        root = resolve_model_dir(model_config.model, revision=getattr(model_config, "revision", None))
+        if root is None:
+            raise AdapterError(f"the checkpoint of {model_config.model!r} is not on this machine as safetensors")
+        text_config = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+        tied = bool(getattr(text_config, "tie_word_embeddings", False))
+        parts = []
+        for file in sorted(root.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                    if key.endswith(_NOT_PARAMETERS) or (tied and key == "lm_head.weight"):
+                        continue
+                    parts.append(fingerprint({key: f.get_tensor(key)}))
+        return fingerprint_sum(parts)
+
+    def _materialise(self, adapter: str, state: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
+        """Write the adapter where vLLM reads it: ``adapter_model.safetensors`` + ``adapter_config.json``."""
+        from safetensors.torch import save_file
+
+        final = self.directory / adapter
+        partial = self.directory / f".{adapter}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        save_file({k: v.contiguous() for k, v in state.items()}, str(partial / "adapter_model.safetensors"))
+        (partial / "adapter_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(partial, final)
+        return final
+
+    async def _load(self, adapter: str, path: Path) -> None:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+        # A stale name from an earlier run of the trainer is replaced, not refused.
+        inplace = adapter in self.models.lora_requests
+        answer = await self.models.load_lora_adapter(
+            LoadLoRAAdapterRequest(lora_name=adapter, lora_path=str(path), load_inplace=inplace)
+        )
+        if isinstance(answer, ErrorResponse):
+            await asyncio.to_thread(shutil.rmtree, path, True)
+            raise AdapterError(f"vLLM refused adapter {adapter}: {answer.error.message}")
+
+    async def _retire(self, newest_stale: int) -> list[str]:
+        from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+
+        for path in self.retired:
+            await asyncio.to_thread(shutil.rmtree, path, True)
+        self.retired = []
+        unloaded = []
+        for version in sorted(v for v in self.loaded if v <= newest_stale):
+            adapter = self.loaded.pop(version)
+            if adapter in self.models.lora_requests:
+                await self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=adapter))
+            self.retired.append(self.directory / adapter)
+            unloaded.append(adapter)
+        return unloaded
+
+
+def _error(message: str, kind: str, status: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def _header(scope: Any, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _read_body(receive: Any) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+async def _answer(send: Any, status: int, payload: dict[str, Any]) -> None:
+    body = json.dumps(payload).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
