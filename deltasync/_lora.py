@@ -304,6 +304,8 @@ class MergedChangeDetector(BF16ChangeDetector):
         # Same state as the parent's __init__, with merged weights as the tracked "parameters".
         self._model = view
         self._snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
+        self.layout = None  # one process: multi-process PEFT training is not supported yet
+        self._slices = {}
         adapter = view.__dict__["adapter"]
         layers = view.__dict__["layers"]
         self._tracked = {name: weight for name, weight in view.named_parameters() if isinstance(weight, _MergedWeight)}
