@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from ._errors import FormatError, IntegrityError, NotFoundError, VersionError
+from ._errors import ConfigError, FormatError, IntegrityError, NotFoundError, VersionError
 from ._fingerprint import fingerprint, fingerprint_update
-from ._format import POINTER_PATH, ChainEntry, Change, Pointer, decode_anchor, decode_delta, sha256_hex
-from .stores import open_store
+from ._format import (
+    MAX_POINTER_BYTES,
+    POINTER_PATH,
+    ChainEntry,
+    Change,
+    Pointer,
+    decode_anchor,
+    decode_delta,
+    sha256_hex,
+)
+from .stores import open_store, read_limited
 
 if TYPE_CHECKING:
     import os
@@ -20,6 +29,21 @@ if TYPE_CHECKING:
     from .stores import Store
 
 __all__ = ["DeltaReceiver", "StagedUpdate"]
+
+_MAX_ATTEMPTS = 8
+"""Default bound on how often a sync starts over from a newer pointer."""
+
+
+def _manifest(expected: Mapping[str, tuple[int, ...] | torch.Size] | None) -> dict[str, tuple[int, ...]] | None:
+    if expected is None:
+        return None
+    manifest = {}
+    for name, shape in expected.items():
+        dims = tuple(shape)
+        if not isinstance(name, str) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+            raise ConfigError(f"expected: {name!r} -> {shape!r} is not a parameter name -> shape")
+        manifest[name] = dims
+    return manifest
 
 
 @dataclass
@@ -32,21 +56,28 @@ class _Patch:
     def merge(self, index: torch.Tensor, values: torch.Tensor) -> None:
         """Add a later change; where both touch an element, the later value wins."""
         all_index = torch.cat([self.index, index])
-        all_values = torch.cat([self.values, values])
+        all_values = torch.cat([_bits(self.values), _bits(values)])  # bit patterns: NaN payloads survive
         order = torch.sort(all_index, stable=True).indices
         all_index, all_values = all_index[order], all_values[order]
         keep = torch.ones_like(all_index, dtype=torch.bool)
         keep[:-1] = all_index[1:] != all_index[:-1]  # the last of each run came last
-        self.index, self.values = all_index[keep], all_values[keep]
+        self.index, self.values = all_index[keep], all_values[keep].view(torch.bfloat16)
 
     def lookup(self, base: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Values at ``index`` with this patch laid over ``base`` (flat)."""
-        out = base[index].clone()
+        out = _bits(base)[index].clone()
         if self.index.numel():
             pos = torch.searchsorted(self.index, index).clamp(max=self.index.numel() - 1)
             hit = self.index[pos] == index
-            out[hit] = self.values[pos[hit]]
-        return out
+            # As int16: a bf16 assignment of one element goes through a float scalar, which
+            # rewrites NaN payloads.
+            out[hit] = _bits(self.values)[pos[hit]]
+        return out.view(torch.bfloat16)
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    """The int16 bit patterns of a bf16 tensor (a view): copies of these are exact."""
+    return values.view(torch.int16)
 
 
 @dataclass
@@ -105,7 +136,7 @@ class StagedUpdate:
         if patch is None:
             return base if self.kind == "anchor" else base.clone()
         out = base.clone()
-        out.view(-1)[patch.index] = patch.values
+        _bits(out.view(-1))[patch.index] = _bits(patch.values)
         return out
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -124,15 +155,39 @@ class DeltaReceiver:
     ranges, base versions, fingerprints), :meth:`apply` then swaps the result in. A failure
     in :meth:`stage` raises a :class:`~deltasync.DeltaSyncError` and changes nothing.
 
+    Every anchor is checked against a manifest (parameter names and shapes): ``expected``
+    when given, else the first anchor the receiver loads. An anchor whose names, shapes or
+    element counts differ is refused, so a rewritten bucket cannot reshape a parameter or
+    slip in an extra one (the fingerprint hashes flat elements, not shapes).
+
     Args:
         bucket: a path, URL or :class:`~deltasync.stores.Store` (fixed for the receiver's life).
+        expected: the parameters the receiver must serve, name -> shape (e.g. from the
+            checkpoint a server started with, or ``{n: p.shape for n, p in model.named_parameters()}``).
+        max_attempts: how many times :meth:`stage` starts over from the newest pointer when
+            files vanish under it (a new anchor retired them while it read).
     """
 
-    def __init__(self, bucket: str | os.PathLike[str] | Store) -> None:
+    def __init__(
+        self,
+        bucket: str | os.PathLike[str] | Store,
+        *,
+        expected: Mapping[str, tuple[int, ...] | torch.Size] | None = None,
+        max_attempts: int = _MAX_ATTEMPTS,
+    ) -> None:
         self.store = open_store(bucket)
         self._state: dict[str, torch.Tensor] = {}
         self._version: int | None = None
         self._fingerprint: str | None = None
+        self._manifest: dict[str, tuple[int, ...]] | None = _manifest(expected)
+        if max_attempts < 1:
+            raise ConfigError(f"max_attempts must be >= 1, got {max_attempts}")
+        self.max_attempts = max_attempts
+
+    @property
+    def manifest(self) -> dict[str, tuple[int, ...]] | None:
+        """The names and shapes every anchor must have (None until known)."""
+        return None if self._manifest is None else dict(self._manifest)
 
     @property
     def version(self) -> int | None:
@@ -156,7 +211,7 @@ class DeltaReceiver:
         """The bucket's committed pointer."""
         where = f"{self.store.url}/{POINTER_PATH}"
         try:
-            data = self.store.read_bytes(POINTER_PATH)
+            data = read_limited(self.store, POINTER_PATH, MAX_POINTER_BYTES)
         except NotFoundError as exc:
             raise VersionError(f"{where}: no version is committed in this bucket yet") from exc
         return Pointer.from_bytes(data, where=where)
@@ -177,13 +232,17 @@ class DeltaReceiver:
         """Download, decode and validate the update to ``version``; change nothing."""
         pointer = self.pointer()
         try:
-            try:
-                return self._stage(pointer, version)
-            except NotFoundError:
-                # A new anchor may have been committed and older files retired while we read:
-                # read the pointer again and start over once.
-                pointer = self.pointer()
-                return self._stage(pointer, version)
+            for attempt in range(1, self.max_attempts + 1):
+                try:
+                    return self._stage(pointer, version)
+                except NotFoundError:
+                    # A new anchor may have been committed and older files retired while we
+                    # read: start over from the newest pointer, as long as the bucket moves.
+                    newer = self.pointer()
+                    if newer == pointer or attempt == self.max_attempts:
+                        raise
+                    pointer = newer
+            raise AssertionError("unreachable")
         except IntegrityError:
             if self._version is None or self._version < pointer.anchor:
                 raise
@@ -203,9 +262,11 @@ class DeltaReceiver:
         names = staged.names
         if staged.kind == "anchor":
             self._state = staged._base
+            if self._manifest is None:
+                self._manifest = {n: tuple(t.shape) for n, t in staged._base.items()}
         for name, patch in staged._patches.items():
             if patch.index.numel():
-                self._state[name].view(-1)[patch.index] = patch.values
+                _bits(self._state[name].view(-1))[patch.index] = _bits(patch.values)
         self._version, self._fingerprint = staged.version, staged.fingerprint
         staged._consumed = True
         return names
@@ -257,6 +318,7 @@ class DeltaReceiver:
                     f"{where}: the anchor's tensors hash to {got}, its metadata says {header.fingerprint} "
                     "(the file was altered after it was written)"
                 )
+            self._check_manifest(tensors, where)
             staged._base = tensors
             staged.fingerprint = got
             staged.versions.append(entry.version)
@@ -289,10 +351,11 @@ class DeltaReceiver:
 
     def _read(self, entry: ChainEntry) -> bytes:
         where = f"{self.store.url}/{entry.path} (version {entry.version})"
-        data = self.store.read_bytes(entry.path)
+        data = read_limited(self.store, entry.path, entry.nbytes)
         if len(data) != entry.nbytes:
+            got = f"more than {entry.nbytes}" if len(data) > entry.nbytes else str(len(data))
             raise IntegrityError(
-                f"{where}: {len(data)} bytes, the pointer says {entry.nbytes} (truncated or replaced)"
+                f"{where}: {got} bytes, the pointer says {entry.nbytes} (truncated or replaced)"
             )
         digest = sha256_hex(data)
         if digest != entry.sha256:
@@ -301,6 +364,31 @@ class DeltaReceiver:
                 "(corrupted or tampered)"
             )
         return data
+
+    def _check_manifest(self, tensors: Mapping[str, torch.Tensor], where: str) -> None:
+        """Refuse an anchor whose parameter names or shapes differ from the manifest's."""
+        manifest = self._manifest
+        if manifest is None:
+            return
+        missing = sorted(set(manifest) - set(tensors))
+        extra = sorted(set(tensors) - set(manifest))
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"lacks {len(missing)} expected parameter(s) (e.g. {missing[0]!r})")
+            if extra:
+                parts.append(f"holds {len(extra)} unexpected parameter(s) (e.g. {extra[0]!r})")
+            raise FormatError(
+                f"{where}: {'; '.join(parts)}; the receiver serves {len(manifest)} parameters "
+                "(the bucket holds another model's weights, or was rewritten)"
+            )
+        for name in sorted(manifest):
+            shape = tuple(tensors[name].shape)
+            if shape != manifest[name]:
+                raise FormatError(
+                    f"{where}: parameter {name!r} has shape {list(shape)}, the receiver serves "
+                    f"{list(manifest[name])}"
+                )
 
     @staticmethod
     def _check_header(header, entry: ChainEntry, pointer: Pointer, where: str) -> None:  # type: ignore[no-untyped-def]
@@ -321,7 +409,7 @@ class DeltaReceiver:
     def _current(staged: StagedUpdate, name: str, index: torch.Tensor) -> torch.Tensor:
         base = staged._base[name].view(-1)
         patch = staged._patches.get(name)
-        return base[index] if patch is None else patch.lookup(base, index)
+        return _bits(base)[index].view(torch.bfloat16) if patch is None else patch.lookup(base, index)
 
     def _advance(self, staged: StagedUpdate, changes: dict[str, Change]) -> str:
         fp = staged.fingerprint

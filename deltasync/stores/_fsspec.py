@@ -64,10 +64,12 @@ class FsspecStore:
             return full[len(self._root) + 1 :]
         return None
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         full = self._full(path)
         try:
-            return self.fs.cat_file(full)
+            if limit is None:
+                return self.fs.cat_file(full)
+            return self.fs.cat_file(full, start=0, end=limit + 1)
         except FileNotFoundError as e:
             raise NotFoundError(f"{path!r} is not in bucket {self.url}") from e
         except IsADirectoryError as e:

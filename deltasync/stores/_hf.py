@@ -81,7 +81,7 @@ class HfBucketStore:
             )
         return StoreError(f"cannot {action} {what} in bucket {self.url}: {error!r}")
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         remote = self._remote(path)
         # Downloads write the destination in place, so download into a private directory and
         # read from there: no other reader can see a half-written file.
@@ -99,7 +99,9 @@ class HfBucketStore:
             except Exception as e:
                 raise self._error("read", repr(path), e) from e
             try:
-                return local.read_bytes()
+                # The download goes to disk; memory holds at most limit + 1 bytes of it.
+                with open(local, "rb") as f:
+                    return f.read() if limit is None else f.read(limit + 1)
             except FileNotFoundError as e:
                 raise StoreError(
                     f"cannot read {path!r} from bucket {self.url}: the download reported "

@@ -37,10 +37,13 @@ class LocalStore:
     def _file(self, path: str) -> Path:
         return self.root.joinpath(*check_path(path).split("/"))
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         target = self._file(path)
         try:
-            return target.read_bytes()
+            if limit is None:
+                return target.read_bytes()
+            with open(target, "rb") as f:
+                return f.read(limit + 1)
         except FileNotFoundError as e:
             raise NotFoundError(f"{path!r} is not in bucket {self.url} (no file {target})") from e
         except IsADirectoryError as e:
