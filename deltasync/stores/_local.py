@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -98,6 +99,33 @@ class LocalStore:
         except OSError as e:
             raise StoreError(f"cannot list {prefix!r} in bucket {self.url}: {e}") from e
         return sorted(found)
+
+    def clean_temp(self, older_than: float) -> list[str]:
+        """Delete temporary files of writes last modified more than ``older_than`` seconds ago.
+
+        A writer killed between creating its temporary file and renaming it leaves the file
+        behind (listing hides it, but it holds space). Younger ones may be in flight. Returns
+        the bucket paths removed.
+        """
+        if not self.root.is_dir():
+            return []
+        cutoff = time.time() - older_than
+        removed: list[str] = []
+        try:
+            for dirpath, _dirnames, filenames in os.walk(self.root, onerror=_raise):
+                for name in filenames:
+                    if not _TEMP_RE.match(name):
+                        continue
+                    path = Path(dirpath) / name
+                    try:
+                        if path.stat().st_mtime < cutoff:
+                            path.unlink()
+                            removed.append(path.relative_to(self.root).as_posix())
+                    except FileNotFoundError:
+                        pass  # renamed or removed by its writer meanwhile
+        except OSError as e:
+            raise StoreError(f"cannot clean temporary files in bucket {self.url}: {e}") from e
+        return removed
 
     def delete(self, paths: Iterable[str]) -> None:
         # Validate all first, so a bad path in the batch deletes nothing.
