@@ -271,8 +271,8 @@ def test_a_huge_version_allocates_nothing(zchain) -> None:
 
 
 POINTER_TEXTS = {
-    "deep arrays": (b"[" * 100_000, r"nests 100000 levels deep \(at most 8\)"),
-    "deep objects": (b'{"a":' * 50_000 + b"1" + b"}" * 50_000, r"nests 50000 levels deep"),
+    "deep arrays": (b"[" * 100_000, r"the pointer nests more than 8 levels deep"),
+    "deep objects": (b'{"a":' * 50_000 + b"1" + b"}" * 50_000, r"nests more than 8 levels deep"),
     "not UTF-8": (b'{"format": "\xff"}', r"invalid JSON: .*can't decode"),
     "duplicate key": (b'{"format": "deltasync", "format": "deltasync"}', r"the key 'format' appears twice"),
     "too large": (b" " * (F.MAX_POINTER_BYTES + 1), r"more than the 33554432 a reader accepts"),
@@ -323,7 +323,7 @@ def first_tensor(header: dict) -> str:
 HEADER_EDITS = {
     "__metadata__ is a list": (lambda h: h.update(__metadata__=[1, 2]), r"__metadata__ is not an object of strings"),
     "__metadata__ holds a number": (lambda h: h["__metadata__"].update(version=2), r"__metadata__ is not an object of strings"),
-    "deep JSON": (lambda h: json.dumps(h, separators=(",", ":")).encode()[:-1] + b',"x":' + b"[" * 5000 + b"]" * 5000 + b"}", r"nests 5001 levels deep \(at most 3\)"),
+    "deep JSON": (lambda h: json.dumps(h, separators=(",", ":")).encode()[:-1] + b',"x":' + b"[" * 5000 + b"]" * 5000 + b"}", r"the safetensors header nests more than 3 levels deep"),
     "huge offsets": (lambda h: json.dumps(h, separators=(",", ":")).encode().replace(b'"data_offsets":[0,', b'"data_offsets":[' + b"9" * 4400 + b",", 1), r"an integer of 4400 digits"),
     "2**63 dims": (lambda h: h[first_tensor(h)].update(shape=[0, 2**63, 2**63]), r"an integer of 19 digits"),
     "2**50 dims": (lambda h: h[first_tensor(h)].update(shape=[2**25, 2**25, 2]), r"claims more than \d+ elements"),
