@@ -12,6 +12,7 @@ signatures through ``api=``.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -101,7 +102,10 @@ class HfBucketStore:
             try:
                 # The download goes to disk; memory holds at most limit + 1 bytes of it.
                 with open(local, "rb") as f:
-                    return f.read() if limit is None else f.read(limit + 1)
+                    if limit is None:
+                        return f.read()
+                    # read(n) allocates n bytes up front: never more than the file holds.
+                    return f.read(min(limit, os.fstat(f.fileno()).st_size) + 1)
             except FileNotFoundError as e:
                 raise StoreError(
                     f"cannot read {path!r} from bucket {self.url}: the download reported "

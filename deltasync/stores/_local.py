@@ -44,7 +44,8 @@ class LocalStore:
             if limit is None:
                 return target.read_bytes()
             with open(target, "rb") as f:
-                return f.read(limit + 1)
+                # read(n) allocates n bytes up front: never more than the file holds.
+                return f.read(min(limit, os.fstat(f.fileno()).st_size) + 1)
         except FileNotFoundError as e:
             raise NotFoundError(f"{path!r} is not in bucket {self.url} (no file {target})") from e
         except IsADirectoryError as e:

@@ -679,3 +679,11 @@ def test_a_slow_reader_retries_from_the_newest_pointer_within_a_bound(tmp_path, 
         with pytest.raises(NotFoundError):
             receiver.sync()
         assert receiver.version is None and receiver.state_dict() == {}
+
+
+def test_a_pointer_promising_a_petabyte_allocates_nothing(zchain) -> None:
+    body = json.loads(zchain.store.read_bytes(F.POINTER_PATH))
+    body["chain"][2]["nbytes"] = 10**15
+    zchain.store.write_bytes(F.POINTER_PATH, json.dumps(body).encode())
+    growth = peak_growth_mib(lambda: refused(zchain, r"version 2\): \d+ bytes, the pointer says 1000000000000000", IntegrityError))
+    assert growth < 16
