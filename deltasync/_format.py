@@ -197,7 +197,7 @@ def _check_hex(value: object, pattern: re.Pattern[str], *, where: str, field: st
 
 def _check_pointer_body(body: dict[str, Any], where: str) -> None:
     """Types and ranges of the pointer's fields, before anything is built from them."""
-    for key in ("version", "anchor", "total"):
+    for key in ("format_version", "version", "anchor", "total"):
         if key in body:
             check_int(body[key], where=where, field=key)
     if "fingerprint" in body:

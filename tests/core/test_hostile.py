@@ -687,3 +687,32 @@ def test_a_pointer_promising_a_petabyte_allocates_nothing(zchain) -> None:
     zchain.store.write_bytes(F.POINTER_PATH, json.dumps(body).encode())
     growth = peak_growth_mib(lambda: refused(zchain, r"version 2\): \d+ bytes, the pointer says 1000000000000000", IntegrityError))
     assert growth < 16
+
+
+def test_a_custom_store_without_bounded_reads_still_works(tmp_path) -> None:
+    """Stores written before ``read_bytes(path, limit)`` existed are read whole, as before."""
+    inner = open_store(tmp_path)
+
+    class OldStore:
+        url = inner.url
+
+        def read_bytes(self, path):  # noqa: ANN001, ANN202
+            return inner.read_bytes(path)
+
+        def write_bytes(self, path, data):  # noqa: ANN001, ANN202
+            inner.write_bytes(path, data)
+
+        def exists(self, path):  # noqa: ANN001, ANN202
+            return inner.exists(path)
+
+        def list(self, prefix=""):  # noqa: ANN001, ANN202
+            return inner.list(prefix)
+
+        def delete(self, paths):  # noqa: ANN001, ANN202
+            inner.delete(paths)
+
+    model = Tiny()
+    publisher = DeltaPublisher(OldStore(), model, None)
+    publisher.publish()
+    receiver = DeltaReceiver(OldStore())
+    assert receiver.sync() == 0 and receiver.fingerprint == publisher.fingerprint
