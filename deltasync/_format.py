@@ -372,7 +372,9 @@ class Pointer:
         try:
             body = parse_json(data, where=where, what="the pointer", max_bytes=MAX_POINTER_BYTES)
         except FormatError as exc:
-            raise FormatError(f"{where}: not a deltasync pointer (invalid JSON: {exc})") from exc
+            if exc.__cause__ is None:  # a limit, already worded
+                raise
+            raise FormatError(f"{where}: not a deltasync pointer (invalid JSON: {exc.__cause__})") from exc
         if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
             raise FormatError(f"{where}: not a deltasync pointer (format is not {FORMAT_NAME!r})")
         if body.get("format_version") != FORMAT_VERSION:

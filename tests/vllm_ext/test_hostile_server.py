@@ -131,7 +131,7 @@ def _reshape(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 HOSTILE = {
-    "pointer with Infinity": (_pointer_infinity, "delta", r"refused \(FormatError\): .*latest.json: .*Infinity is not JSON"),
+    "pointer with Infinity": (_pointer_infinity, "delta", r"refused \(FormatError\): .*not a deltasync pointer \(invalid JSON: Infinity is not JSON\)"),
     "zstd bomb declaring 2**40 bytes": (_zstd_bomb, "delta", r"refused \(FormatError\): .*stream 'gap_lo' decodes to 1099511627776 bytes"),
     "2 GiB file behind a small promise": (_oversized, "delta", r"refused \(IntegrityError\): .*more than \d+ bytes, the pointer says"),
     "reshaped anchor": (_forged_anchor(_reshape), "anchor", r"refused \(FormatError\): .*has shape"),
