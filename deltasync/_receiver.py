@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -290,6 +291,13 @@ class DeltaReceiver:
                 f"version {target} is older than the newest anchor ({pointer.anchor}) in {url} and may be "
                 f"gone; sync to a version in {pointer.anchor}..{pointer.version}"
             )
+        if self._manifest is not None:
+            elements = sum(math.prod(shape) for shape in self._manifest.values())
+            if pointer.total != elements:  # refused before a byte of the chain is read
+                raise FormatError(
+                    f"{url}/{POINTER_PATH}: the bucket's state has {pointer.total} elements, the receiver "
+                    f"serves {elements} (another model's weights, or a rewritten pointer)"
+                )
         own = not from_anchor and self._version is not None and self._version >= pointer.anchor
         if own and pointer.entry(self._version).fingerprint != self._fingerprint:  # type: ignore[arg-type]
             own = False  # our state is not the bucket's: start again from the anchor

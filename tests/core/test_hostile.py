@@ -716,3 +716,11 @@ def test_a_custom_store_without_bounded_reads_still_works(tmp_path) -> None:
     publisher.publish()
     receiver = DeltaReceiver(OldStore())
     assert receiver.sync() == 0 and receiver.fingerprint == publisher.fingerprint
+
+
+def test_a_pointer_claiming_another_model_size_is_refused_before_any_download(zchain) -> None:
+    body = json.loads(zchain.store.read_bytes(F.POINTER_PATH))
+    body["total"] = 10**12
+    zchain.store.write_bytes(F.POINTER_PATH, json.dumps(body).encode())
+    zchain.store.delete([e["path"] for e in body["chain"]])  # nothing is read: a missing file would say so
+    refused(zchain, r"latest.json: the bucket's state has 1000000000000 elements, the receiver serves 144")
