@@ -332,12 +332,13 @@ def m_shapes(rng: random.Random, bucket: Bucket) -> None:
     state = {k: v.clone() for k, v in bucket.states[0].items()}
     name = rng.choice(sorted(state))
     kind = rng.randrange(4)
-    if kind == 0:
-        state[name] = state[name].reshape(-1)
+    shape = state[name].shape
+    if kind == 0:  # flattened, or a column
+        state[name] = state[name].reshape(-1) if len(shape) > 1 else state[name].reshape(-1, 1)
     elif kind == 1:
-        state[name] = state[name].reshape(1, *state[name].shape)
-    elif kind == 2 and state[name].dim() == 2:
-        state[name] = state[name].reshape(state[name].shape[1], state[name].shape[0])
+        state[name] = state[name].reshape(1, *shape)
+    elif kind == 2 and len(shape) == 2 and shape[0] != shape[1]:
+        state[name] = state[name].reshape(shape[1], shape[0])
     else:
         state[f"extra.{rng.randrange(100)}"] = torch.zeros(0, rng.randrange(1, 9), dtype=torch.bfloat16)
     fp = fingerprint(state)
