@@ -229,7 +229,7 @@ def _check_pointer_body(body: dict[str, Any], where: str) -> None:
             _check_hex(item["fingerprint"], _FINGERPRINT_RE, where=where, field=f"{field}.fingerprint")
         path, v = item.get("path"), item.get("version")
         if isinstance(path, str) and isinstance(v, int):
-            digits = re.match(r"(?:anchors|deltas)/([0-9]{8,})[.]", path, re.ASCII)
+            digits = re.match(r"(?:anchors|deltas)/([0-9]{8,16})[.]", path, re.ASCII)
             if digits is None or int(digits.group(1)) != v:
                 raise FormatError(f"{where}: version {v} names an invalid path {path[:80]!r}")
 

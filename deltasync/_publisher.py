@@ -43,7 +43,7 @@ __all__ = ["PublishOptions", "PublishResult", "DeltaPublisher"]
 logger = logging.getLogger(__name__)
 
 # The only names retention may delete: the data files a publisher writes (and their parts).
-_OWNED_RE = re.compile(r"(?:anchors|deltas)/([0-9]{8,})(?:\.part[0-9]+)?\.safetensors", re.ASCII)
+_OWNED_RE = re.compile(r"(?:anchors|deltas)/([0-9]{8,16})(?:\.part[0-9]+)?\.safetensors", re.ASCII)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -293,6 +293,7 @@ CHAIN_ENTRY_VALUES = {
     "path of another version": ("path", "deltas/00000001.safetensors", r"version 2 names an invalid path"),
     "unicode digits": ("path", "deltas/٠٠٠٠٠٠٠٢.safetensors", r"chain\[2\]\.path must be an ASCII string"),
     "kind not a string": ("kind", 7, r"chain\[2\]\.kind must be an ASCII string"),
+    "a 5000-digit file name": ("path", "deltas/" + "0" * 5000 + "2.safetensors", r"version 2 names an invalid path"),
 }
 
 
@@ -601,6 +602,7 @@ def test_retention_deletes_only_the_names_it_writes(tmp_path) -> None:
         "deltas/sub/00000000.safetensors",
         "deltas/00000001.safetensors.orig",
         "anchors/0.safetensors",
+        "deltas/" + "0" * 200 + "1.safetensors",  # as long as a file name may be
     ]
     for name in foreign:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
