@@ -257,33 +257,34 @@ _ST_DTYPES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16"
 
 def _check_tensor_table(table: Mapping[str, Any], data_bytes: int, where: str) -> None:
     """Every tensor's dtype, shape and offsets, checked before the safetensors library sees them."""
+
+    def bad(field: str, problem: str) -> FormatError:
+        return FormatError(f"{where}: not a readable safetensors file ({field} {problem})")
+
     for name, info in table.items():
         if name == "__metadata__":
             continue
         field = f"tensor {name[:80]!r}"
         if not isinstance(info, dict):
-            raise FormatError(f"{where}: not a readable safetensors file ({field} must be an object in the safetensors header)")
+            raise bad(field, "must be an object in the safetensors header")
         dtype = info.get("dtype")
         itemsize = _ST_DTYPES.get(dtype) if isinstance(dtype, str) else None
         if itemsize is None:
-            raise FormatError(f"{where}: not a readable safetensors file ({field} has an unsupported dtype {info.get('dtype')!r:.40})")
+            raise bad(field, f"has an unsupported dtype {dtype!r:.40}")
         shape, offsets = info.get("shape"), info.get("data_offsets")
         if not isinstance(shape, list) or len(shape) > 8:
-            raise FormatError(f"{where}: not a readable safetensors file ({field} has an invalid shape (a list of at most 8 sizes))")
+            raise bad(field, "has an invalid shape (a list of at most 8 sizes)")
         numel = 1
         for dim in shape:
             numel *= check_int(dim, where=where, field=f"{field} shape")
             if numel > MAX_COUNT:
-                raise FormatError(f"{where}: not a readable safetensors file ({field} claims more than {MAX_COUNT} elements)")
+                raise bad(field, f"claims more than {MAX_COUNT} elements")
         if not isinstance(offsets, list) or len(offsets) != 2:
-            raise FormatError(f"{where}: not a readable safetensors file ({field} has invalid data_offsets)")
+            raise bad(field, "has invalid data_offsets")
         begin = check_int(offsets[0], where=where, field=f"{field} data_offsets")
         end = check_int(offsets[1], where=where, field=f"{field} data_offsets")
         if not begin <= end <= data_bytes or end - begin != numel * itemsize:
-            raise FormatError(
-                f"{where}: not a readable safetensors file ({field} data_offsets {offsets} do not fit its shape {shape} "
-                f"or the {data_bytes} data bytes of the file)"
-            )
+            raise bad(field, f"data_offsets {offsets} do not fit its shape {shape} or the {data_bytes} data bytes of the file")
 
 
 def _bounded_decompress(blob: bytes, expected: int) -> bytes:
@@ -493,7 +494,9 @@ class FileHeader:
                 raise ValueError(f"codec {codec!r} is unknown (known: {', '.join(CODECS)})")
             names = None
             if "names" in meta:
-                names = parse_json(meta["names"], where=where, what="metadata names", max_bytes=_MAX_HEADER_BYTES, max_depth=1)
+                names = parse_json(
+                    meta["names"], where=where, what="metadata names", max_bytes=_MAX_HEADER_BYTES, max_depth=1
+                )
                 if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                     raise ValueError("'names' is not a JSON list of strings")
                 names = tuple(names)
@@ -867,7 +870,9 @@ def _decompress(blob: torch.Tensor, expected: int, key: str, where: str) -> byte
         raise FormatError(f"{where}: stream {key!r} is not valid zstd data ({exc})") from exc
     if len(raw) != expected:
         got = f"more than {expected}" if len(raw) > expected else str(len(raw))
-        raise FormatError(f"{where}: stream {key!r} is not valid zstd data (it decodes to {got} bytes, expected {expected})")
+        raise FormatError(
+            f"{where}: stream {key!r} is not valid zstd data (it decodes to {got} bytes, expected {expected})"
+        )
     return raw
 
 
