@@ -13,6 +13,7 @@ They are read with the safetensors library.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import re
@@ -84,6 +85,266 @@ def part_path(kind: str, version: int, part: int) -> str:
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+# --------------------------------------------------------------------------- strict parsing
+#
+# Everything in a bucket may have been written by someone else: a reader parses it with
+# limits (size, nesting, digits), checks each number's type and range before using it, and
+# never allocates from a number it has not checked. Anything else is a FormatError that
+# names the file and the field.
+
+MAX_POINTER_BYTES = 32 << 20
+"""The largest pointer a reader accepts (a 1000-version chain is about 250 KB)."""
+MAX_HISTORY_BYTES = 64 << 20
+"""The largest history a publisher reads back; a longer one is ignored (it is informative only)."""
+MAX_COUNT = 2**50
+"""Upper bound of every element count, byte size and version in a bucket."""
+_MAX_INT_DIGITS = 16
+_MAX_DEPTH = 8
+_MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
+# A string (or an unterminated one, up to the end) or a bracket. The string matches at the
+# first try, and possessive loops keep no backtracking state (a plain (?:a|b)* costs ~100
+# bytes per character).
+_TOKEN_RE = re.compile(rb'"[^"\\]*+(?:\\.?[^"\\]*+)*+(?:"|\Z)|[\[\]{}]', re.DOTALL)
+_META_INT_RE = re.compile(r"(?:0|[1-9][0-9]{0,15})\Z", re.ASCII)
+_FINGERPRINT_RE = re.compile(r"[0-9a-f]{16}\Z", re.ASCII)
+_SHA256_RE = re.compile(r"[0-9a-f]{64}\Z", re.ASCII)
+_MIN_WINDOW = 1 << 20
+
+
+class _Refused(ValueError):
+    """A JSON value outside the limits (raised from inside the parser's hooks)."""
+
+
+def _json_depth(data: bytes, limit: int) -> int:
+    """The nesting of ``[``/``{`` outside strings, counted up to the first level past ``limit``."""
+    level = 0
+    for token in _TOKEN_RE.finditer(data):
+        char = data[token.start()]
+        if char in b"[{":
+            level += 1
+            if level > limit:
+                return level
+        elif char in b"]}":
+            level -= 1
+    return 0
+
+
+def _json_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise _Refused(f"an integer of {len(text)} digits (at most {_MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _json_float(text: str) -> float:
+    value = float(text) if len(text) <= 40 else float("inf")
+    if not np.isfinite(value):
+        raise _Refused(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _no_float(text: str) -> float:
+    raise _Refused(f"a fractional number ({text[:40]}) where only integers are allowed")
+
+
+def _no_constant(text: str) -> Any:
+    raise _Refused(f"{text} is not JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise _Refused(f"the key {dup[:80]!r} appears twice")
+    return out
+
+
+def parse_json(
+    data: bytes | str,
+    *,
+    where: str,
+    what: str,
+    max_bytes: int,
+    max_depth: int = _MAX_DEPTH,
+    floats: bool = False,
+) -> Any:
+    """Parse untrusted JSON with limits on size, nesting and digits; no NaN/Infinity.
+
+    Raises :class:`FormatError` naming ``where`` and ``what`` for anything outside them.
+    """
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    if len(raw) > max_bytes:
+        raise FormatError(f"{where}: {what} is {len(raw)} bytes, more than the {max_bytes} a reader accepts")
+    if _json_depth(raw, max_depth) > max_depth:
+        raise FormatError(f"{where}: {what} nests more than {max_depth} levels deep")
+    try:
+        return json.loads(
+            raw.decode("utf-8"),
+            parse_int=_json_int,
+            parse_float=_json_float if floats else _no_float,
+            parse_constant=_no_constant,
+            object_pairs_hook=_unique_keys,
+        )
+    except (UnicodeDecodeError, json.JSONDecodeError, _Refused, RecursionError) as exc:
+        raise FormatError(f"{where}: {what} is not valid JSON within limits ({exc})") from exc
+
+
+def check_int(value: object, *, where: str, field: str, lo: int = 0, hi: int = MAX_COUNT) -> int:
+    """``value`` if it is an int (not a bool) in ``lo..hi``, else a FormatError naming ``field``."""
+    if type(value) is not int or not lo <= value <= hi:
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise FormatError(f"{where}: {field} must be an integer in {lo}..{hi}, got {shown}")
+    return value
+
+
+def _check_hex(value: object, pattern: re.Pattern[str], *, where: str, field: str) -> None:
+    if not isinstance(value, str) or not pattern.match(value):
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        digits = 16 if pattern is _FINGERPRINT_RE else 64
+        raise FormatError(f"{where}: {field} must be {digits} lower-case hex digits, got {shown}")
+
+
+def _check_pointer_body(body: dict[str, Any], where: str) -> None:
+    """Types and ranges of the pointer's fields, before anything is built from them."""
+    for key in ("format_version", "version", "anchor", "total"):
+        if key in body:
+            check_int(body[key], where=where, field=key)
+    if "fingerprint" in body:
+        _check_hex(body["fingerprint"], _FINGERPRINT_RE, where=where, field="fingerprint")
+    chain = body.get("chain")
+    if not isinstance(chain, list):
+        raise FormatError(f"{where}: chain must be a list, got {type(chain).__name__}")
+    version, anchor = body.get("version"), body.get("anchor")
+    if isinstance(version, int) and isinstance(anchor, int) and len(chain) != version - anchor + 1:
+        # Checked before anything is built from version - anchor (which may be 10**15).
+        got = [item.get("version") if isinstance(item, dict) else None for item in chain[:20]]
+        raise FormatError(
+            f"{where}: the chain must list versions {anchor}..{version} in order, got {got}"
+            + (f" and {len(chain) - 20} more" if len(chain) > 20 else "")
+        )
+    for i, item in enumerate(chain):
+        field = f"chain[{i}]"
+        if not isinstance(item, dict):
+            raise FormatError(f"{where}: {field} must be an object, got {type(item).__name__}")
+        for key in ("version", "nbytes", "changed"):
+            if key in item:
+                check_int(item[key], where=where, field=f"{field}.{key}")
+        for key in ("kind", "path"):
+            if key in item and (not isinstance(item[key], str) or not item[key].isascii()):
+                raise FormatError(f"{where}: {field}.{key} must be an ASCII string, got {item[key]!r:.60}")
+        if "sha256" in item:
+            _check_hex(item["sha256"], _SHA256_RE, where=where, field=f"{field}.sha256")
+        if "fingerprint" in item:
+            _check_hex(item["fingerprint"], _FINGERPRINT_RE, where=where, field=f"{field}.fingerprint")
+        if "parts" in item:
+            _check_part_items(item["parts"], where=where, field=field, version=item.get("version"))
+        path, v = item.get("path"), item.get("version")
+        if isinstance(path, str) and isinstance(v, int):
+            digits = re.match(r"(?:anchors|deltas)/([0-9]{8,16})[.]", path, re.ASCII)
+            if digits is None or int(digits.group(1)) != v:
+                raise FormatError(f"{where}: version {v} names an invalid path {path[:80]!r}")
+
+
+#: At most this many parts per version (one per trainer rank that writes).
+MAX_PARTS = 65536
+
+
+def _check_part_items(parts: Any, *, where: str, field: str, version: Any) -> None:
+    """Types and ranges of a split version's part list, before anything is built from it."""
+    if not isinstance(parts, list) or len(parts) > MAX_PARTS:
+        kind = f"a list of {len(parts)} items" if isinstance(parts, list) else type(parts).__name__
+        raise FormatError(f"{where}: {field}.parts must be a list of at most {MAX_PARTS} parts, got {kind}")
+    for j, part in enumerate(parts):
+        pfield = f"{field}.parts[{j}]"
+        if not isinstance(part, dict):
+            raise FormatError(f"{where}: {pfield} must be an object, got {type(part).__name__}")
+        for key in ("nbytes", "changed"):
+            if key in part:
+                check_int(part[key], where=where, field=f"{pfield}.{key}")
+        path = part.get("path")
+        if path is not None and (not isinstance(path, str) or not path.isascii()):
+            raise FormatError(f"{where}: {pfield}.path must be an ASCII string, got {path!r:.60}")
+        if "sha256" in part:
+            _check_hex(part["sha256"], _SHA256_RE, where=where, field=f"{pfield}.sha256")
+        if isinstance(path, str) and isinstance(version, int):
+            digits = re.match(r"(?:anchors|deltas)/([0-9]{8,16})[.]", path, re.ASCII)
+            if digits is None or int(digits.group(1)) != version:
+                raise FormatError(f"{where}: version {version} names an invalid part path {path[:80]!r}")
+
+
+def _check_metadata(meta: Mapping[str, str], where: str) -> None:
+    """Metadata integers are plain ASCII decimals (no sign, spaces, '_' or leading zeros)."""
+    for key in ("version", "anchor", "params", "changed", "total", "base", "part", "parts"):
+        value = meta.get(key)
+        if value is None or (key == "base" and value == "none"):
+            continue
+        if not isinstance(value, str) or not _META_INT_RE.match(value):
+            raise FormatError(
+                f"{where}: invalid metadata ({key}={value!r:.60} is not a plain decimal integer "
+                f"below 10**{_MAX_INT_DIGITS})"
+            )
+    for key in ("fingerprint", "base_fingerprint"):
+        if key in meta:
+            _check_hex(meta[key], _FINGERPRINT_RE, where=where, field=f"metadata {key}")
+    if "changed" in meta and "total" in meta and int(meta["changed"]) > int(meta["total"]):
+        raise FormatError(f"{where}: metadata changed={meta['changed']} exceeds total={meta['total']}")
+
+
+_ST_DTYPES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}
+
+
+def _check_tensor_table(table: Mapping[str, Any], data_bytes: int, where: str) -> None:
+    """Every tensor's dtype, shape and offsets, checked before the safetensors library sees them."""
+
+    def bad(field: str, problem: str) -> FormatError:
+        return FormatError(f"{where}: not a readable safetensors file ({field} {problem})")
+
+    for name, info in table.items():
+        if name == "__metadata__":
+            continue
+        field = f"tensor {name[:80]!r}"
+        if not isinstance(info, dict):
+            raise bad(field, "must be an object in the safetensors header")
+        dtype = info.get("dtype")
+        itemsize = _ST_DTYPES.get(dtype) if isinstance(dtype, str) else None
+        if itemsize is None:
+            raise bad(field, f"has an unsupported dtype {dtype!r:.40}")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or len(shape) > 8:
+            raise bad(field, "has an invalid shape (a list of at most 8 sizes)")
+        numel = 1
+        for dim in shape:
+            numel *= check_int(dim, where=where, field=f"{field} shape")
+            if numel > MAX_COUNT:
+                raise bad(field, f"claims more than {MAX_COUNT} elements")
+        if not isinstance(offsets, list) or len(offsets) != 2:
+            raise bad(field, "has invalid data_offsets")
+        begin = check_int(offsets[0], where=where, field=f"{field} data_offsets")
+        end = check_int(offsets[1], where=where, field=f"{field} data_offsets")
+        if not begin <= end <= data_bytes or end - begin != numel * itemsize:
+            raise bad(field, f"data_offsets {offsets} do not fit its shape {shape} or the {data_bytes} data bytes of the file")
+
+
+def _bounded_decompress(blob: bytes, expected: int) -> bytes:
+    """Decompress at most ``expected + 1`` bytes, whatever the frame header claims.
+
+    The one-shot API trusts a frame's declared content size (a 1 KB frame can ask for a
+    terabyte). Streaming with a bounded window keeps memory at ``expected`` plus a constant.
+    """
+    window = max(_MIN_WINDOW, 1 << max(expected - 1, 1).bit_length())
+    dctx = zstandard.ZstdDecompressor(max_window_size=window)
+    out = bytearray()
+    with dctx.stream_reader(io.BytesIO(blob), read_across_frames=False) as reader:
+        while len(out) <= expected:
+            chunk = reader.read(expected + 1 - len(out))
+            if not chunk:
+                break
+            out += chunk
+    return bytes(out)
 
 
 # --------------------------------------------------------------------------- the pointer
@@ -186,9 +447,11 @@ class Pointer:
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str = POINTER_PATH) -> Pointer:
         try:
-            body = json.loads(data.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"{where}: not a deltasync pointer (invalid JSON: {exc})") from exc
+            body = parse_json(data, where=where, what="the pointer", max_bytes=MAX_POINTER_BYTES)
+        except FormatError as exc:
+            if exc.__cause__ is None:  # a limit, already worded
+                raise
+            raise FormatError(f"{where}: not a deltasync pointer (invalid JSON: {exc.__cause__})") from exc
         if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
             raise FormatError(f"{where}: not a deltasync pointer (format is not {FORMAT_NAME!r})")
         if body.get("format_version") not in READABLE_FORMAT_VERSIONS:
@@ -196,6 +459,7 @@ class Pointer:
                 f"{where}: format_version {body.get('format_version')!r} is not supported "
                 f"(this deltasync reads {', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade deltasync"
             )
+        _check_pointer_body(body, where)
         try:
             chain = tuple(
                 _multi_part_entry(item)
@@ -351,6 +615,7 @@ class FileHeader:
                 f"{where}: format_version {meta.get('format_version')!r} is not supported "
                 f"(this deltasync reads {', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade deltasync"
             )
+        _check_metadata(meta, where)
         split = meta["format_version"] == str(PARTS_FORMAT_VERSION)
         try:
             kind = meta["kind"]
@@ -361,7 +626,9 @@ class FileHeader:
                 raise ValueError(f"codec {codec!r} is unknown (known: {', '.join(CODECS)})")
             names = None
             if "names" in meta:
-                names = json.loads(meta["names"])
+                names = parse_json(
+                    meta["names"], where=where, what="metadata names", max_bytes=_MAX_HEADER_BYTES, max_depth=1
+                )
                 if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                     raise ValueError("'names' is not a JSON list of strings")
                 names = tuple(names)
@@ -377,7 +644,7 @@ class FileHeader:
                 fingerprint=meta["fingerprint"],
                 base_fingerprint=meta.get("base_fingerprint"),
                 names=names,
-                **(_part_fields(meta, kind) if split else {}),
+                **(_part_fields(meta, kind, where) if split else {}),
             )
         except KeyError as exc:
             raise FormatError(f"{where}: metadata lacks the key {exc}") from exc
@@ -392,22 +659,29 @@ class FileHeader:
         return header
 
 
-def _part_fields(meta: Mapping[str, str], kind: str) -> dict[str, Any]:
+#: Largest 'slices' metadata value a reader parses (an anchor part lists each parameter once).
+MAX_SLICES_BYTES = 64 << 20
+
+
+def _part_fields(meta: Mapping[str, str], kind: str, where: str) -> dict[str, Any]:
     """The metadata keys only a part of a split version (format version 2) carries."""
     part, parts = int(meta["part"]), int(meta["parts"])
     if not 0 <= part < parts:
         raise ValueError(f"part {part} is outside 0..{parts - 1}")
     fields: dict[str, Any] = {"part": part, "parts": parts}
     if kind == "anchor":
-        raw = json.loads(meta["slices"])
+        raw = parse_json(meta["slices"], where=where, what="'slices'", max_bytes=MAX_SLICES_BYTES)
         if not isinstance(raw, list):
             raise ValueError("'slices' is not a JSON list")
         slices = []
         for item in raw:
+            if not isinstance(item, list) or len(item) != 4:
+                raise ValueError(f"'slices' entry {item!r:.80} is not [name, shape, begin, end]")
             name, shape, begin, end = item
             if (
                 not isinstance(name, str)
                 or not isinstance(shape, list)
+                or len(shape) > 8
                 or not all(type(d) is int and d >= 0 for d in shape)
                 or type(begin) is not int
                 or type(end) is not int
@@ -465,9 +739,21 @@ def read_header(data: bytes, *, where: str) -> FileHeader:
     if length > len(data) - 8:
         raise FormatError(f"{where}: truncated (header says {length} bytes, file has {len(data) - 8} after it)")
     try:
-        meta = json.loads(data[8 : 8 + length].decode()).get("__metadata__")
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-        raise FormatError(f"{where}: unreadable safetensors header ({exc})") from exc
+        table = parse_json(
+            data[8 : 8 + length], where=where, what="the safetensors header", max_bytes=_MAX_HEADER_BYTES, max_depth=3
+        )
+    except FormatError as exc:
+        if exc.__cause__ is None:  # a limit, already worded
+            raise
+        raise FormatError(f"{where}: unreadable safetensors header ({exc.__cause__})") from exc
+    if not isinstance(table, dict):
+        raise FormatError(f"{where}: unreadable safetensors header (not a JSON object)")
+    meta = table.get("__metadata__")
+    if meta is not None and (
+        not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())
+    ):
+        raise FormatError(f"{where}: unreadable safetensors header (__metadata__ is not an object of strings)")
+    _check_tensor_table(table, len(data) - 8 - length, where)
     return FileHeader.from_metadata(meta, where=where)
 
 
@@ -770,12 +1056,19 @@ def _decompress(blob: torch.Tensor, expected: int, key: str, where: str) -> byte
         if blob.numel():
             raise FormatError(f"{where}: stream {key!r} should be empty")
         return b""
+    data = blob.numpy().tobytes()
     try:
-        raw = zstandard.ZstdDecompressor().decompress(blob.numpy().tobytes(), max_output_size=expected)
+        declared = zstandard.frame_content_size(data)
+        if declared not in (-1, expected):  # -1: the frame does not say
+            raise FormatError(f"{where}: stream {key!r} decodes to {declared} bytes, expected {expected}")
+        raw = _bounded_decompress(data, expected)
     except zstandard.ZstdError as exc:
         raise FormatError(f"{where}: stream {key!r} is not valid zstd data ({exc})") from exc
     if len(raw) != expected:
-        raise FormatError(f"{where}: stream {key!r} decodes to {len(raw)} bytes, expected {expected}")
+        got = f"more than {expected}" if len(raw) > expected else str(len(raw))
+        raise FormatError(
+            f"{where}: stream {key!r} is not valid zstd data (it decodes to {got} bytes, expected {expected})"
+        )
     return raw
 
 

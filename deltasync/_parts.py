@@ -30,6 +30,7 @@ from ._format import (
     read_header,
     sha256_hex,
 )
+from .stores import read_limited
 
 if TYPE_CHECKING:
     from .stores import Store
@@ -113,9 +114,10 @@ def fetch_version(store: Store, entry: ChainEntry) -> list[bytes]:
     for number, item in enumerate(entry.files):
         label = f"part {number} of version {entry.version}" if entry.parts else f"version {entry.version}"
         where = f"{store.url}/{item.path} ({label})"
-        data = store.read_bytes(item.path)
+        data = read_limited(store, item.path, item.nbytes)  # at most nbytes + 1, whatever the file holds
         if len(data) != item.nbytes:
-            raise IntegrityError(f"{where}: {len(data)} bytes, the pointer says {item.nbytes} (truncated or replaced)")
+            got = f"more than {item.nbytes}" if len(data) > item.nbytes else str(len(data))
+            raise IntegrityError(f"{where}: {got} bytes, the pointer says {item.nbytes} (truncated or replaced)")
         digest = sha256_hex(data)
         if digest != item.sha256:
             raise IntegrityError(

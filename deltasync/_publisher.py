@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
@@ -10,11 +12,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._detector import BF16ChangeDetector, bf16_state_dict, named_parameters
-from ._errors import ConfigError, NotFoundError
+from ._errors import ConfigError, DeltaSyncError, NotFoundError
 from ._fingerprint import fingerprint, fingerprint_share, fingerprint_update, format_fingerprint, parse_fingerprint
 from ._format import (
     CODECS,
     HISTORY_PATH,
+    MAX_HISTORY_BYTES,
+    MAX_POINTER_BYTES,
     POINTER_PATH,
     ChainEntry,
     Change,
@@ -24,11 +28,13 @@ from ._format import (
     delta_path,
     encode_anchor,
     encode_delta,
+    check_int,
+    parse_json,
     part_path,
     sha256_hex,
 )
 from ._parts import AnchorSlice, encode_anchor_part
-from .stores import open_store
+from .stores import open_store, read_limited
 
 if TYPE_CHECKING:
     import os
@@ -36,6 +42,11 @@ if TYPE_CHECKING:
     from .stores import Store
 
 __all__ = ["PublishOptions", "PublishResult", "DeltaPublisher"]
+
+logger = logging.getLogger(__name__)
+
+# The only names retention may delete: the data files a publisher writes (and their parts).
+_OWNED_RE = re.compile(r"(?:anchors|deltas)/([0-9]{8,16})(?:\.part[0-9]+)?\.safetensors", re.ASCII)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +68,9 @@ class PublishOptions:
     snapshot_device: str | None = "cpu"
     """Where the detector keeps the last published bf16 state: "cpu", or None for each
     parameter's own device."""
+    stale_temp_seconds: float = 3600.0
+    """Temporary files of writes (local buckets) older than this are deleted when the publisher
+    starts and after each anchor: a writer killed mid-write leaves one behind."""
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1:
@@ -71,6 +85,8 @@ class PublishOptions:
             raise ConfigError(f"zstd_level={self.zstd_level} is set but codec is {self.codec!r}; drop one of them")
         if self.keep_anchors < 1:
             raise ConfigError(f"keep_anchors must be >= 1 (the newest chain is always kept), got {self.keep_anchors}")
+        if not self.stale_temp_seconds > 0:
+            raise ConfigError(f"stale_temp_seconds must be > 0, got {self.stale_temp_seconds}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +108,8 @@ class PublishResult:
     """Fingerprint of the full bf16 state at this version."""
     seconds: float
     """Wall time of the publish: detect, encode, write, commit."""
+    warnings: tuple[str, ...] = ()
+    """Problems after the commit that did not undo it (a retention delete that failed); also logged."""
 
     @property
     def changed_fraction(self) -> float:
@@ -141,6 +159,8 @@ class DeltaPublisher:
         self._need_anchor = True
         self.anchor_metadata: dict[str, str] = {}
         """Extra ``x-`` metadata written into every anchor (an adapter bucket's PEFT config)."""
+        if self.detector.layout is None or self.detector.layout.rank == 0:
+            self._clean_temp()
 
     # ------------------------------------------------------------------ state
 
@@ -155,23 +175,33 @@ class DeltaPublisher:
 
     def _read_pointer(self) -> Pointer | None:
         try:
-            data = self.store.read_bytes(POINTER_PATH)
+            data = read_limited(self.store, POINTER_PATH, MAX_POINTER_BYTES)
         except NotFoundError:
             return None
         return Pointer.from_bytes(data, where=f"{self.store.url}/{POINTER_PATH}")
 
     def _read_history(self) -> dict[int, dict[str, object]]:
+        where = f"{self.store.url}/{HISTORY_PATH}"
         try:
-            data = self.store.read_bytes(HISTORY_PATH)
+            data = read_limited(self.store, HISTORY_PATH, MAX_HISTORY_BYTES)
         except NotFoundError:
             return {}
         history: dict[int, dict[str, object]] = {}
-        for line in data.decode(errors="replace").splitlines():
+        if len(data) > MAX_HISTORY_BYTES:
+            logger.warning("%s: larger than %d bytes; starting a new history", where, MAX_HISTORY_BYTES)
+            return history
+        for number, line in enumerate(data.decode(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            # The history is informative only: a bad line is skipped, not worth a failure.
             try:
-                record = json.loads(line)
-                history[int(record["version"])] = record
-            except (ValueError, KeyError, TypeError):
-                continue  # the history is informative only; a bad line is not worth a failure
+                record = parse_json(line, where=f"{where} line {number}", what="the record", max_bytes=1 << 16,
+                                    max_depth=2, floats=True)  # fmt: skip
+                if not isinstance(record, dict):
+                    raise DeltaSyncError(f"{where} line {number}: not a JSON object")
+                history[check_int(record.get("version"), where=f"{where} line {number}", field="version")] = record
+            except DeltaSyncError as exc:
+                logger.warning("skipping a corrupt history line: %s", exc)
         if self._pointer is not None:
             history = {v: r for v, r in history.items() if v <= self._pointer.version}
         return history
@@ -256,18 +286,21 @@ class DeltaPublisher:
             seconds=0.0,
         )
         self._history[version] = {**asdict(result), "time": time.time()}
+        del self._history[version]["warnings"]
         self._write_history()
         self.store.write_bytes(POINTER_PATH, new_pointer.to_bytes())  # the commit point
         self._pointer = new_pointer
+        # Committed: from here on nothing may raise, or a caller would retry a published version.
+        warnings: list[str] = []
         if changes is None:
             self.detector.reset()
             self._need_anchor = False
-            self._retain(version)
+            warnings = self._housekeep(version)
         else:
             self.detector.commit(changes)
         seconds = time.perf_counter() - start
         self._history[version]["seconds"] = seconds
-        return replace(result, seconds=seconds)
+        return replace(result, seconds=seconds, warnings=tuple(warnings))
 
     # ------------------------------------------------------------------ several processes
 
@@ -375,6 +408,7 @@ class DeltaPublisher:
         def commit() -> tuple[None, None]:
             if layout.rank == 0:
                 self._history[version] = {**asdict(result), "time": time.time()}
+                del self._history[version]["warnings"]
                 try:
                     self._write_history()
                     self.store.write_bytes(POINTER_PATH, new_pointer.to_bytes())  # the commit point
@@ -385,17 +419,19 @@ class DeltaPublisher:
 
         layout.agree(f"committing version {version}", commit)
         self._pointer = new_pointer
+        # Committed: from here on nothing may raise, or a caller would retry a published version.
+        warnings: list[str] = []
         if kind == "anchor":
             self.detector.reset()
             self._need_anchor = False
             if layout.rank == 0:
-                self._retain(version)
+                warnings = self._housekeep(version)
         else:
             self.detector.commit(changes)
         seconds = time.perf_counter() - start
         if layout.rank == 0:
             self._history[version]["seconds"] = seconds
-        return replace(result, seconds=seconds)
+        return replace(result, seconds=seconds, warnings=tuple(warnings))
 
     def _local_changes(self) -> tuple[dict[str, Change], int]:
         """This rank's changes and its share of the fingerprint's move (0 on ranks that own nothing)."""
@@ -439,10 +475,22 @@ class DeltaPublisher:
         lines = [json.dumps(self._history[v], sort_keys=True) for v in sorted(self._history)]
         self.store.write_bytes(HISTORY_PATH, ("\n".join(lines) + "\n").encode())
 
+    def _housekeep(self, version: int) -> list[str]:
+        """Retention and temp-file cleaning after anchor ``version`` was committed: never raises;
+        returns the warnings for the publish result (also logged)."""
+        warnings: list[str] = []
+        try:
+            self._retain(version)
+        except Exception as exc:  # noqa: BLE001  (reported, not raised: the version is committed)
+            warnings.append(f"retention after version {version} failed, old files are left: {exc}")
+            logger.warning("deltasync: %s", warnings[-1])
+        self._clean_temp()
+        return warnings
+
     def _retain(self, newest_anchor: int) -> None:
         """Delete files older than the ``keep_anchors`` newest anchor chains."""
         anchors = sorted(
-            v for v in (_version_of(p) for p in self.store.list("anchors/")) if v is not None and v <= newest_anchor
+            {v for v in (_version_of(p) for p in self.store.list("anchors/")) if v is not None and v <= newest_anchor}
         )
         if len(anchors) < self.options.keep_anchors:
             return
@@ -454,6 +502,19 @@ class DeltaPublisher:
         ]
         if stale:
             self.store.delete(stale)
+
+    def _clean_temp(self) -> None:
+        """Delete temporary files that killed writes left (local buckets only; best effort)."""
+        clean = getattr(self.store, "clean_temp", None)
+        if clean is None:
+            return
+        try:
+            removed = clean(self.options.stale_temp_seconds)
+        except Exception as exc:  # noqa: BLE001  (housekeeping never fails a publish)
+            logger.warning("deltasync: cannot clean stale temporary files in %s: %s", self.store.url, exc)
+            return
+        if removed:
+            logger.info("deltasync: removed %d stale temporary file(s) in %s", len(removed), self.store.url)
 
     def close(self) -> None:
         """Detach from the optimizer."""
@@ -467,9 +528,7 @@ class DeltaPublisher:
 
 
 def _version_of(path: str) -> int | None:
-    stem = path.rsplit("/", 1)[-1].split(".", 1)[0]
-    try:
-        return int(stem)
-    except ValueError:
-        return None
+    """The version of a data file this publisher writes; None for any other name."""
+    match = _OWNED_RE.fullmatch(path)
+    return None if match is None else int(match.group(1))
 

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from ._errors import FormatError, IntegrityError, NotFoundError, VersionError
+from ._errors import ConfigError, FormatError, IntegrityError, NotFoundError, VersionError
 from ._fingerprint import fingerprint, fingerprint_update
-from ._format import POINTER_PATH, ChainEntry, Change, Pointer, sha256_hex
+from ._format import (
+    MAX_POINTER_BYTES,
+    POINTER_PATH,
+    ChainEntry,
+    Change,
+    Pointer,
+)
 from ._parts import decode_version, fetch_version
-from .stores import open_store
+from .stores import open_store, read_limited
 
 if TYPE_CHECKING:
     import os
@@ -21,6 +28,21 @@ if TYPE_CHECKING:
     from .stores import Store
 
 __all__ = ["DeltaReceiver", "StagedUpdate"]
+
+_MAX_ATTEMPTS = 8
+"""Default bound on how often a sync starts over from a newer pointer."""
+
+
+def _manifest(expected: Mapping[str, tuple[int, ...] | torch.Size] | None) -> dict[str, tuple[int, ...]] | None:
+    if expected is None:
+        return None
+    manifest = {}
+    for name, shape in expected.items():
+        dims = tuple(shape)
+        if not isinstance(name, str) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+            raise ConfigError(f"expected: {name!r} -> {shape!r} is not a parameter name -> shape")
+        manifest[name] = dims
+    return manifest
 
 
 @dataclass
@@ -33,21 +55,28 @@ class _Patch:
     def merge(self, index: torch.Tensor, values: torch.Tensor) -> None:
         """Add a later change; where both touch an element, the later value wins."""
         all_index = torch.cat([self.index, index])
-        all_values = torch.cat([self.values, values])
+        all_values = torch.cat([_bits(self.values), _bits(values)])  # bit patterns: NaN payloads survive
         order = torch.sort(all_index, stable=True).indices
         all_index, all_values = all_index[order], all_values[order]
         keep = torch.ones_like(all_index, dtype=torch.bool)
         keep[:-1] = all_index[1:] != all_index[:-1]  # the last of each run came last
-        self.index, self.values = all_index[keep], all_values[keep]
+        self.index, self.values = all_index[keep], all_values[keep].view(torch.bfloat16)
 
     def lookup(self, base: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Values at ``index`` with this patch laid over ``base`` (flat)."""
-        out = base[index].clone()
+        out = _bits(base)[index].clone()
         if self.index.numel():
             pos = torch.searchsorted(self.index, index).clamp(max=self.index.numel() - 1)
             hit = self.index[pos] == index
-            out[hit] = self.values[pos[hit]]
-        return out
+            # As int16: a bf16 assignment of one element goes through a float scalar, which
+            # rewrites NaN payloads.
+            out[hit] = _bits(self.values)[pos[hit]]
+        return out.view(torch.bfloat16)
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    """The int16 bit patterns of a bf16 tensor (a view): copies of these are exact."""
+    return values.view(torch.int16)
 
 
 @dataclass
@@ -106,7 +135,7 @@ class StagedUpdate:
         if patch is None:
             return base if self.kind == "anchor" else base.clone()
         out = base.clone()
-        out.view(-1)[patch.index] = patch.values
+        _bits(out.view(-1))[patch.index] = _bits(patch.values)
         return out
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -125,15 +154,39 @@ class DeltaReceiver:
     ranges, base versions, fingerprints), :meth:`apply` then swaps the result in. A failure
     in :meth:`stage` raises a :class:`~deltasync.DeltaSyncError` and changes nothing.
 
+    Every anchor is checked against a manifest (parameter names and shapes): ``expected``
+    when given, else the first anchor the receiver loads. An anchor whose names, shapes or
+    element counts differ is refused, so a rewritten bucket cannot reshape a parameter or
+    slip in an extra one (the fingerprint hashes flat elements, not shapes).
+
     Args:
         bucket: a path, URL or :class:`~deltasync.stores.Store` (fixed for the receiver's life).
+        expected: the parameters the receiver must serve, name -> shape (e.g. from the
+            checkpoint a server started with, or ``{n: p.shape for n, p in model.named_parameters()}``).
+        max_attempts: how many times :meth:`stage` starts over from the newest pointer when
+            files vanish under it (a new anchor retired them while it read).
     """
 
-    def __init__(self, bucket: str | os.PathLike[str] | Store) -> None:
+    def __init__(
+        self,
+        bucket: str | os.PathLike[str] | Store,
+        *,
+        expected: Mapping[str, tuple[int, ...] | torch.Size] | None = None,
+        max_attempts: int = _MAX_ATTEMPTS,
+    ) -> None:
         self.store = open_store(bucket)
         self._state: dict[str, torch.Tensor] = {}
         self._version: int | None = None
         self._fingerprint: str | None = None
+        self._manifest: dict[str, tuple[int, ...]] | None = _manifest(expected)
+        if max_attempts < 1:
+            raise ConfigError(f"max_attempts must be >= 1, got {max_attempts}")
+        self.max_attempts = max_attempts
+
+    @property
+    def manifest(self) -> dict[str, tuple[int, ...]] | None:
+        """The names and shapes every anchor must have (None until known)."""
+        return None if self._manifest is None else dict(self._manifest)
 
     @property
     def version(self) -> int | None:
@@ -157,7 +210,7 @@ class DeltaReceiver:
         """The bucket's committed pointer."""
         where = f"{self.store.url}/{POINTER_PATH}"
         try:
-            data = self.store.read_bytes(POINTER_PATH)
+            data = read_limited(self.store, POINTER_PATH, MAX_POINTER_BYTES)
         except NotFoundError as exc:
             raise VersionError(f"{where}: no version is committed in this bucket yet") from exc
         return Pointer.from_bytes(data, where=where)
@@ -178,13 +231,17 @@ class DeltaReceiver:
         """Download, decode and validate the update to ``version``; change nothing."""
         pointer = self.pointer()
         try:
-            try:
-                return self._stage(pointer, version)
-            except NotFoundError:
-                # A new anchor may have been committed and older files retired while we read:
-                # read the pointer again and start over once.
-                pointer = self.pointer()
-                return self._stage(pointer, version)
+            for attempt in range(1, self.max_attempts + 1):
+                try:
+                    return self._stage(pointer, version)
+                except NotFoundError:
+                    # A new anchor may have been committed and older files retired while we
+                    # read: start over from the newest pointer, as long as the bucket moves.
+                    newer = self.pointer()
+                    if newer == pointer or attempt == self.max_attempts:
+                        raise
+                    pointer = newer
+            raise AssertionError("unreachable")
         except IntegrityError:
             if self._version is None or self._version < pointer.anchor:
                 raise
@@ -204,9 +261,11 @@ class DeltaReceiver:
         names = staged.names
         if staged.kind == "anchor":
             self._state = staged._base
+            if self._manifest is None:
+                self._manifest = {n: tuple(t.shape) for n, t in staged._base.items()}
         for name, patch in staged._patches.items():
             if patch.index.numel():
-                self._state[name].view(-1)[patch.index] = patch.values
+                _bits(self._state[name].view(-1))[patch.index] = _bits(patch.values)
         self._version, self._fingerprint = staged.version, staged.fingerprint
         staged._consumed = True
         return names
@@ -230,6 +289,13 @@ class DeltaReceiver:
                 f"version {target} is older than the newest anchor ({pointer.anchor}) in {url} and may be "
                 f"gone; sync to a version in {pointer.anchor}..{pointer.version}"
             )
+        if self._manifest is not None:
+            elements = sum(math.prod(shape) for shape in self._manifest.values())
+            if pointer.total != elements:  # refused before a byte of the chain is read
+                raise FormatError(
+                    f"{url}/{POINTER_PATH}: the bucket's state has {pointer.total} elements, the receiver "
+                    f"serves {elements} (another model's weights, or a rewritten pointer)"
+                )
         own = not from_anchor and self._version is not None and self._version >= pointer.anchor
         if own and pointer.entry(self._version).fingerprint != self._fingerprint:  # type: ignore[arg-type]
             own = False  # our state is not the bucket's: start again from the anchor
@@ -258,6 +324,7 @@ class DeltaReceiver:
                     f"{where}: the anchor's tensors hash to {got}, its metadata says {header.fingerprint} "
                     "(the file was altered after it was written)"
                 )
+            self._check_manifest(tensors, where)
             staged._base = tensors
             staged.fingerprint = got
             staged.versions.append(entry.version)
@@ -289,9 +356,8 @@ class DeltaReceiver:
         return staged
 
     def _read_version(self, entry: ChainEntry) -> list[bytes]:
-        """Every file of a version (one, or one per part), each checked against the pointer."""
-        if not entry.parts:
-            return [self._read(entry)]
+        """Every file of a version (one, or one per part), each read with a bound and checked
+        against the pointer's size and SHA-256."""
         return fetch_version(self.store, entry)
 
     def _where(self, entry: ChainEntry) -> str:
@@ -299,20 +365,30 @@ class DeltaReceiver:
             return f"{self.store.url}/{entry.path} (version {entry.version})"
         return f"{self.store.url}/{entry.kind}s/{entry.version:08d}.part* ({len(entry.parts)} parts of version {entry.version})"
 
-    def _read(self, entry: ChainEntry) -> bytes:
-        where = f"{self.store.url}/{entry.path} (version {entry.version})"
-        data = self.store.read_bytes(entry.path)
-        if len(data) != entry.nbytes:
-            raise IntegrityError(
-                f"{where}: {len(data)} bytes, the pointer says {entry.nbytes} (truncated or replaced)"
+    def _check_manifest(self, tensors: Mapping[str, torch.Tensor], where: str) -> None:
+        """Refuse an anchor whose parameter names or shapes differ from the manifest's."""
+        manifest = self._manifest
+        if manifest is None:
+            return
+        missing = sorted(set(manifest) - set(tensors))
+        extra = sorted(set(tensors) - set(manifest))
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"lacks {len(missing)} expected parameter(s) (e.g. {missing[0]!r})")
+            if extra:
+                parts.append(f"holds {len(extra)} unexpected parameter(s) (e.g. {extra[0]!r})")
+            raise FormatError(
+                f"{where}: {'; '.join(parts)}; the receiver serves {len(manifest)} parameters "
+                "(the bucket holds another model's weights, or was rewritten)"
             )
-        digest = sha256_hex(data)
-        if digest != entry.sha256:
-            raise IntegrityError(
-                f"{where}: SHA-256 {digest[:16]}... does not match the pointer's {entry.sha256[:16]}... "
-                "(corrupted or tampered)"
-            )
-        return data
+        for name in sorted(manifest):
+            shape = tuple(tensors[name].shape)
+            if shape != manifest[name]:
+                raise FormatError(
+                    f"{where}: parameter {name!r} has shape {list(shape)}, the receiver serves "
+                    f"{list(manifest[name])}"
+                )
 
     @staticmethod
     def _check_header(header, entry: ChainEntry, pointer: Pointer, where: str) -> None:  # type: ignore[no-untyped-def]
@@ -333,7 +409,7 @@ class DeltaReceiver:
     def _current(staged: StagedUpdate, name: str, index: torch.Tensor) -> torch.Tensor:
         base = staged._base[name].view(-1)
         patch = staged._patches.get(name)
-        return base[index] if patch is None else patch.lookup(base, index)
+        return _bits(base)[index].view(torch.bfloat16) if patch is None else patch.lookup(base, index)
 
     def _advance(self, staged: StagedUpdate, changes: dict[str, Change]) -> str:
         fp = staged.fingerprint

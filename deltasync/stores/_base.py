@@ -8,6 +8,7 @@ this small is what lets one conformance suite prove every backend equivalent.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from collections.abc import Iterable
@@ -16,7 +17,7 @@ from urllib.parse import unquote, urlsplit
 
 from .._errors import ConfigError
 
-__all__ = ["Store", "check_path", "check_prefix", "open_store"]
+__all__ = ["Store", "check_path", "check_prefix", "open_store", "read_limited"]
 
 # A URL is recognised by an explicit "scheme://": a bare "C:\dir" or "dir:x" stays a path.
 _URL_RE = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -40,8 +41,12 @@ class Store(Protocol):
     url: str
     """The canonical URL of the bucket, as ``open_store`` would accept it."""
 
-    def read_bytes(self, path: str) -> bytes:
-        """Return the whole file; ``NotFoundError`` if it is missing, ``StoreError`` otherwise."""
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        """Return the whole file; ``NotFoundError`` if it is missing, ``StoreError`` otherwise.
+
+        With ``limit``, read at most ``limit + 1`` bytes: a longer file returns its first
+        ``limit + 1`` bytes, so the caller sees that it is too long without holding all of it.
+        """
         ...
 
     def write_bytes(self, path: str, data: bytes) -> None:
@@ -63,6 +68,20 @@ class Store(Protocol):
     def delete(self, paths: Iterable[str]) -> None:
         """Delete the files; a file that is already gone is not an error."""
         ...
+
+
+def read_limited(store: Store, path: str, limit: int) -> bytes:
+    """``store.read_bytes(path, limit=limit)``, for stores that predate ``limit`` too.
+
+    A custom store whose ``read_bytes`` takes no ``limit`` is read whole (its own business).
+    """
+    try:
+        takes_limit = "limit" in inspect.signature(store.read_bytes).parameters
+    except (TypeError, ValueError):
+        takes_limit = False
+    if takes_limit:
+        return store.read_bytes(path, limit=limit)
+    return store.read_bytes(path)
 
 
 def check_path(path: str) -> str:

@@ -18,6 +18,8 @@ from ._base import check_path, check_prefix
 
 __all__ = ["FsspecStore", "check_protocol"]
 
+_ASK_SIZE_FROM = 64 << 20
+
 
 def check_protocol(scheme: str, url: str, *, supported: str) -> None:
     """Raise ``ConfigError`` unless fsspec can open ``scheme``, saying what would fix it."""
@@ -64,10 +66,15 @@ class FsspecStore:
             return full[len(self._root) + 1 :]
         return None
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         full = self._full(path)
         try:
-            return self.fs.cat_file(full)
+            if limit is None:
+                return self.fs.cat_file(full)
+            if limit >= _ASK_SIZE_FROM:
+                # Some backends allocate the whole range up front: never more than the file holds.
+                limit = min(limit, self.fs.size(full))
+            return self.fs.cat_file(full, start=0, end=limit + 1)
         except FileNotFoundError as e:
             raise NotFoundError(f"{path!r} is not in bucket {self.url}") from e
         except IsADirectoryError as e:

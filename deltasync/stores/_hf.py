@@ -12,6 +12,7 @@ signatures through ``api=``.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -81,7 +82,7 @@ class HfBucketStore:
             )
         return StoreError(f"cannot {action} {what} in bucket {self.url}: {error!r}")
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         remote = self._remote(path)
         # Downloads write the destination in place, so download into a private directory and
         # read from there: no other reader can see a half-written file.
@@ -99,7 +100,12 @@ class HfBucketStore:
             except Exception as e:
                 raise self._error("read", repr(path), e) from e
             try:
-                return local.read_bytes()
+                # The download goes to disk; memory holds at most limit + 1 bytes of it.
+                with open(local, "rb") as f:
+                    if limit is None:
+                        return f.read()
+                    # read(n) allocates n bytes up front: never more than the file holds.
+                    return f.read(min(limit, os.fstat(f.fileno()).st_size) + 1)
             except FileNotFoundError as e:
                 raise StoreError(
                     f"cannot read {path!r} from bucket {self.url}: the download reported "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -37,10 +38,14 @@ class LocalStore:
     def _file(self, path: str) -> Path:
         return self.root.joinpath(*check_path(path).split("/"))
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         target = self._file(path)
         try:
-            return target.read_bytes()
+            if limit is None:
+                return target.read_bytes()
+            with open(target, "rb") as f:
+                # read(n) allocates n bytes up front: never more than the file holds.
+                return f.read(min(limit, os.fstat(f.fileno()).st_size) + 1)
         except FileNotFoundError as e:
             raise NotFoundError(f"{path!r} is not in bucket {self.url} (no file {target})") from e
         except IsADirectoryError as e:
@@ -95,6 +100,33 @@ class LocalStore:
         except OSError as e:
             raise StoreError(f"cannot list {prefix!r} in bucket {self.url}: {e}") from e
         return sorted(found)
+
+    def clean_temp(self, older_than: float) -> list[str]:
+        """Delete temporary files of writes last modified more than ``older_than`` seconds ago.
+
+        A writer killed between creating its temporary file and renaming it leaves the file
+        behind (listing hides it, but it holds space). Younger ones may be in flight. Returns
+        the bucket paths removed.
+        """
+        if not self.root.is_dir():
+            return []
+        cutoff = time.time() - older_than
+        removed: list[str] = []
+        try:
+            for dirpath, _dirnames, filenames in os.walk(self.root, onerror=_raise):
+                for name in filenames:
+                    if not _TEMP_RE.match(name):
+                        continue
+                    path = Path(dirpath) / name
+                    try:
+                        if path.stat().st_mtime < cutoff:
+                            path.unlink()
+                            removed.append(path.relative_to(self.root).as_posix())
+                    except FileNotFoundError:
+                        pass  # renamed or removed by its writer meanwhile
+        except OSError as e:
+            raise StoreError(f"cannot clean temporary files in bucket {self.url}: {e}") from e
+        return removed
 
     def delete(self, paths: Iterable[str]) -> None:
         # Validate all first, so a bad path in the batch deletes nothing.

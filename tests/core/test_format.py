@@ -981,7 +981,7 @@ BAD_DELTAS = {
     ),
     "version not a number": (
         lambda: rebuild(_raw(), meta={"version": "one"}),
-        "invalid metadata (invalid literal for int()",
+        "invalid metadata (version='one' is not a plain decimal integer",
     ),
     "wrong base": (lambda: rebuild(_raw(), meta={"base": "5"}), "delta 1 names base 5, expected 0"),
     "names not a list": (

@@ -358,3 +358,12 @@ def test_fake_matches_real_signatures(name: str) -> None:
     assert shape(getattr(FakeBucketApi, name)) == shape(getattr(HfApi, name))
     real_is_generator = inspect.isgeneratorfunction(inspect.unwrap(getattr(HfApi, name)))
     assert inspect.isgeneratorfunction(getattr(FakeBucketApi, name)) == real_is_generator
+
+
+@pytest.mark.parametrize("limit", [0, 4, 5, 6, 64, 2**50])
+def test_read_with_a_limit_returns_at_most_limit_plus_one_bytes(store: Store, limit: int) -> None:
+    # A reader that knows a file's size reads one byte more than it, never a hostile 2 GB.
+    store.write_bytes("deltas/00000001.safetensors", b"hello")
+    assert store.read_bytes("deltas/00000001.safetensors", limit=limit) == b"hello"[: limit + 1]
+    with pytest.raises(NotFoundError):
+        store.read_bytes("deltas/00000002.safetensors", limit=limit)
