@@ -161,6 +161,7 @@ def build_tiny_model(
     vocab_size: int = 512,
     tie_word_embeddings: bool = True,
     chat_template: str | None = None,
+    initializer_range: float = 0.02,
 ) -> pathlib.Path:
     """Write a random Qwen2 causal LM with its tokenizer to ``out_dir`` and return its path.
 
@@ -198,6 +199,7 @@ def build_tiny_model(
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         use_sliding_window=False,
+        initializer_range=initializer_range,
         dtype="bfloat16",
     )
     with torch.random.fork_rng(devices=[]):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from trl.experimental.async_grpo import AsyncGRPOTrainer as _TRLAsyncGRPOTrainer
 from .._client import RolloutClient, UpdateReport
 from .._errors import ConfigError
 from .._publisher import DeltaPublisher, PublishOptions, PublishResult
-from ._cpu_compat import async_grpo_cpu_patches, has_cuda
+from ._cpu_compat import async_grpo_cpu_patches, bf16_training_available, has_cuda
 
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "DeltaSyncConfig"]
 
@@ -79,11 +80,21 @@ class DeltaSyncConfig:
 
 @dataclass
 class AsyncGRPOConfig(_TRLAsyncGRPOConfig):
-    """TRL's ``AsyncGRPOConfig``; on a machine without CUDA, ``bf16`` is turned off (fp32 training)
-    instead of refused, since TRL's default ``bf16=True`` needs a bf16-capable GPU."""
+    """TRL's ``AsyncGRPOConfig``, except that where bf16 training is unavailable (no bf16-capable
+    accelerator, see :func:`~deltasync.trl.bf16_training_available`) ``bf16=True`` (TRL's
+    default) becomes fp32 training with a warning, instead of transformers' refusal. Anywhere
+    bf16 is available, CUDA, XPU or MPS alike, ``bf16`` is left as given."""
 
     def __post_init__(self) -> None:
-        if not has_cuda() and self.bf16 is not False and not self.use_cpu:
+        wants_bf16 = self.bf16 is True or (self.bf16 is None and not self.fp16)  # None: TRL's default, True
+        if wants_bf16 and not self.use_cpu and not bf16_training_available():
+            warnings.warn(
+                "AsyncGRPOConfig: bf16=True needs a bf16-capable accelerator and none is available here; "
+                "training in fp32 instead (bf16=False). Pass bf16=False to silence this, or use_cpu=True "
+                "for bf16 autocast on the CPU.",
+                UserWarning,
+                stacklevel=3,
+            )
             self.bf16 = False
         super().__post_init__()
 
