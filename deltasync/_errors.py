@@ -16,6 +16,9 @@ __all__ = [
     "StoreError",
     "NotFoundError",
     "AuthError",
+    "VLLMServerError",
+    "WordleRequestError",
+    "WordleServerError",
 ]
 
 
@@ -49,3 +52,24 @@ class NotFoundError(StoreError, FileNotFoundError):
 
 class AuthError(DeltaSyncError):
     """A request did not carry the right token."""
+
+
+class VLLMServerError(DeltaSyncError, RuntimeError):
+    """A vLLM server did not start, or died; the message carries the end of its log."""
+
+
+class WordleRequestError(DeltaSyncError, ValueError):
+    """A reset or step the game cannot take; ``status`` is its HTTP status, ``code`` a short tag."""
+
+    def __init__(self, message: str, *, code: str = "BAD_REQUEST", status: int = 400) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+class WordleServerError(DeltaSyncError, RuntimeError):
+    """The Wordle server answered a client's message with an error; ``code`` is the server's tag."""
+
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(f"{message} (code: {code})")
+        self.code = code

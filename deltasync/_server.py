@@ -24,17 +24,13 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
-from ._errors import ConfigError, DeltaSyncError
+from ._errors import ConfigError, VLLMServerError  # VLLMServerError: re-exported, defined with the others
 
 __all__ = ["VLLMServer", "VLLMServerError", "free_port"]
 
 # Servers started and not yet stopped, ended at interpreter exit so that an aborted
 # test run does not leave 3 GiB processes behind.
 _LIVE: set[VLLMServer] = set()
-
-
-class VLLMServerError(DeltaSyncError, RuntimeError):
-    """A vLLM server did not start, or died; the message carries the end of its log."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -19,6 +19,7 @@ from typing import Any
 from trl.experimental.async_grpo import AsyncGRPOConfig as _TRLAsyncGRPOConfig
 from trl.experimental.async_grpo import AsyncGRPOTrainer as _TRLAsyncGRPOTrainer
 
+from .._auth import TOKEN_ENV
 from .._client import RolloutClient, UpdateReport
 from .._errors import ConfigError
 from .._publisher import DeltaPublisher, PublishOptions, PublishResult
@@ -27,9 +28,6 @@ from ._cpu_compat import async_grpo_cpu_patches, bf16_training_available, has_cu
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "DeltaSyncConfig"]
 
 logger = logging.getLogger("deltasync.trl")
-
-TOKEN_ENV = "DELTASYNC_TOKEN"
-"""Environment variable read for the servers' token when :class:`DeltaSyncConfig` names none."""
 
 
 @dataclass(kw_only=True)
@@ -44,34 +42,20 @@ class DeltaSyncConfig:
     token: str | None = None
     """Shared secret of the servers (``DELTASYNC_TOKEN`` on their side). Default: the trainer's
     ``DELTASYNC_TOKEN`` environment variable, if set."""
-    anchor_every: int = 10
-    """A full anchor at least every this many versions."""
-    anchor_bytes_ratio: float = 0.5
-    """Also an anchor when the deltas since the last one exceed this fraction of an anchor."""
-    codec: str = "zstd"
-    """Delta codec: "zstd" or "raw"."""
-    zstd_level: int = 3
-    """zstd level for the "zstd" codec."""
-    keep_anchors: int = 1
-    """Anchor chains kept in the bucket."""
-    snapshot_device: str | None = "cpu"
-    """Where the last published bf16 state is kept: "cpu" or None (each parameter's device)."""
+    publish: PublishOptions = field(default_factory=PublishOptions)
+    """How versions are written: anchor schedule, codec, retention (see :class:`~deltasync.PublishOptions`)."""
     prefetch: bool = True
     """Let servers download and decode each version while still generating, so they pause only
     to swap it in."""
     timeout: float = 600.0
     """Seconds to wait for a server's answer."""
-    publish_options: PublishOptions = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.publish_options = PublishOptions(
-            anchor_every=self.anchor_every,
-            anchor_bytes_ratio=self.anchor_bytes_ratio,
-            codec=self.codec,
-            zstd_level=self.zstd_level,
-            keep_anchors=self.keep_anchors,
-            snapshot_device=self.snapshot_device,
-        )
+        if not isinstance(self.publish, PublishOptions):
+            raise ConfigError(
+                f"publish must be a PublishOptions, got {type(self.publish).__name__}: "
+                "DeltaSyncConfig(publish=PublishOptions(anchor_every=...))"
+            )
         if self.server_urls is not None and not self.server_urls:
             raise ConfigError("server_urls is empty: give at least one rollout server, or None for the trainer's")
         if self.timeout <= 0:
@@ -169,10 +153,7 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         urls = config.server_urls or [self.args.vllm_server_base_url]
         token = config.token if config.token is not None else os.environ.get(TOKEN_ENV) or None
         self._publisher = DeltaPublisher(
-            bucket,
-            self.accelerator.unwrap_model(self.model),
-            self.optimizer,
-            **{k: getattr(config.publish_options, k) for k in PublishOptions.__dataclass_fields__},
+            bucket, self.accelerator.unwrap_model(self.model), self.optimizer, options=config.publish
         )
         self._client = RolloutClient(urls, token=token, timeout=config.timeout)
         logger.info("delta sync: bucket %s, servers %s", self._publisher.store.url, ", ".join(urls))
