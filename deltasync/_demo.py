@@ -37,7 +37,7 @@ INIT_STD = 0.2
 """Standard deviation of the tiny model's random weights (see the module docstring)."""
 FIT_STEPS = 100
 """Supervised steps that fit the base model to answer with one word of :data:`WORDS`."""
-ANCHOR_EVERY = 20
+ANCHOR_EVERY = 25
 """The demo's anchor schedule; the size rule (``anchor_bytes_ratio=1``) only fires if deltas
 grow unexpectedly, and the summary says which anchors came from where."""
 
@@ -232,11 +232,7 @@ def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, ur
     _say(_summary(rows, history))
     _say(f"  server version {status.version}, fingerprint {status.fingerprint}; trainer bf16 fingerprint {want}: "
          + ("EXACT" if exact else "MISMATCH"))
-    plot = out / "demo.png"
-    if _plot(rows, history, plot):
-        _say(f"  plot: {plot}")
-    else:
-        _say("  plot skipped: matplotlib is not installed (pip install 'deltasync[plot]' or pip install matplotlib)")
+    _say(_plot_line(rows, history, out / "demo.png"))
     (out / "history.json").write_text(json.dumps({"steps": rows, "syncs": history}, indent=1))
     _say(f"done in {time.perf_counter() - started:.0f} s; outputs in {out}")
     if not exact:
@@ -268,12 +264,18 @@ def _summary(rows: list[dict[str, Any]], history: list[dict[str, Any]]) -> str:
                  f"({full / max(shipped, 1):.1f}x more)")
     lines.append(f"  mean inference pause per update: {sum(paused) / len(paused):.3f} s")
     if rows:
-        k = max(1, min(5, len(rows) // 4))
+        k = max(1, min(10, len(rows) // 4))  # a quarter of the run, at most 10 steps: rewards are noisy
         first = sum(r["reward"] for r in rows[:k]) / k
         last = sum(r["reward"] for r in rows[-k:]) / k
         lines.append(f"  reward: {first:.3f} (mean of the first {k} steps) -> {last:.3f} (last {k}), "
                      f"{last - first:+.3f}")
     return "\n".join(lines)
+
+
+def _plot_line(rows: list[dict[str, Any]], history: list[dict[str, Any]], path: Path) -> str:
+    if _plot(rows, history, path):
+        return f"  plot: {path}"
+    return "  plot skipped: matplotlib is not installed (pip install 'deltasync[plot]', or pip install matplotlib)"
 
 
 def _plot(rows: list[dict[str, Any]], history: list[dict[str, Any]], path: Path) -> bool:
@@ -291,7 +293,13 @@ def _plot(rows: list[dict[str, Any]], history: list[dict[str, Any]], path: Path)
     ax1.set_ylabel("KB shipped")
     ax1.set_xlabel("version (red: anchor, blue: delta)")
     ax1.set_title("deltasync demo: bytes per sync and reward per step")
-    ax2.plot([r["step"] for r in rows], [r["reward"] for r in rows], marker="o", color="tab:green")
+    steps, rewards = [r["step"] for r in rows], [r["reward"] for r in rows]
+    ax2.plot(steps, rewards, marker="o", linestyle="", color="tab:green", alpha=0.5, label="per step")
+    window = 8  # rewards of 32 answers per step are noisy: show the trend too
+    if len(rewards) >= window:
+        means = [sum(rewards[i - window + 1 : i + 1]) / window for i in range(window - 1, len(rewards))]
+        ax2.plot(steps[window - 1 :], means, color="tab:green", label=f"mean of the last {window} steps")
+    ax2.legend(loc="lower right")
     ax2.set_xlabel("optimizer step")
     ax2.set_ylabel(f"reward (share of '{TARGET}')")
     fig.tight_layout()

@@ -303,8 +303,8 @@ def _publish_options(options: PublishOptions | None, overrides: dict[str, Any]) 
     if options is not None and not isinstance(options, PublishOptions):
         raise ConfigError(f"options must be a PublishOptions, got {type(options).__name__}")
     unknown = sorted(set(overrides) - {f.name for f in fields(PublishOptions)})
-    if unknown:
-        raise ConfigError(
+    if unknown:  # a TypeError, as for any unexpected keyword argument
+        raise TypeError(
             f"unknown publish option(s) {', '.join(unknown)}; "
             f"PublishOptions has {', '.join(f.name for f in fields(PublishOptions))}"
         )

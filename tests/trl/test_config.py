@@ -64,3 +64,16 @@ def test_the_rule_is_the_one_transformers_enforces(tmp_path) -> None:
         with pytest.raises(ValueError, match="bf16"):
             TRLConfig(output_dir=str(tmp_path), report_to=[], bf16=True)
         TRLConfig(output_dir=str(tmp_path), report_to=[], **cpu_config_overrides())  # accepted
+
+
+def test_delta_sync_config_nests_the_publish_options() -> None:
+    from deltasync import ConfigError, PublishOptions
+    from deltasync.trl import DeltaSyncConfig
+
+    assert DeltaSyncConfig().publish == PublishOptions()
+    options = PublishOptions(anchor_every=5, codec="raw")
+    assert DeltaSyncConfig(publish=options).publish is options
+    with pytest.raises(ConfigError, match="publish must be a PublishOptions, got dict"):
+        DeltaSyncConfig(publish={"anchor_every": 5})
+    with pytest.raises(TypeError):
+        DeltaSyncConfig(anchor_every=5)  # no copy of the publish fields
