@@ -7,11 +7,11 @@ with words rich in the letter "e", and checks at the end that the server serves 
 trainer's bf16 weights.
 
 Why these settings: the share of bf16 elements a step changes is set by the learning rate
-against the weights' magnitude (an update smaller than half a bf16 step rounds away). A random
-tiny model would need a rate that changes most elements to learn anything in a minute; fitted
-first, with weights drawn at std 0.2 (the scale 1/sqrt(width) of a trained layer this narrow,
-not the 0.02 of a 4096-wide one), it learns at 4e-5 while each step changes a few % of its
-elements, as RL steps on real models do.
+against the weights' magnitude (an update smaller than half a bf16 step rounds away), and how
+far the policy moves by the learning rate against how many weights act together, which a
+128-wide model has few of. A random tiny model at Qwen2's std 0.02 needs a rate that changes
+most elements to learn anything in a minute; drawn at std 0.2 and fitted first, it learns at
+4e-5 while each step changes a few % of its elements, as RL steps on real models do.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Build a tiny model offline, start a vLLM server with the deltasync extension, "
         "train it with TRL's AsyncGRPOTrainer(delta_sync=...) and check the server ends bit-exact.",
     )
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40: two to three minutes)")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
     p.add_argument("--output", default="deltasync-demo", help="output folder (default ./deltasync-demo)")
     p.add_argument("--bucket", default=None, help="bucket URL or path (default OUTPUT/bucket)")
     p.add_argument("--keep-server", action="store_true", help="leave the vLLM server running at the end")
