@@ -16,6 +16,7 @@ __all__ = [
     "StoreError",
     "NotFoundError",
     "AuthError",
+    "ServerError",
     "VLLMServerError",
     "WordleRequestError",
     "WordleServerError",
@@ -54,7 +55,11 @@ class AuthError(DeltaSyncError):
     """A request did not carry the right token."""
 
 
-class VLLMServerError(DeltaSyncError, RuntimeError):
+class ServerError(DeltaSyncError, RuntimeError):
+    """A server process this package started (or waits for) did not become healthy, or died."""
+
+
+class VLLMServerError(ServerError):
     """A vLLM server did not start, or died; the message carries the end of its log."""
 
 

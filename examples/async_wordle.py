@@ -41,14 +41,11 @@ level.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import itertools
 import json
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -70,6 +67,7 @@ from trl.experimental.async_grpo.async_rollout_worker import (  # noqa: E402
 
 from deltasync._auth import TOKEN_ENV  # noqa: E402
 from deltasync._serve import BUCKET_ENV, extension_args  # noqa: E402
+from deltasync._server import stop_process_group, wait_healthy  # noqa: E402
 from deltasync.envs.wordle import WordleEnvClient, WordleObservation, episode_rewards  # noqa: E402
 
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
@@ -312,23 +310,6 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
-def _wait_healthy(url: str, what: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    for attempt in itertools.count():
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the {what} exited with code {proc.returncode} before answering {url}/health")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
-                return
-        if attempt == 0 and proc is None:
-            _say(f"waiting for the {what} at {url} (up to {timeout:.0f} s)")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the {what} at {url} did not answer /health within {timeout:.0f} s")
-        time.sleep(0.5)
-
-
 def _served_context(rollout_url: str, model: str) -> int | None:
     """The server's context length for ``model``; fails early if it serves another name (TRL
     would otherwise retry every request for minutes)."""
@@ -357,21 +338,13 @@ class _WordleServer:
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:
-            _wait_healthy(self.url, "Wordle server", 60.0, self._proc)
+            wait_healthy(self.url, 60.0, proc=self._proc, what="Wordle server")
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        if self._proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
+        stop_process_group(self._proc, grace=10.0)
         self._log.close()
 
 
@@ -386,8 +359,9 @@ def _train(setup: _Setup, args: argparse.Namespace, out: Path, *, tiny: bool) ->
     if tiny:
         torch.set_num_threads(1)
     # A Space may still be building or waking up: wait for both servers before the slow start.
-    _wait_healthy(setup.env_url, "Wordle environment server", 600.0)
-    _wait_healthy(setup.rollout_url, "rollout server", 1200.0)
+    _say(f"waiting for the Wordle server at {setup.env_url} and the rollout server at {setup.rollout_url}")
+    wait_healthy(setup.env_url, 600.0, what="Wordle environment server")
+    wait_healthy(setup.rollout_url, 1200.0, what="rollout server")
     max_context = _served_context(setup.rollout_url, setup.model)
     games = WordleGames(env_url=setup.env_url, seed=args.seed, max_context=max_context)
     # The games bring their own words and rules (group g plays secret seed*1e6 + g); the rows
