@@ -1,9 +1,17 @@
 """``deltasync demo``: a real async GRPO run with delta sync, on the CPU, from nothing.
 
-It builds a tiny model and tokenizer offline, starts a real vLLM server with the deltasync
-extension following a local bucket, trains with TRL's AsyncGRPOTrainer (``delta_sync``) on a
-task a tiny model learns in a few steps, and checks at the end that the server serves exactly
-the trainer's bf16 weights.
+It builds a tiny model and tokenizer offline and fits it for a few seconds to answer with one
+word (no syncing yet), starts a real vLLM server with the deltasync extension following a local
+bucket, trains with TRL's AsyncGRPOTrainer (``delta_sync``) at an RL learning rate to answer
+with words rich in the letter "e", and checks at the end that the server serves exactly the
+trainer's bf16 weights.
+
+Why these settings: the share of bf16 elements a step changes is set by the learning rate
+against the weights' magnitude (an update smaller than half a bf16 step rounds away), and how
+far the policy moves by the learning rate against how many weights act together, which a
+128-wide model has few of. A random tiny model at Qwen2's std 0.02 needs a rate that changes
+most elements to learn anything in a minute; drawn at std 0.2 and fitted first, it learns at
+4e-5 while each step changes a few % of its elements, as RL steps on real models do.
 """
 
 from __future__ import annotations
@@ -19,6 +27,19 @@ from typing import Any
 __all__ = ["add_parser", "run", "reward_target_letter"]
 
 TARGET = "e"
+#: Subjects of the prompts ("Say one word about the sea.").
+SUBJECTS = ("the sea", "a tree", "the moon", "green fields", "the wind", "a river", "evening", "bees")
+#: The words the base model is fitted to answer with, before RL: from none to half of their
+#: letters an "e", so the reward has room to rise (0.18 on average at the start, 0.5 at best).
+WORDS = ("we", "he", "be", "week", "there", "the", "sea", "one", "and", "of", "in", "is", "it", "day", "wind",
+         "water", "two", "four", "old", "a")
+INIT_STD = 0.2
+"""Standard deviation of the tiny model's random weights (see the module docstring)."""
+FIT_STEPS = 100
+"""Supervised steps that fit the base model to answer with one word of :data:`WORDS`."""
+ANCHOR_EVERY = 25
+"""The demo's anchor schedule; the size rule (``anchor_bytes_ratio=1``) only fires if deltas
+grow unexpectedly, and the summary says which anchors came from where."""
 
 
 def reward_target_letter(completions: list[Any], **kwargs: Any) -> list[float]:
@@ -41,14 +62,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Build a tiny model offline, start a vLLM server with the deltasync extension, "
         "train it with TRL's AsyncGRPOTrainer(delta_sync=...) and check the server ends bit-exact.",
     )
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40: about three minutes)")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
     p.add_argument("--output", default="deltasync-demo", help="output folder (default ./deltasync-demo)")
     p.add_argument("--bucket", default=None, help="bucket URL or path (default OUTPUT/bucket)")
     p.add_argument("--keep-server", action="store_true", help="leave the vLLM server running at the end")
     p.add_argument(
-        "--lr", type=float, default=3e-3,
-        help="learning rate (default 3e-3: high enough for a random tiny model to learn within a minute, "
-        "so most of its elements change each step; at RL learning rates on real models about 1%% do)",
+        "--lr", type=float, default=4e-5,
+        help="learning rate (default 4e-5: each step changes a few %% of the bf16 elements, "
+        "as RL steps on real models do, and the reward still rises within the run)",
     )
     p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
     p.add_argument("--seed", type=int, default=0)
@@ -69,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from ._serve import BUCKET_ENV, extension_args
     from ._server import VLLMServer
     from .stores import open_store
-    from .tiny import build_tiny_model
+    from .tiny import build_tiny_model, fit_tiny_model
 
     if args.steps < 1:
         from ._errors import ConfigError
@@ -80,8 +101,10 @@ def run(args: argparse.Namespace) -> int:
     bucket = args.bucket or str(out / "bucket")
     open_store(bucket)  # validate the URL before anything slow
     started = time.perf_counter()
-    _say(f"[1/5] building a tiny Qwen2 model and tokenizer offline in {out / 'base-model'}")
-    model_dir = build_tiny_model(out / "base-model", seed=args.seed)
+    _say(f"[1/5] building a tiny Qwen2 model and tokenizer offline in {out / 'base-model'}, "
+         f"fitting it to answer with one word ({FIT_STEPS} supervised steps, no syncing)")
+    model_dir = build_tiny_model(out / "base-model", seed=args.seed, initializer_range=INIT_STD)
+    fit_tiny_model(model_dir, _fit_texts(model_dir), steps=FIT_STEPS, seed=args.seed)
     _say("[2/5] starting a vLLM server with the deltasync extension (about 30-60 s on a CPU)")
     server = VLLMServer(
         model_dir,
@@ -107,6 +130,21 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
+def _prompt(subject: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Say one word about {subject}."}]
+
+
+def _fit_texts(model_dir: Path) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [
+        tokenizer.apply_chat_template([*_prompt(subject), {"role": "assistant", "content": word}], tokenize=False)
+        for subject in SUBJECTS
+        for word in WORDS
+    ]
+
+
 def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, url: str, started: float) -> int:
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -114,21 +152,21 @@ def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, ur
     from ._client import RolloutClient
     from ._detector import bf16_state_dict
     from ._fingerprint import fingerprint
-    from .trl import AsyncGRPOConfig, AsyncGRPOTrainer, DeltaSyncConfig
+    from ._publisher import PublishOptions
+    from .trl import AsyncGRPOConfig, AsyncGRPOTrainer, DeltaSyncConfig, cpu_config_overrides
 
-    _say(f"[3/5] training {args.steps} steps with AsyncGRPOTrainer(delta_sync=...), bucket {bucket}")
-    subjects = ["the sea", "a tree", "the moon", "green fields", "the wind", "a river", "evening", "bees"]
-    prompts = [[{"role": "user", "content": f"Write a short line about {s}."}] for s in subjects] * 8
-    dataset = Dataset.from_dict({"prompt": prompts})
+    _say(f"[3/5] training {args.steps} steps at learning rate {args.lr:g} with AsyncGRPOTrainer(delta_sync=...), "
+         f"bucket {bucket}; reward: the share of '{TARGET}' in the answer")
+    dataset = Dataset.from_dict({"prompt": [_prompt(subject) for subject in SUBJECTS] * 8})
     config = AsyncGRPOConfig(
         output_dir=str(out / "trainer"),
         max_steps=args.steps,
         learning_rate=args.lr,
-        per_device_train_batch_size=16,
+        per_device_train_batch_size=32,  # 4 prompts x 8 answers per step
         num_generations=8,
-        max_completion_length=16,
+        max_completion_length=8,
         max_inflight_tasks=4,
-        queue_maxsize=16,
+        queue_maxsize=32,
         max_staleness=8,
         disable_tqdm=True,
         token_budget=0,
@@ -139,6 +177,7 @@ def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, ur
         vllm_server_base_url=url,
         seed=args.seed,
         temperature=1.0,
+        **cpu_config_overrides(),  # fp32 training where bf16 training is unavailable
     )
 
     rows: list[dict[str, Any]] = []
@@ -171,7 +210,9 @@ def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, ur
         args=config,
         train_dataset=dataset,
         callbacks=[Progress()],
-        delta_sync=DeltaSyncConfig(bucket=bucket, server_urls=[url]),
+        delta_sync=DeltaSyncConfig(
+            bucket=bucket, server_urls=[url], publish=PublishOptions(anchor_every=ANCHOR_EVERY, anchor_bytes_ratio=1.0)
+        ),
     )
     # Our per-step line replaces the Trainer's progress bar and printed log dicts.
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -188,23 +229,10 @@ def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, ur
     history = trainer.delta_history
     exact = status.ok and status.fingerprint == want
     _say("[5/5] summary")
-    shipped = sum(h["nbytes"] for h in history)
-    anchor_bytes = max((h["nbytes"] for h in history if h["kind"] == "anchor"), default=0)
-    full = anchor_bytes * len(history)
-    paused = [h["paused_s"] for h in history[1:]] or [0.0]
-    _say(f"  versions published: {len(history)} ({sum(h['kind'] == 'anchor' for h in history)} anchors)")
-    _say(f"  bytes shipped: {shipped / 1e6:.2f} MB; full bf16 copies would be {full / 1e6:.2f} MB "
-         f"({full / max(shipped, 1):.1f}x more)")
-    _say(f"  mean inference pause per update: {sum(paused) / len(paused):.3f} s")
-    if rows:
-        first = sum(r["reward"] for r in rows[:3]) / len(rows[:3])
-        last = sum(r["reward"] for r in rows[-3:]) / len(rows[-3:])
-        _say(f"  reward: {first:.3f} (first steps) -> {last:.3f} (last steps)")
+    _say(_summary(rows, history))
     _say(f"  server version {status.version}, fingerprint {status.fingerprint}; trainer bf16 fingerprint {want}: "
          + ("EXACT" if exact else "MISMATCH"))
-    plot = out / "demo.png"
-    if _plot(rows, history, plot):
-        _say(f"  plot: {plot}")
+    _say(_plot_line(rows, history, out / "demo.png"))
     (out / "history.json").write_text(json.dumps({"steps": rows, "syncs": history}, indent=1))
     _say(f"done in {time.perf_counter() - started:.0f} s; outputs in {out}")
     if not exact:
@@ -212,6 +240,42 @@ def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, ur
               file=sys.stderr)
         return 1
     return 0
+
+
+def _summary(rows: list[dict[str, Any]], history: list[dict[str, Any]]) -> str:
+    """The run in figures: sparsity of the deltas, anchors, bytes against full copies, reward."""
+    import statistics
+
+    deltas = [h for h in history if h["kind"] == "delta"]
+    anchors = [h["version"] for h in history if h["kind"] == "anchor"]
+    scheduled = [v for v in anchors if v % ANCHOR_EVERY == 0]
+    shipped = sum(h["nbytes"] for h in history)
+    anchor_bytes = max((h["nbytes"] for h in history if h["kind"] == "anchor"), default=0)
+    full = anchor_bytes * len(history)
+    paused = [h["paused_s"] for h in history[1:]] or [0.0]
+    lines = [f"  versions published: {len(history)}: {len(deltas)} deltas, {len(anchors)} anchors (versions "
+             f"{', '.join(map(str, anchors))}; {len(scheduled)} on the every-{ANCHOR_EVERY} schedule)"]
+    if deltas:
+        changed = sorted(100 * h["changed_fraction"] for h in deltas)
+        lines.append(f"  changed per delta: median {statistics.median(changed):.2f}% of the bf16 elements "
+                     f"(min {changed[0]:.2f}%, max {changed[-1]:.2f}%); median delta "
+                     f"{statistics.median(h['nbytes'] for h in deltas) / 1e3:.1f} KB")
+    lines.append(f"  bytes shipped: {shipped / 1e6:.2f} MB; full bf16 copies would be {full / 1e6:.2f} MB "
+                 f"({full / max(shipped, 1):.1f}x more)")
+    lines.append(f"  mean inference pause per update: {sum(paused) / len(paused):.3f} s")
+    if rows:
+        k = max(1, min(10, len(rows) // 4))  # a quarter of the run, at most 10 steps: rewards are noisy
+        first = sum(r["reward"] for r in rows[:k]) / k
+        last = sum(r["reward"] for r in rows[-k:]) / k
+        lines.append(f"  reward: {first:.3f} (mean of the first {k} steps) -> {last:.3f} (last {k}), "
+                     f"{last - first:+.3f}")
+    return "\n".join(lines)
+
+
+def _plot_line(rows: list[dict[str, Any]], history: list[dict[str, Any]], path: Path) -> str:
+    if _plot(rows, history, path):
+        return f"  plot: {path}"
+    return "  plot skipped: matplotlib is not installed (pip install 'deltasync[plot]', or pip install matplotlib)"
 
 
 def _plot(rows: list[dict[str, Any]], history: list[dict[str, Any]], path: Path) -> bool:
@@ -229,7 +293,13 @@ def _plot(rows: list[dict[str, Any]], history: list[dict[str, Any]], path: Path)
     ax1.set_ylabel("KB shipped")
     ax1.set_xlabel("version (red: anchor, blue: delta)")
     ax1.set_title("deltasync demo: bytes per sync and reward per step")
-    ax2.plot([r["step"] for r in rows], [r["reward"] for r in rows], marker="o", color="tab:green")
+    steps, rewards = [r["step"] for r in rows], [r["reward"] for r in rows]
+    ax2.plot(steps, rewards, marker="o", linestyle="", color="tab:green", alpha=0.5, label="per step")
+    window = 8  # rewards of 32 answers per step are noisy: show the trend too
+    if len(rewards) >= window:
+        means = [sum(rewards[i - window + 1 : i + 1]) / window for i in range(window - 1, len(rewards))]
+        ax2.plot(steps[window - 1 :], means, color="tab:green", label=f"mean of the last {window} steps")
+    ax2.legend(loc="lower right")
     ax2.set_xlabel("optimizer step")
     ax2.set_ylabel(f"reward (share of '{TARGET}')")
     fig.tight_layout()

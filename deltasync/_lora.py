@@ -31,7 +31,7 @@ from ._client import RolloutClient, ServerResult, ServerStatus, _RequestError, _
 from ._detector import BF16ChangeDetector, _inner_optimizer, checkpoint_name
 from ._errors import ConfigError, DeltaSyncError
 from ._fingerprint import fingerprint, format_fingerprint, parse_fingerprint
-from ._publisher import DeltaPublisher
+from ._publisher import DeltaPublisher, PublishOptions
 
 if TYPE_CHECKING:
     import os
@@ -362,7 +362,8 @@ def merged_publisher(
 ) -> DeltaPublisher:
     """A :class:`DeltaPublisher` of the merged weights (merged mode), for a server without LoRA."""
     view = _MergedView(model, adapter)
-    snapshot_device = options.get("snapshot_device", "cpu")
+    given = options.get("options")
+    snapshot_device = given.snapshot_device if isinstance(given, PublishOptions) else options.get("snapshot_device", "cpu")
     detector = MergedChangeDetector(view, optimizer, snapshot_device=snapshot_device)  # type: ignore[arg-type]
     return DeltaPublisher(bucket, view, optimizer, detector=detector, **options)
 

@@ -6,8 +6,8 @@ import json
 import logging
 import re
 import time
-from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -133,7 +133,9 @@ class DeltaPublisher:
             or a :class:`~deltasync.stores.Store`.
         model: the model being trained.
         optimizer: its optimizer (a hook records which parameters each step touched).
-        **options: fields of :class:`PublishOptions`.
+        options: how versions are written (:class:`PublishOptions`; default: its defaults).
+        **overrides: single fields of :class:`PublishOptions` (``anchor_every=5``), applied on
+            top of ``options``.
     """
 
     def __init__(
@@ -142,10 +144,11 @@ class DeltaPublisher:
         model: torch.nn.Module,
         optimizer: object | None = None,
         *,
+        options: PublishOptions | None = None,
         detector: BF16ChangeDetector | None = None,
-        **options: object,
+        **overrides: Any,
     ) -> None:
-        self.options = PublishOptions(**options)  # type: ignore[arg-type]
+        self.options = _publish_options(options, overrides)
         self.store = open_store(bucket)
         self.model = model
         self.detector = detector or BF16ChangeDetector(
@@ -525,6 +528,18 @@ class DeltaPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _publish_options(options: PublishOptions | None, overrides: dict[str, Any]) -> PublishOptions:
+    if options is not None and not isinstance(options, PublishOptions):
+        raise ConfigError(f"options must be a PublishOptions, got {type(options).__name__}")
+    unknown = sorted(set(overrides) - {f.name for f in fields(PublishOptions)})
+    if unknown:  # a TypeError, as for any unexpected keyword argument
+        raise TypeError(
+            f"unknown publish option(s) {', '.join(unknown)}; "
+            f"PublishOptions has {', '.join(f.name for f in fields(PublishOptions))}"
+        )
+    return replace(options or PublishOptions(), **overrides)
 
 
 def _version_of(path: str) -> int | None:

@@ -24,17 +24,13 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
-from ._errors import ConfigError, DeltaSyncError
+from ._errors import ConfigError, ServerError, VLLMServerError  # re-exported; defined with the others
 
-__all__ = ["VLLMServer", "VLLMServerError", "free_port"]
+__all__ = ["ServerError", "VLLMServer", "VLLMServerError", "free_port", "stop_process_group", "wait_healthy"]
 
 # Servers started and not yet stopped, ended at interpreter exit so that an aborted
 # test run does not leave 3 GiB processes behind.
 _LIVE: set[VLLMServer] = set()
-
-
-class VLLMServerError(DeltaSyncError, RuntimeError):
-    """A vLLM server did not start, or died; the message carries the end of its log."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -144,7 +140,7 @@ class VLLMServer:
         proc, self._proc = self._proc, None
         _LIVE.discard(self)
         if proc is not None:
-            _end_process_group(proc, grace)
+            stop_process_group(proc, grace)
         if self._own_log and self.log_file is not None:
             self.log_file.unlink(missing_ok=True)
             self.log_file = None
@@ -211,7 +207,7 @@ class VLLMServer:
             proc, self._proc = self._proc, None
             _LIVE.discard(self)
             if proc is not None:
-                _end_process_group(proc, grace=10.0)
+                stop_process_group(proc, grace=10.0)
             raise
 
     def _wait_healthy(self, timeout: float) -> None:
@@ -232,6 +228,26 @@ class VLLMServer:
                     f"raise start(timeout=...) on a busy machine. End of {self.log_file}:\n{self.log_tail()}"
                 )
             time.sleep(0.5)
+
+
+def wait_healthy(
+    url: str, timeout: float, *, proc: subprocess.Popen[bytes] | None = None, what: str = "server"
+) -> None:
+    """Wait until ``GET {url}/health`` answers 200, polling twice a second.
+
+    Raises :class:`ServerError` when ``proc`` (the server's process, if this side started it)
+    exits first, or after ``timeout`` seconds. For a vLLM server use :class:`VLLMServer`,
+    whose errors also carry the end of its log.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise ServerError(f"the {what} exited with code {proc.returncode} before answering {url}/health")
+        if _health_ok(url):
+            return
+        if time.monotonic() > deadline:
+            raise ServerError(f"the {what} at {url} did not answer /health within {timeout:.0f} s")
+        time.sleep(0.5)
 
 
 def _health_ok(url: str) -> bool:
@@ -265,8 +281,10 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _end_process_group(proc: subprocess.Popen[bytes], grace: float) -> None:
-    # The API server is the group leader (start_new_session), so its pid is the pgid.
+def stop_process_group(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """End a server started with ``start_new_session=True`` and every process of its group:
+    SIGTERM, up to ``grace`` seconds for the whole group to exit, then SIGKILL."""
+    # The server is the group leader (start_new_session), so its pid is the pgid.
     pgid = proc.pid
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)

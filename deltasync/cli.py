@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ._errors import DeltaSyncError, NotFoundError
+from ._errors import DeltaSyncError, NotFoundError, VersionError
 from ._format import HISTORY_PATH, POINTER_PATH, Pointer, read_header
 
 __all__ = ["main"]
@@ -143,7 +143,12 @@ def _history(bucket: str) -> tuple[Pointer, list[dict]]:
     from .stores import open_store
 
     store = open_store(bucket)
-    pointer = Pointer.from_bytes(store.read_bytes(POINTER_PATH), where=f"{store.url}/{POINTER_PATH}")
+    where = f"{store.url}/{POINTER_PATH}"
+    try:
+        data = store.read_bytes(POINTER_PATH)
+    except NotFoundError as exc:
+        raise VersionError(f"{where}: no version is committed in this bucket yet") from exc
+    pointer = Pointer.from_bytes(data, where=where)
     records: dict[int, dict] = {}
     try:
         for line in store.read_bytes(HISTORY_PATH).decode().splitlines():

@@ -11,16 +11,21 @@ Needs ``torch``, ``transformers`` and ``tokenizers``; never imports vLLM or TRL.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
+from collections.abc import Sequence
 
 from ._errors import ConfigError
 
 __all__ = [
+    "TINY_SHAPE",
+    "TinyShape",
     "QWEN2_5_CHAT_TEMPLATE",
     "CHATML_SPECIAL_TOKENS",
     "VLLM_CPU_HEAD_SIZES",
     "build_tiny_model",
+    "fit_tiny_model",
 ]
 
 #: ``<|endoftext|>`` is also the pad token and ``<|im_end|>`` the end of a turn, as in Qwen2.5.
@@ -149,17 +154,39 @@ else:
 """
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TinyShape:
+    """The tiny model's shape: the defaults of :func:`build_tiny_model`, defined here only."""
+
+    hidden_size: int = 128
+    """Width; 128 / 2 heads gives head size 64, which vLLM's CPU backend accepts."""
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    """Fewer than the attention heads, so grouped-query attention is exercised."""
+    intermediate_size: int = 256
+    vocab_size: int = 512
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+    """Standard deviation of the random weights (Qwen2's default)."""
+
+
+#: The shape :func:`build_tiny_model` builds unless told otherwise.
+TINY_SHAPE = TinyShape()
+
+
 def build_tiny_model(
     out_dir: str | os.PathLike[str],
     *,
     seed: int = 0,
-    hidden_size: int = 128,
-    num_layers: int = 2,
-    num_attention_heads: int = 2,
-    num_key_value_heads: int = 1,
-    intermediate_size: int = 256,
-    vocab_size: int = 512,
-    tie_word_embeddings: bool = True,
+    hidden_size: int = TINY_SHAPE.hidden_size,
+    num_layers: int = TINY_SHAPE.num_layers,
+    num_attention_heads: int = TINY_SHAPE.num_attention_heads,
+    num_key_value_heads: int = TINY_SHAPE.num_key_value_heads,
+    intermediate_size: int = TINY_SHAPE.intermediate_size,
+    vocab_size: int = TINY_SHAPE.vocab_size,
+    tie_word_embeddings: bool = TINY_SHAPE.tie_word_embeddings,
+    initializer_range: float = TINY_SHAPE.initializer_range,
     chat_template: str | None = None,
 ) -> pathlib.Path:
     """Write a random Qwen2 causal LM with its tokenizer to ``out_dir`` and return its path.
@@ -169,7 +196,7 @@ def build_tiny_model(
     The tokenizer is a byte-level BPE trained on a built-in corpus up to ``vocab_size``
     tokens, with ``<|im_end|>`` as eos, ``<|endoftext|>`` as pad and ``chat_template``
     (default: :data:`QWEN2_5_CHAT_TEMPLATE`). ``out_dir`` is created if missing; files
-    already in it are overwritten.
+    already in it are overwritten. Shape defaults: :data:`TINY_SHAPE`.
     """
     _check_shape(hidden_size, num_attention_heads, num_key_value_heads, vocab_size, num_layers)
 
@@ -198,6 +225,7 @@ def build_tiny_model(
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         use_sliding_window=False,
+        initializer_range=initializer_range,
         dtype="bfloat16",
     )
     with torch.random.fork_rng(devices=[]):
@@ -217,6 +245,50 @@ def build_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+def fit_tiny_model(
+    model_dir: str | os.PathLike[str],
+    texts: Sequence[str],
+    *,
+    steps: int = 60,
+    learning_rate: float = 3e-3,
+    batch_size: int = 16,
+    seed: int = 0,
+) -> pathlib.Path:
+    """Fit the model in ``model_dir`` to ``texts`` (next-token loss, AdamW) and save it in place.
+
+    A random tiny model learns nothing at a realistic RL learning rate; a few seconds of
+    supervised fitting first give it a policy that RL can then move with small steps, as it
+    does a pretrained model. Trains in fp32, one thread's worth of work, on ``steps`` batches of
+    ``batch_size`` texts drawn with ``seed``, and writes bf16 weights back. The same arguments
+    give the same weight bytes on the same machine.
+    """
+    if steps < 1 or batch_size < 1 or not texts:
+        raise ConfigError(f"fit_tiny_model needs steps >= 1, batch_size >= 1 and texts; got {steps}, {batch_size}, "
+                          f"{len(texts)} texts")
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = pathlib.Path(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    rng = random.Random(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+        model.train()
+        for _ in range(steps):
+            batch = tokenizer([rng.choice(texts) for _ in range(batch_size)], return_tensors="pt", padding=True)
+            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+            model(**batch, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path
 
 
 def _check_shape(

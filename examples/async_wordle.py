@@ -41,14 +41,11 @@ level.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import itertools
 import json
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -68,7 +65,9 @@ from trl.experimental.async_grpo.async_rollout_worker import (  # noqa: E402
     _chain_to_sequences,
 )
 
-from deltasync._serve import extension_args  # noqa: E402
+from deltasync._auth import TOKEN_ENV  # noqa: E402
+from deltasync._serve import BUCKET_ENV, extension_args  # noqa: E402
+from deltasync._server import stop_process_group, wait_healthy  # noqa: E402
 from deltasync.envs.wordle import WordleEnvClient, WordleObservation, episode_rewards  # noqa: E402
 
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
@@ -270,7 +269,7 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--bucket", help="bucket the rollout server follows (--tiny: OUTPUT/bucket)")
     where.add_argument("--model", default=None, help=f"model to train; the rollout server must serve it under "
                        f"this name (default {DEFAULT_MODEL}; --tiny: a tiny random model)")
-    where.add_argument("--token", default=None, help="the rollout server's token (default: $DELTASYNC_TOKEN)")
+    where.add_argument("--token", default=None, help=f"the rollout server's token (default: ${TOKEN_ENV})")
     where.add_argument("--tiny", action="store_true", help="run everything here on the CPU: a tiny model, "
                        "both servers started and stopped by this script, 2 steps, then an exactness check")
     train = p.add_argument_group("training")
@@ -311,23 +310,6 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
-def _wait_healthy(url: str, what: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    for attempt in itertools.count():
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the {what} exited with code {proc.returncode} before answering {url}/health")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
-                return
-        if attempt == 0 and proc is None:
-            _say(f"waiting for the {what} at {url} (up to {timeout:.0f} s)")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the {what} at {url} did not answer /health within {timeout:.0f} s")
-        time.sleep(0.5)
-
-
 def _served_context(rollout_url: str, model: str) -> int | None:
     """The server's context length for ``model``; fails early if it serves another name (TRL
     would otherwise retry every request for minutes)."""
@@ -356,21 +338,13 @@ class _WordleServer:
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:
-            _wait_healthy(self.url, "Wordle server", 60.0, self._proc)
+            wait_healthy(self.url, 60.0, proc=self._proc, what="Wordle server")
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        if self._proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
+        stop_process_group(self._proc, grace=10.0)
         self._log.close()
 
 
@@ -380,13 +354,14 @@ def _train(setup: _Setup, args: argparse.Namespace, out: Path, *, tiny: bool) ->
     from transformers import TrainerCallback
 
     from deltasync import RolloutClient, bf16_state_dict, fingerprint
-    from deltasync.trl import AsyncGRPOConfig, AsyncGRPOTrainer, DeltaSyncConfig
+    from deltasync.trl import AsyncGRPOConfig, AsyncGRPOTrainer, DeltaSyncConfig, cpu_config_overrides
 
     if tiny:
         torch.set_num_threads(1)
     # A Space may still be building or waking up: wait for both servers before the slow start.
-    _wait_healthy(setup.env_url, "Wordle environment server", 600.0)
-    _wait_healthy(setup.rollout_url, "rollout server", 1200.0)
+    _say(f"waiting for the Wordle server at {setup.env_url} and the rollout server at {setup.rollout_url}")
+    wait_healthy(setup.env_url, 600.0, what="Wordle environment server")
+    wait_healthy(setup.rollout_url, 1200.0, what="rollout server")
     max_context = _served_context(setup.rollout_url, setup.model)
     games = WordleGames(env_url=setup.env_url, seed=args.seed, max_context=max_context)
     # The games bring their own words and rules (group g plays secret seed*1e6 + g); the rows
@@ -409,8 +384,10 @@ def _train(setup: _Setup, args: argparse.Namespace, out: Path, *, tiny: bool) ->
         logging_steps=1,
         seed=args.seed,
         **(
-            # 2 cores, no GPU: few samples in flight, a fixed batch, no recomputation, fp32.
-            dict(max_inflight_tasks=8, queue_maxsize=8, token_budget=0, gradient_checkpointing=False, bf16=False)
+            # 2 cores, no GPU: few samples in flight, a fixed batch, no recomputation, fp32 where
+            # bf16 training is unavailable.
+            dict(max_inflight_tasks=8, queue_maxsize=8, token_budget=0, gradient_checkpointing=False,
+                 **cpu_config_overrides())
             if tiny
             else {}
         ),
@@ -485,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = Path(args.output).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    token = args.token if args.token is not None else os.environ.get("DELTASYNC_TOKEN") or None
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     if args.tiny:
         defaults = dict(steps=2, lr=1e-5, num_generations=4, batch_size=8, max_completion_length=12, format_reward=1.0)
     else:
@@ -500,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             raise SystemExit(f"error: {', '.join(missing)} required (or --tiny to run everything here)")
         if token is None:
-            _say("warning: no token (--token or DELTASYNC_TOKEN): fine only for a server started without one")
+            _say(f"warning: no token (--token or {TOKEN_ENV}): fine only for a server started without one")
         setup = _Setup(model=args.model or DEFAULT_MODEL, rollout_url=args.rollout_url.rstrip("/"),
                        env_url=args.env_url.rstrip("/"), bucket=args.bucket, token=token, **chosen)
         summary = _train(setup, args, out, tiny=False)
@@ -534,7 +511,7 @@ def _run_tiny(args: argparse.Namespace, out: Path, token: str, chosen: dict[str,
         _say("[tiny] starting a vLLM server with the deltasync extension (30-60 s on a CPU)")
         rollout = VLLMServer(
             model_dir,
-            env={"DELTASYNC_BUCKET": bucket, "DELTASYNC_TOKEN": token, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+            env={BUCKET_ENV: bucket, TOKEN_ENV: token, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
             extra_args=[
                 *extension_args(middleware=True),
                 "--served-model-name", str(model_dir),

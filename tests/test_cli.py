@@ -74,6 +74,10 @@ def test_errors_are_one_line_hints(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
     assert "no version is committed in this bucket yet" in err
+    (tmp_path / "empty").mkdir()
+    assert main(["stats", str(tmp_path / "empty")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: file://{tmp_path / 'empty'}/latest.json: no version is committed in this bucket yet\n"
     assert main(["inspect", str(tmp_path / "nope.safetensors")]) == 1
     assert "no such file" in capsys.readouterr().err
     assert main(["demo", "--steps", "0", "--output", str(tmp_path / "demo")]) == 1

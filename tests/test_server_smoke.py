@@ -247,3 +247,18 @@ def test_missing_model_dir_fails_with_the_log(tmp_path):
 
 def test_group_alive_sees_a_live_group():
     assert _group_alive(os.getpgrp())
+
+
+def test_wait_healthy_names_the_server_that_died_or_never_answered() -> None:
+    import subprocess
+
+    from deltasync._server import ServerError, free_port, wait_healthy
+
+    url = f"http://127.0.0.1:{free_port()}"
+    dead = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    dead.wait()
+    with pytest.raises(ServerError, match=r"the Wordle server exited with code 3 before answering .*/health"):
+        wait_healthy(url, 30.0, proc=dead, what="Wordle server")
+    with pytest.raises(ServerError, match=r"the rollout server at http://127\.0\.0\.1:\d+ did not answer /health within 1 s"):
+        wait_healthy(url, 1.0, what="rollout server")
+    assert issubclass(VLLMServerError, ServerError)

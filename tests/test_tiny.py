@@ -11,7 +11,7 @@ import torch
 from vllm_fixtures import REPO_ROOT, tiny_model_dir, tiny_model_factory  # noqa: F401  (fixtures)
 
 from deltasync._errors import ConfigError
-from deltasync.tiny import CHATML_SPECIAL_TOKENS, QWEN2_5_CHAT_TEMPLATE, build_tiny_model
+from deltasync.tiny import CHATML_SPECIAL_TOKENS, QWEN2_5_CHAT_TEMPLATE, TINY_SHAPE, build_tiny_model, fit_tiny_model
 
 
 def _digests(path: pathlib.Path) -> dict[str, str]:
@@ -47,8 +47,11 @@ def test_loads_in_transformers(tiny_model_dir):  # noqa: F811
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     config = model.config
     assert model.dtype == torch.bfloat16
-    assert (config.model_type, config.hidden_size, config.num_hidden_layers) == ("qwen2", 128, 2)
-    assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (2, 1, 512)
+    shape = TINY_SHAPE
+    assert (config.model_type, config.hidden_size, config.num_hidden_layers) == ("qwen2", shape.hidden_size, shape.num_layers)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (
+        shape.num_attention_heads, shape.num_key_value_heads, shape.vocab_size)  # fmt: skip
+    assert config.intermediate_size == shape.intermediate_size
     assert config.hidden_size // config.num_attention_heads >= 32
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
@@ -150,3 +153,25 @@ def test_imports_neither_vllm_nor_trl(tmp_path):
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, capture_output=True)
+
+
+def test_fit_lowers_the_loss_on_its_texts_and_is_reproducible(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    texts = ["the sea is wide and deep", "one two three four"]
+
+    def loss(path) -> float:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        batch = tokenizer(texts, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            return model(**batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss.item()
+
+    first, second = (build_tiny_model(tmp_path / name, seed=1) for name in ("a", "b"))
+    before = loss(first)
+    for path in (first, second):
+        fit_tiny_model(path, texts, steps=15, batch_size=4, seed=2)
+    assert loss(first) < before / 2
+    assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="steps >= 1"):
+        fit_tiny_model(first, texts, steps=0)

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .wordle import (
+        MAX_GUESSES,
+        WORD_LENGTH,
         BoardRow,
         GuessOutcome,
         RewardComponents,
@@ -33,12 +35,17 @@ if TYPE_CHECKING:
         feedback_counts,
         guess_reward,
         judge_guess,
+        main,
         parse_guess,
         score_guess,
         serve,
     )
 
+# The same names as deltasync.envs.wordle.__all__; tests/envs/test_wordle.py checks that this
+# list, the import above and the module's own list agree.
 __all__ = [
+    "MAX_GUESSES",
+    "WORD_LENGTH",
     "BoardRow",
     "GuessOutcome",
     "RewardComponents",
@@ -60,6 +67,7 @@ __all__ = [
     "feedback_counts",
     "guess_reward",
     "judge_guess",
+    "main",
     "parse_guess",
     "score_guess",
     "serve",

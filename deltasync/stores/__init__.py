@@ -6,9 +6,10 @@ conformance suite (``tests/stores/test_conformance.py``).
 
 from __future__ import annotations
 
-from ._base import Store, open_store, read_limited
+from ._base import Store, read_limited
 from ._fsspec import FsspecStore
 from ._hf import HfBucketStore
 from ._local import LocalStore
+from ._open import open_store
 
 __all__ = ["FsspecStore", "HfBucketStore", "LocalStore", "Store", "open_store", "read_limited"]

@@ -24,7 +24,7 @@ if not _SUPPORTED[0] <= _parts < _SUPPORTED[1]:  # pragma: no cover
     )
 
 from ._cpu_attention import register_cpu_tree_attention  # noqa: E402
-from ._cpu_compat import async_grpo_cpu_patches, cpu_config_overrides  # noqa: E402
+from ._cpu_compat import async_grpo_cpu_patches, bf16_training_available, cpu_config_overrides  # noqa: E402
 from ._trainer import AsyncGRPOConfig, AsyncGRPOTrainer, DeltaSyncConfig  # noqa: E402
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "ConfigError",
     "DeltaSyncConfig",
     "async_grpo_cpu_patches",
+    "bf16_training_available",
     "cpu_config_overrides",
     "register_cpu_tree_attention",
 ]

@@ -7,7 +7,8 @@ Three things stop ``AsyncGRPOTrainer`` on a CPU, and each is handled as narrowly
 - ``AsyncGRPOTrainer.__init__`` calls ``get_peak_flops_per_device``, which asks
   ``torch.cuda.get_device_name`` and so raises on a CPU build of torch; the value only feeds MFU
   metrics, and TRL already treats ``None`` as "unknown device, MFU off";
-- ``AsyncGRPOConfig`` defaults to ``bf16=True``, which transformers refuses without a bf16 GPU:
+- ``AsyncGRPOConfig`` defaults to ``bf16=True``, which transformers refuses without a
+  bf16-capable accelerator: :func:`bf16_training_available` is the one rule that decides, and
   :func:`cpu_config_overrides` gives the settings that train in fp32 instead.
 """
 
@@ -21,7 +22,7 @@ import torch
 
 from ._cpu_attention import register_cpu_tree_attention
 
-__all__ = ["has_cuda", "cpu_config_overrides", "async_grpo_cpu_patches"]
+__all__ = ["has_cuda", "bf16_training_available", "cpu_config_overrides", "async_grpo_cpu_patches"]
 
 _TRAINER_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
 
@@ -31,16 +32,24 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def cpu_config_overrides() -> dict[str, Any]:
-    """``AsyncGRPOConfig`` keyword arguments that let it validate and train on a CPU.
+def bf16_training_available() -> bool:
+    """Whether transformers accepts ``bf16=True`` without ``use_cpu``: a bf16-capable CUDA, XPU,
+    MPS, NPU, HPU or other accelerator, or XLA. The same predicates transformers checks, so the
+    answer never disagrees with its refusal."""
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
-    Empty when CUDA is available. On a CPU: ``bf16=False``, so the model trains in the fp32 that
-    ``AsyncGRPOConfig.dtype`` loads it in by default (``use_cpu=True`` with bf16 autocast also
-    validates, but trains in a precision neither side serves).
+    return is_torch_bf16_gpu_available() or is_torch_xla_available()
+
+
+def cpu_config_overrides() -> dict[str, Any]:
+    """``AsyncGRPOConfig`` keyword arguments that let TRL's own config validate and train here.
+
+    Empty where bf16 training is available (see :func:`bf16_training_available`). Elsewhere
+    ``bf16=False``, so the model trains in the fp32 that ``AsyncGRPOConfig.dtype`` loads it in
+    by default (``use_cpu=True`` with bf16 autocast also validates, but trains in a precision
+    neither side serves). ``deltasync.trl.AsyncGRPOConfig`` applies the same rule itself.
     """
-    if has_cuda():
-        return {}
-    return {"bf16": False}
+    return {} if bf16_training_available() else {"bf16": False}
 
 
 def _peak_flops_unless_cpu(original: Any) -> Any:

@@ -127,13 +127,12 @@ def start_peft_sync(
 ) -> tuple[DeltaPublisher, RolloutClient]:
     """The publisher and client of a PEFT model's sync in ``mode``."""
     model = trainer.accelerator.unwrap_model(trainer.model)
-    opts = {k: getattr(options, k) for k in PublishOptions.__dataclass_fields__}
     if mode == "adapter":
-        publisher = adapter_publisher(bucket, model, trainer.optimizer, **opts)
+        publisher = adapter_publisher(bucket, model, trainer.optimizer, options=options)
         client: RolloutClient = AdapterRolloutClient(
             urls, token, timeout=config.timeout, lora_name=config.lora_name, keep=trainer.args.max_staleness + 1
         )
     else:
-        publisher = merged_publisher(bucket, model, trainer.optimizer, **opts)
+        publisher = merged_publisher(bucket, model, trainer.optimizer, options=options)
         client = RolloutClient(urls, token=token, timeout=config.timeout)
     return publisher, client

@@ -12,23 +12,22 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from trl.experimental.async_grpo import AsyncGRPOConfig as _TRLAsyncGRPOConfig
 from trl.experimental.async_grpo import AsyncGRPOTrainer as _TRLAsyncGRPOTrainer
 
+from .._auth import TOKEN_ENV
 from .._client import RolloutClient, UpdateReport
 from .._errors import ConfigError
 from .._publisher import DeltaPublisher, PublishOptions, PublishResult
-from ._cpu_compat import async_grpo_cpu_patches, has_cuda
+from ._cpu_compat import async_grpo_cpu_patches, bf16_training_available, has_cuda
 
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "DeltaSyncConfig"]
 
 logger = logging.getLogger("deltasync.trl")
-
-TOKEN_ENV = "DELTASYNC_TOKEN"
-"""Environment variable read for the servers' token when :class:`DeltaSyncConfig` names none."""
 
 
 @dataclass(kw_only=True)
@@ -43,18 +42,8 @@ class DeltaSyncConfig:
     token: str | None = None
     """Shared secret of the servers (``DELTASYNC_TOKEN`` on their side). Default: the trainer's
     ``DELTASYNC_TOKEN`` environment variable, if set."""
-    anchor_every: int = 10
-    """A full anchor at least every this many versions."""
-    anchor_bytes_ratio: float = 0.5
-    """Also an anchor when the deltas since the last one exceed this fraction of an anchor."""
-    codec: str = "zstd"
-    """Delta codec: "zstd" or "raw"."""
-    zstd_level: int = 3
-    """zstd level for the "zstd" codec."""
-    keep_anchors: int = 1
-    """Anchor chains kept in the bucket."""
-    snapshot_device: str | None = "cpu"
-    """Where the last published bf16 state is kept: "cpu" or None (each parameter's device)."""
+    publish: PublishOptions = field(default_factory=PublishOptions)
+    """How versions are written: anchor schedule, codec, retention (see :class:`~deltasync.PublishOptions`)."""
     prefetch: bool = True
     """Let servers download and decode each version while still generating, so they pause only
     to swap it in."""
@@ -65,17 +54,15 @@ class DeltaSyncConfig:
     weights), or None to decide from the servers' ``lora_config`` as TRL does."""
     lora_name: str = "trl-policy"
     """Adapter mode: adapters are served as ``<lora_name>-v<version>``."""
-    publish_options: PublishOptions = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.publish_options = PublishOptions(
-            anchor_every=self.anchor_every,
-            anchor_bytes_ratio=self.anchor_bytes_ratio,
-            codec=self.codec,
-            zstd_level=self.zstd_level,
-            keep_anchors=self.keep_anchors,
-            snapshot_device=self.snapshot_device,
-        )
+        if not isinstance(self.publish, PublishOptions):
+            raise ConfigError(
+                f"publish must be a PublishOptions, got {type(self.publish).__name__}: "
+                "DeltaSyncConfig(publish=PublishOptions(anchor_every=...))"
+            )
+        if self.peft_sync not in (None, "adapter", "merged"):
+            raise ConfigError(f"peft_sync must be 'adapter', 'merged' or None (decide from the servers), got {self.peft_sync!r}")
         if self.server_urls is not None and not self.server_urls:
             raise ConfigError("server_urls is empty: give at least one rollout server, or None for the trainer's")
         if self.timeout <= 0:
@@ -84,11 +71,21 @@ class DeltaSyncConfig:
 
 @dataclass
 class AsyncGRPOConfig(_TRLAsyncGRPOConfig):
-    """TRL's ``AsyncGRPOConfig``; on a machine without CUDA, ``bf16`` is turned off (fp32 training)
-    instead of refused, since TRL's default ``bf16=True`` needs a bf16-capable GPU."""
+    """TRL's ``AsyncGRPOConfig``, except that where bf16 training is unavailable (no bf16-capable
+    accelerator, see :func:`~deltasync.trl.bf16_training_available`) ``bf16=True`` (TRL's
+    default) becomes fp32 training with a warning, instead of transformers' refusal. Anywhere
+    bf16 is available, CUDA, XPU or MPS alike, ``bf16`` is left as given."""
 
     def __post_init__(self) -> None:
-        if not has_cuda() and self.bf16 is not False and not self.use_cpu:
+        wants_bf16 = self.bf16 is True or (self.bf16 is None and not self.fp16)  # None: TRL's default, True
+        if wants_bf16 and not self.use_cpu and not bf16_training_available():
+            warnings.warn(
+                "AsyncGRPOConfig: bf16=True needs a bf16-capable accelerator and none is available here; "
+                "training in fp32 instead (bf16=False). Pass bf16=False to silence this, or use_cpu=True "
+                "for bf16 autocast on the CPU.",
+                UserWarning,
+                stacklevel=3,
+            )
             self.bf16 = False
         super().__post_init__()
 
@@ -171,15 +168,12 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
             from ._lora import start_peft_sync
 
             self._publisher, self._client = start_peft_sync(
-                self, self._peft_sync, bucket, urls, token, config, config.publish_options
+                self, self._peft_sync, bucket, urls, token, config, config.publish
             )
             logger.info("delta sync: bucket %s, servers %s", self._publisher.store.url, ", ".join(urls))
             return
         self._publisher = DeltaPublisher(
-            bucket,
-            self.accelerator.unwrap_model(self.model),
-            self.optimizer,
-            **{k: getattr(config.publish_options, k) for k in PublishOptions.__dataclass_fields__},
+            bucket, self.accelerator.unwrap_model(self.model), self.optimizer, options=config.publish
         )
         if self.accelerator.is_main_process:
             self._client = RolloutClient(urls, token=token, timeout=config.timeout)

@@ -11,6 +11,7 @@ from helpers import small_transformer, train_step
 from deltasync import (
     ConfigError,
     DeltaPublisher,
+    PublishOptions,
     DeltaReceiver,
     VersionError,
     bf16_state_dict,
@@ -219,5 +220,11 @@ def test_options_are_validated(tmp_path) -> None:
         DeltaPublisher(tmp_path, model, codec="raw", zstd_level=9)
     with pytest.raises(ConfigError, match="anchor_every must be >= 1"):
         DeltaPublisher(tmp_path, model, anchor_every=0)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="unknown publish option.* anchor_evry; PublishOptions has anchor_every, "):
         DeltaPublisher(tmp_path, model, anchor_evry=3)
+    with pytest.raises(ConfigError, match="options must be a PublishOptions, got dict"):
+        DeltaPublisher(tmp_path, model, options={"anchor_every": 3})
+    # typed options, and single fields on top of them
+    publisher = DeltaPublisher(tmp_path, model, options=PublishOptions(anchor_every=3, codec="raw"), anchor_bytes_ratio=0)
+    assert publisher.options == PublishOptions(anchor_every=3, codec="raw", anchor_bytes_ratio=0)
+    publisher.close()

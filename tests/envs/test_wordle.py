@@ -517,3 +517,27 @@ def test_cli_serves() -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def test_envs_exports_exactly_what_the_wordle_package_does() -> None:
+    """deltasync.envs loads its names lazily, so its __all__ and TYPE_CHECKING import are written
+    out; they must match deltasync.envs.wordle's own __all__ and resolve to the same objects."""
+    import ast
+    import inspect
+
+    import deltasync.envs as envs
+    import deltasync.envs.wordle as wordle
+
+    assert sorted(envs.__all__) == sorted(wordle.__all__)
+    tree = ast.parse(inspect.getsource(envs))
+    typed = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "wordle"
+        for alias in node.names
+    }
+    assert typed == set(wordle.__all__)
+    for name in wordle.__all__:
+        assert getattr(envs, name) is getattr(wordle, name)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        envs.nope  # noqa: B018

@@ -1,41 +1,19 @@
-"""``deltasync spaces``: deploy the Wordle example's servers as Hugging Face Spaces.
-
-Three things on the Hub, each created only if missing and configured every time:
-
-1. the bucket ``NAMESPACE/BUCKET`` (private unless asked otherwise) that the trainer publishes to;
-2. the rollout Space (``spaces/vllm``: vLLM with deltasync's extension, on a GPU) with the
-   variables ``MODEL`` and ``DELTASYNC_BUCKET``, the secrets ``DELTASYNC_TOKEN`` and ``HF_TOKEN``
-   and its hardware;
-3. the Wordle Space (``spaces/wordle``, on a CPU) with ``MAX_SESSIONS`` and its hardware;
-
-then each Space's files are uploaded (which starts its build). Variables and secrets are set
-before the upload, so the first build already runs with them. The shared token is taken from
-an environment variable, or from a file, or generated and written to that file; it is never
-printed. :func:`deploy_spaces` takes the ``HfApi`` to call, so tests pass a recorder.
-"""
+"""What ``deltasync spaces`` deploys: its options, and the Hub calls that deploy them (nothing is called here)."""
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import os
 import re
-import secrets
-import shutil
-import sys
-import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._auth import TOKEN_ENV
-from ._errors import ConfigError
-
-__all__ = ["SpacesConfig", "SpacesPlan", "Step", "add_parser", "deploy_spaces", "run", "space_files", "space_url"]
+from .._auth import TOKEN_ENV
+from .._errors import ConfigError
+from .._serve import BUCKET_ENV
 
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
-_PLACEHOLDER_NAMESPACE = "your-namespace"
 _SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache"}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 
@@ -231,7 +209,7 @@ def _summarize(files: Mapping[str, Path]) -> str:
 def _repo_root(given: str | os.PathLike[str] | None) -> Path:
     if given is not None:
         return Path(given).resolve()
-    here = Path(__file__).resolve().parents[1]  # a source checkout (editable install)
+    here = Path(__file__).resolve().parents[2]  # a source checkout (editable install)
     if (here / "spaces").is_dir():
         return here
     return Path.cwd()
@@ -282,7 +260,7 @@ def _plan(
         Step("create_bucket", (bucket_id,), {"private": not config.public_bucket, "exist_ok": True}),
         Step("create_repo", (rollout_id,), new_space),
     ]
-    variables = {"MODEL": config.model, "DELTASYNC_BUCKET": bucket_url}
+    variables = {"MODEL": config.model, BUCKET_ENV: bucket_url}
     if config.vllm_args:
         variables["VLLM_ARGS"] = config.vllm_args
     for key, value in variables.items():
@@ -317,171 +295,3 @@ def _plan(
         token_export=token.export,
         notes=notes,
     )
-
-
-def deploy_spaces(
-    config: SpacesConfig,
-    *,
-    api: Any = None,
-    dry_run: bool = False,
-    repo_root: str | os.PathLike[str] | None = None,
-    environ: Mapping[str, str] | None = None,
-    echo: Callable[[str], None] = print,
-) -> SpacesPlan:
-    """Create or update the bucket and both Spaces through ``api`` (default ``HfApi()``).
-
-    With ``dry_run`` print the calls (secrets masked) and touch nothing: no Hub call (the
-    namespace, when not given, shows as a placeholder), no token generated or written.
-    """
-    environ = os.environ if environ is None else environ
-    root = _repo_root(repo_root)
-    if not dry_run and api is None:
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-    namespace = config.namespace
-    if namespace is None:
-        if dry_run:
-            namespace = _PLACEHOLDER_NAMESPACE
-        else:
-            namespace = api.whoami()["name"]
-    token = _shared_token(config, namespace, environ)
-    hf_token, hf_token_note = _hub_token(config, api, environ)
-    if hf_token is None and not config.public_bucket and not dry_run:
-        raise ConfigError(
-            f"the rollout Space needs a Hub token to read the private bucket {namespace}/{config.bucket}: set "
-            f"{config.hf_token_env} (a read token is enough), log in with `hf auth login`, or use --public-bucket"
-        )
-    plan = _plan(config, namespace=namespace, token=token, hf_token=hf_token, hf_token_note=hf_token_note,
-                 repo_root=root)
-    if config.namespace is None and dry_run:
-        plan.notes.insert(0, f"no --namespace: shown as {namespace!r}; a real run uses the logged-in user's")
-    echo(plan.render(dry_run=dry_run))
-    if dry_run:
-        echo("(dry run: nothing was created, uploaded or written)")
-        return plan
-    if token.value is None:
-        assert token.generate_to is not None
-        token.value = secrets.token_urlsafe(32)
-        _write_secret(token.generate_to, token.value)
-        echo(f"generated the shared token and wrote it to {token.generate_to} (mode 600)")
-        plan = _plan(config, namespace=namespace, token=token, hf_token=hf_token, hf_token_note=hf_token_note,
-                     repo_root=root)
-    for i, step in enumerate(plan.steps, 1):
-        echo(f"[{i}/{len(plan.steps)}] {step.describe()}")
-        with _staged(step) as kwargs:
-            getattr(api, step.method)(*step.args, **kwargs)
-    echo("")
-    echo(plan.next_steps())
-    return plan
-
-
-def _hub_token(config: SpacesConfig, api: Any, environ: Mapping[str, str]) -> tuple[str | None, str]:
-    value = environ.get(config.hf_token_env)
-    if value:
-        return value, f"the value of ${config.hf_token_env}"
-    value = getattr(api, "token", None) if api is not None else None
-    if isinstance(value, str) and value:
-        return value, "the token of the HfApi used"
-    from huggingface_hub import get_token
-
-    value = get_token()
-    return (value, "your logged-in Hub token") if value else (None, "")
-
-
-@contextlib.contextmanager
-def _staged(step: Step) -> Iterator[dict[str, Any]]:
-    """The step's keyword arguments, with its files copied into a temporary ``folder_path``."""
-    if step.files is None:
-        yield dict(step.kwargs)
-        return
-    with tempfile.TemporaryDirectory(prefix="deltasync-space-") as tmp:
-        for name, source in step.files.items():
-            target = Path(tmp, name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
-        yield {**step.kwargs, "folder_path": tmp}
-
-
-def _write_secret(path: Path, value: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(value + "\n")
-    os.chmod(path, 0o600)
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    defaults = SpacesConfig.__dataclass_fields__
-    p = sub.add_parser(
-        "spaces",
-        help="deploy the Wordle example's rollout and environment servers as Hugging Face Spaces",
-        description="Create (or update) a bucket, a GPU Space running vLLM with deltasync's extension, and a CPU "
-        "Space running the Wordle environment; then print how to train against them. --dry-run shows every call.",
-    )
-    p.add_argument("--namespace", help="user or organisation that owns them (default: the logged-in user)")
-    p.add_argument("--bucket", default=defaults["bucket"].default, help="bucket name (default %(default)s)")
-    p.add_argument("--model", default=defaults["model"].default, help="model to serve (default %(default)s)")
-    p.add_argument("--rollout-space", default=defaults["rollout_space"].default,
-                   help="rollout Space name (default %(default)s)")
-    p.add_argument("--env-space", default=defaults["env_space"].default, help="Wordle Space name (default %(default)s)")
-    p.add_argument("--hardware", default=defaults["hardware"].default,
-                   help="rollout Space hardware (default %(default)s; `hf spaces hardware` lists them)")
-    p.add_argument("--env-hardware", default=defaults["env_hardware"].default,
-                   help="Wordle Space hardware (default %(default)s)")
-    p.add_argument("--public-bucket", action="store_true", help="make the bucket public (default: private)")
-    p.add_argument("--max-sessions", type=int, default=defaults["max_sessions"].default,
-                   help="Wordle games at once (default %(default)s)")
-    p.add_argument("--vllm-args", default="",
-                   help='extra vLLM flags for the rollout Space (VLLM_ARGS), e.g. --vllm-args="--max-model-len 8192"')
-    p.add_argument("--sleep-time", type=int, default=None, help="seconds idle before the rollout Space sleeps")
-    p.add_argument("--token-env", default=TOKEN_ENV, metavar="NAME",
-                   help="environment variable with the shared token (default %(default)s); when unset, the "
-                   "token file's, or a new one written there")
-    p.add_argument("--token-file", default=None, metavar="PATH",
-                   help="token file (default ~/.cache/deltasync/spaces/NAMESPACE--ROLLOUT_SPACE.token)")
-    p.add_argument("--hf-token-env", default="HF_TOKEN", metavar="NAME",
-                   help="environment variable with the Hub token the rollout Space reads the bucket and model "
-                   "with (default %(default)s; else your logged-in token)")
-    p.add_argument("--repo", default=None, metavar="PATH", help="deltasync checkout to upload from (default: this one)")
-    p.add_argument("--dry-run", action="store_true", help="print every call it would make (secrets masked); do nothing")
-    p.add_argument("--yes", action="store_true", help="do not ask before creating paid hardware")
-
-
-def run(args: argparse.Namespace) -> int:
-    config = SpacesConfig(
-        namespace=args.namespace,
-        bucket=args.bucket,
-        model=args.model,
-        rollout_space=args.rollout_space,
-        env_space=args.env_space,
-        hardware=args.hardware,
-        env_hardware=args.env_hardware,
-        public_bucket=args.public_bucket,
-        max_sessions=args.max_sessions,
-        vllm_args=args.vllm_args,
-        sleep_time=args.sleep_time,
-        token_env=args.token_env,
-        token_file=args.token_file,
-        hf_token_env=args.hf_token_env,
-    )
-    if args.dry_run:
-        plan = deploy_spaces(config, dry_run=True, repo_root=args.repo)
-        print()
-        print(plan.next_steps())
-        return 0
-    if not args.yes:
-        deploy_spaces(config, dry_run=True, repo_root=args.repo, echo=lambda _line: None)  # validate first
-        if not sys.stdin.isatty():
-            raise ConfigError("deltasync spaces creates paid hardware: add --yes to go ahead (or --dry-run to see "
-                              "every call first)")
-        answer = input(f"Create or update the bucket and two Spaces ({config.hardware} is billed while it runs)? "
-                       "[y/N] ")
-        if answer.strip().lower() not in ("y", "yes"):
-            print("nothing done")
-            return 1
-    deploy_spaces(config, repo_root=args.repo)
-    return 0
