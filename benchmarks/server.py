@@ -135,8 +135,9 @@ def run_mode(mode: str, model_dir: Path, bucket: Path, versions: int, root: Path
             pointer = json.loads((bucket / "latest.json").read_text())
             want = next(e["fingerprint"] for e in pointer["chain"] if e["version"] == version)
             assert r.fingerprint == want, f"{mode}: version {version} serves {r.fingerprint}, the bucket says {want}"
+            last = client.status()[server.url].workers[0]["last_update"]
             rows.append({"version": version, "kind": r.kind, "paused_s": r.paused_s, "apply_s": r.apply_s,
-                         "stage_s": r.stage_s})  # fmt: skip
+                         "stage_s": r.stage_s, "load_s": last.get("load_s"), "hash_s": last.get("hash_s")})  # fmt: skip
             log(f"{mode}: version {version} ({r.kind}): paused {r.paused_s:.3f} s, apply {r.apply_s:.3f} s")
         time.sleep(2)
         rss_end = tree_rss(server.pid)  # type: ignore[arg-type]
@@ -188,6 +189,14 @@ def main(argv: list[str] | None = None) -> int:
               f"| {r['delta_pause_vs_anchor_pause']:.0%} | {growth / 2**30:+.2f} GiB "
               f"| {r['rss_growth_vs_bf16']:.0%} |")  # fmt: skip
     if "in-place" in results:
+        anchor = results["in-place"]["rows"][0]
+        if anchor.get("hash_s") is not None:
+            print(f"\nin-place anchor apply: {anchor['load_s']:.3f} s dense load through vLLM's loader + "
+                  f"{anchor['hash_s']:.3f} s full served-fingerprint hash")  # fmt: skip
+        if "reload" in results:
+            r = results["in-place"]["delta_paused_s"] / results["reload"]["delta_paused_s"]
+            a = results["in-place"]["delta_paused_s"] / results["reload"]["anchor_paused_s"]
+            print(f"in-place delta pause / reload delta pause: {r:.0%}; / reload anchor pause: {a:.0%}")
         print()
         for key, (label, limit) in TARGETS.items():
             value = results["in-place"][key]

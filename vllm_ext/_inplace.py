@@ -152,7 +152,8 @@ class InPlaceState:
                     owned = self._owned(name, k, src)
                     if not bool(owned.all()):
                         src, dst = src[owned], dst[owned]
-                    bits = self.flat[piece.param][dst]
+                    flat = self.flat[piece.param]
+                    bits = flat[dst.to(flat.device)]
                     total = (total + fingerprint_share(name, src, bits.view(torch.bfloat16))) & _MASK
         return total
 
@@ -167,7 +168,8 @@ class InPlaceState:
         out = torch.zeros(index.numel(), dtype=torch.int16)
         for piece in self.map.pieces.get(name, []):
             hit, dst = piece.locate(index)
-            out[hit] = self.flat[piece.param][dst]
+            flat = self.flat[piece.param]
+            out[hit] = flat[dst.to(flat.device)].cpu()
             found[hit] = True
         return torch.nonzero(found).reshape(-1), out[found]
 
@@ -280,8 +282,9 @@ class InPlaceState:
         try:
             for param, w in staged.writes.items():
                 flat = self.flat[param]
-                undo.append((param, w.dst, flat[w.dst]))
-                flat.index_put_((w.dst,), w.bits)
+                dst = w.dst.to(flat.device)
+                undo.append((param, dst, flat[dst]))
+                flat.index_put_((dst,), w.bits.to(flat.device))
         except Exception as exc:
             exc.undo = undo  # type: ignore[attr-defined]
             raise
@@ -314,6 +317,7 @@ class InPlaceState:
             hit, dst = piece.locate(idx)
             if hit.numel():
                 signed = bits - 0x10000 if bits >= 0x8000 else bits
-                self.flat[piece.param].index_put_((dst,), torch.tensor([signed], dtype=torch.int16))
+                flat = self.flat[piece.param]
+                flat.index_put_((dst.to(flat.device),), torch.tensor([signed], dtype=torch.int16, device=flat.device))
                 done = True
         return done

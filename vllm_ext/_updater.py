@@ -114,6 +114,7 @@ class WorkerUpdater:
         self._receiver: DeltaReceiver | None = None
         self._prefetch: _Prefetch | None = None
         self._fail_after_write = False
+        self._anchor_timing: dict[str, float] = {}
         self.fallback: dict[str, str] = {}
         self.live: InPlaceState | None = self._plan_in_place()
 
@@ -381,6 +382,8 @@ class WorkerUpdater:
         if failure is not None:
             return failure
         result["apply_s"] = time.perf_counter() - apply_start
+        if staged.kind == "anchor":
+            result.update(self._anchor_timing)
         self.last = {**result, "time": time.time()}
         return result
 
@@ -409,13 +412,17 @@ class WorkerUpdater:
         live = self.live
         assert live is not None
         error: str | None = None
+        start = time.perf_counter()
         try:
             self._load_dense(staged.dense.tensors())
         except Exception as exc:  # noqa: BLE001
             error = f"loading version {staged.version} on rank {self.rank} failed ({type(exc).__name__}: {exc})"
-        staged.dense = None  # drop the transient copy
+        staged.dense = None  # drop the transient copy, and give its memory back to the system
+        _release_freed_memory()
+        load_s = time.perf_counter() - start
         error = _agree(error)
         served = live.full_fingerprint()
+        self._anchor_timing = {"load_s": load_s, "hash_s": time.perf_counter() - start - load_s}
         if error is None and served != staged.fingerprint:
             error = f"after loading version {staged.version} the served weights hash to {served}, not {staged.fingerprint}"
         if error is not None:
@@ -663,6 +670,17 @@ def _parallel_groups() -> list[Any]:
 def _is_last_rank() -> bool:
     """Whether this worker answers last in vLLM's executor (rank order: pipeline, then tensor)."""
     return all(group.rank_in_group == group.world_size - 1 for group in _parallel_groups())
+
+
+def _release_freed_memory() -> None:
+    """Return freed heap pages to the system (glibc keeps them, per thread arena, after a
+    transient full copy); elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _rank_index() -> int:
