@@ -17,6 +17,7 @@ summed over every rank, is the one the bucket committed.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,9 +31,20 @@ from deltasync._format import decode_delta
 
 from ._weight_map import Piece, WeightMap
 
-__all__ = ["InPlaceState", "LiveStaged"]
+__all__ = ["InPlaceState", "LiveStaged", "release_freed_memory"]
 
 _MASK = (1 << 64) - 1
+
+
+def release_freed_memory() -> None:
+    """Return freed heap pages to the system. glibc keeps them (per thread arena) after large
+    transient buffers, such as an anchor's full copy or a full hash's chunks; elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass
@@ -129,6 +141,7 @@ class InPlaceState:
         self.version: int | None = None
         self.fingerprint = self.full_fingerprint()
         self.tainted: str | None = None
+        self.pending: dict[str, Any] | None = None
 
     def _mapped_params(self) -> set[str]:
         return {p.param for pieces in self.map.pieces.values() for p in pieces}
@@ -160,6 +173,41 @@ class InPlaceState:
     def full_fingerprint(self) -> str:
         """The fingerprint of what every rank serves, recomputed in full (a collective)."""
         return fingerprint_add(0, *self.gather(self.local_share()))
+
+    def start_full_hash(self) -> None:
+        """Hash this rank's share of the served weights in a background thread; :meth:`settle`
+        sums the shares and checks them against the committed fingerprint."""
+        job: dict[str, Any] = {"share": None, "error": None}
+
+        def run() -> None:
+            try:
+                job["share"] = self.local_share()
+            except Exception as exc:  # noqa: BLE001  (reported by settle)
+                job["error"] = f"{type(exc).__name__}: {exc}"
+            release_freed_memory()
+
+        job["thread"] = threading.Thread(target=run, name="deltasync-served-hash", daemon=True)
+        self.pending = job
+        job["thread"].start()
+
+    def settle(self) -> None:
+        """Wait for the background hash, sum it across ranks (a collective), and taint the state
+        when it is not the fingerprint committed for the served version."""
+        job, self.pending = self.pending, None
+        if job is None:
+            return
+        job["thread"].join()
+        shares = self.gather(job["share"])
+        if any(share is None for share in shares):
+            served = self.full_fingerprint()  # a rank's background hash failed: hash again here
+        else:
+            served = fingerprint_add(0, *shares)
+        if served != self.fingerprint:
+            self.tainted = (
+                f"after loading version {self.version} the served weights hash to {served}, "
+                f"not {self.fingerprint}; the next update loads the newest anchor again"
+            )
+            self.fingerprint = served
 
     def read(self, name: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Live int16 bits at the checkpoint indices of ``name`` that this rank holds:

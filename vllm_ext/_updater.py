@@ -34,7 +34,7 @@ from deltasync import (
 from deltasync._auth import TOKEN_ENV, check_update_tag
 
 from ._checkpoint import read_checkpoint_shapes, resolve_model_dir
-from ._inplace import InPlaceState, LiveStaged
+from ._inplace import InPlaceState, LiveStaged, release_freed_memory
 from ._plain_gemm import PLAIN_GEMM_ENV, plain_gemm_enabled
 from ._reload import reload_groups, reload_weights
 from ._weight_map import discover
@@ -131,10 +131,12 @@ class WorkerUpdater:
         ``fingerprint`` is that of the weights served: in "in-place" mode hashed from the live
         weights (summed over every rank), in "reload" mode that of the copy they were loaded from.
         """
+        self._settle()
         receiver = self._receiver
         live = self.live
         if live is not None:
-            version, fp = live.version, live.fingerprint
+            # Weights that changed behind deltasync's back are no version at all.
+            version, fp = (None if live.tainted else live.version), live.fingerprint
         else:
             version = None if receiver is None else receiver.version
             fp = None if receiver is None else receiver.fingerprint
@@ -156,6 +158,7 @@ class WorkerUpdater:
 
     def prefetch(self, version: object, auth: object = None) -> dict[str, Any]:
         """Start staging ``version`` in a background thread; the engine keeps generating."""
+        self._settle()
         try:
             version = _check_version(version)
             check_update_tag(self.config.token, version, auth)
@@ -193,6 +196,7 @@ class WorkerUpdater:
         On any failure the served weights and version stay those from before the call, and
         :class:`UpdateError` is raised (by the last worker only: see :meth:`_fail`).
         """
+        self._settle()
         if self.live is not None:
             return self._update_live(version, auth)
         start = time.perf_counter()
@@ -383,7 +387,7 @@ class WorkerUpdater:
             return failure
         result["apply_s"] = time.perf_counter() - apply_start
         if staged.kind == "anchor":
-            result.update(self._anchor_timing)
+            result.update(self._anchor_timing, served_hash="after the pause")
         self.last = {**result, "time": time.time()}
         return result
 
@@ -406,6 +410,8 @@ class WorkerUpdater:
             return self._fail(staged.version, f"deltasync: {error}; every rank put its previous values back: "
                                               f"still serving {self._served()}")  # fmt: skip
         live.commit(staged.version, fingerprint)
+        staged.writes.clear()
+        release_freed_memory()
         return None
 
     def _load_live(self, staged: LiveStaged) -> dict[str, Any] | None:
@@ -418,23 +424,30 @@ class WorkerUpdater:
         except Exception as exc:  # noqa: BLE001
             error = f"loading version {staged.version} on rank {self.rank} failed ({type(exc).__name__}: {exc})"
         staged.dense = None  # drop the transient copy, and give its memory back to the system
-        _release_freed_memory()
-        load_s = time.perf_counter() - start
+        release_freed_memory()
+        self._anchor_timing = {"load_s": time.perf_counter() - start}
         error = _agree(error)
-        served = live.full_fingerprint()
-        self._anchor_timing = {"load_s": load_s, "hash_s": time.perf_counter() - start - load_s}
-        if error is None and served != staged.fingerprint:
-            error = f"after loading version {staged.version} the served weights hash to {served}, not {staged.fingerprint}"
         if error is not None:
+            served = live.full_fingerprint()
             live.tainted, live.fingerprint = error, served
             return self._fail(staged.version, f"deltasync: {error}; the served weights are not those of any "
                                               "version: the next update loads the newest anchor again")  # fmt: skip
-        live.commit(staged.version, served)
+        # The full hash of the served weights runs after the pause, while the engine generates;
+        # the next call of any kind waits for it (:meth:`_settle`) before trusting the state.
+        live.commit(staged.version, staged.fingerprint)
+        live.start_full_hash()
         return None
+
+    def _settle(self) -> None:
+        """Finish a full hash of the served weights started after an anchor (a collective: every
+        worker calls this first in every deltasync call)."""
+        if self.live is not None and self.live.pending is not None:
+            self.live.settle()
 
     def verify(self) -> dict[str, Any]:
         """Recompute the served fingerprint in full and compare (in-place mode); a mismatch
         makes the next update load the newest anchor instead of building on these weights."""
+        self._settle()
         if self.live is not None:
             expected = self.live.fingerprint
             out = self.live.verify()
@@ -454,6 +467,7 @@ class WorkerUpdater:
     def test_poke(self, name: str, index: int, bits: int) -> bool:
         """Change one live element (test only)."""
         self._check_hooks()
+        self._settle()
         if self.live is None:
             raise ConfigError("poke needs in-place mode")
         return self.live.poke(name, index, bits)
@@ -670,17 +684,6 @@ def _parallel_groups() -> list[Any]:
 def _is_last_rank() -> bool:
     """Whether this worker answers last in vLLM's executor (rank order: pipeline, then tensor)."""
     return all(group.rank_in_group == group.world_size - 1 for group in _parallel_groups())
-
-
-def _release_freed_memory() -> None:
-    """Return freed heap pages to the system (glibc keeps them, per thread arena, after a
-    transient full copy); elsewhere a no-op."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _rank_index() -> int:
