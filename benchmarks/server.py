@@ -157,6 +157,35 @@ def run_mode(mode: str, model_dir: Path, bucket: Path, versions: int, root: Path
     }
 
 
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Paused and apply seconds of every update, per mode, and the RSS growth, in one figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = summary["modes"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.2
+    for k, (mode, r) in enumerate(modes.items()):
+        xs = [row["version"] + (k - 0.5) * 2 * width for row in r["rows"]]
+        ax.bar(xs, [row["paused_s"] for row in r["rows"]], width, label=f"{mode}: paused", alpha=0.5)
+        ax.bar(xs, [row["apply_s"] for row in r["rows"]], width * 0.6, label=f"{mode}: apply")
+    ax.set_xticks(range(len(next(iter(modes.values()))["rows"])))
+    ax.set_xticklabels(["anchor 0"] + [f"delta {v}" for v in range(1, len(next(iter(modes.values()))["rows"]))])
+    ax.set_ylabel("seconds")
+    ax.set_title(f"per update, {summary['density']:.0%} of elements changed per delta (prefetched)")
+    ax.legend(fontsize=8)
+    gib = 2**30
+    bx.bar(list(modes), [(r["rss_end"] - r["rss_start"]) / gib for r in modes.values()], color=["C2", "C3"][: len(modes)])
+    bx.axhline(summary["bf16_bytes"] / gib, color="k", linestyle="--", linewidth=1, label="model bf16 size")
+    bx.set_ylabel("GiB")
+    bx.set_title("server RSS growth")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--updates", type=int, default=5)
@@ -164,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="+", default=["in-place", "reload"], choices=["in-place", "reload"])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--plot", type=Path, help="write a figure of the results (PNG)")
     parser.add_argument("--workdir", type=Path)
     args = parser.parse_args(argv)
     root = args.workdir or Path(tempfile.mkdtemp(prefix="deltasync-server-bench-"))
@@ -190,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
               f"| {r['rss_growth_vs_bf16']:.0%} |")  # fmt: skip
     if "in-place" in results:
         anchor = results["in-place"]["rows"][0]
-        if anchor.get("hash_s") is not None:
-            print(f"\nin-place anchor apply: {anchor['load_s']:.3f} s dense load through vLLM's loader + "
-                  f"{anchor['hash_s']:.3f} s full served-fingerprint hash")  # fmt: skip
+        if anchor.get("load_s") is not None:
+            print(f"\nin-place anchor apply: {anchor['load_s']:.3f} s dense load through vLLM's loader; the full "
+                  "hash of the served weights runs after the pause")  # fmt: skip
         if "reload" in results:
             r = results["in-place"]["delta_paused_s"] / results["reload"]["delta_paused_s"]
             a = results["in-place"]["delta_paused_s"] / results["reload"]["anchor_paused_s"]
@@ -204,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    if args.plot:
+        plot(summary, args.plot)
     return 0
 
 
