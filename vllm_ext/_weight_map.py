@@ -12,7 +12,6 @@ layout) cannot be patched element by element and falls back to the layerwise rel
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +21,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Piece", "WeightMap", "discover"]
 
-logger = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
 # Writes that put constants, not checkpoint values, into a parameter (vocabulary padding).
