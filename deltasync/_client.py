@@ -99,9 +99,16 @@ class ServerStatus:
     version: int | None = None
     """The served version (None before its first update: the checkpoint it started with)."""
     fingerprint: str | None = None
+    """Fingerprint of the weights served. In "in-place" mode it is hashed from the live
+    weights (every rank's share, each element once); in "reload" mode it is that of the
+    exact copy the weights were loaded from."""
+    mode: str | None = None
+    """"in-place" (deltas are written into the live weights) or "reload" (layerwise reload;
+    each worker's ``fallback`` names the parameters that could not be patched in place)."""
     error: str | None = None
     workers: list[dict[str, Any]] = field(default_factory=list)
-    """Each worker's own report (one per tensor/pipeline-parallel rank)."""
+    """Each worker's own report (one per tensor/pipeline-parallel rank): ``version``,
+    ``fingerprint`` (served), ``mode``, ``fallback``, ``last_update``, ``prefetch``..."""
 
 
 class _RequestError(Exception):
@@ -189,7 +196,9 @@ def _combine(url: str, workers: list[dict[str, Any]]) -> ServerStatus:
         )
         return ServerStatus(url=url, ok=False, error=f"the server's workers disagree: {detail}", workers=workers)
     version, fingerprint = states.pop()
-    return ServerStatus(url=url, ok=True, version=version, fingerprint=fingerprint, workers=workers)
+    modes = {w.get("mode") for w in workers}
+    mode = modes.pop() if len(modes) == 1 else "reload"
+    return ServerStatus(url=url, ok=True, version=version, fingerprint=fingerprint, mode=mode, workers=workers)
 
 
 class RolloutClient:

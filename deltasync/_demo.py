@@ -109,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
     server = VLLMServer(
         model_dir,
         port=args.port,
-        env={BUCKET_ENV: bucket, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        # Plain CPU linear weights: deltas are written in place and the server's fingerprint
+        # is hashed from the weights it serves, so the EXACT check below is about the model.
+        env={BUCKET_ENV: bucket, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DELTASYNC_CPU_PLAIN_GEMM": "1"},
         extra_args=[
             *extension_args(),
             "--served-model-name", str(model_dir),

@@ -20,7 +20,15 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-__all__ = ["fingerprint", "fingerprint_share", "fingerprint_update", "format_fingerprint", "parse_fingerprint"]
+__all__ = [
+    "fingerprint",
+    "fingerprint_add",
+    "fingerprint_share",
+    "fingerprint_slice_share",
+    "fingerprint_update",
+    "format_fingerprint",
+    "parse_fingerprint",
+]
 
 _MASK = (1 << 64) - 1
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -85,7 +93,7 @@ def fingerprint(state_dict: Mapping[str, torch.Tensor]) -> str:
     return format_fingerprint(total)
 
 
-def fingerprint_share(name: str, values: torch.Tensor, offset: int) -> int:
+def fingerprint_slice_share(name: str, values: torch.Tensor, offset: int) -> int:
     """The hashes of a contiguous flat slice of ``name`` starting at ``offset``, summed mod 2**64.
 
     A state split into slices has as its fingerprint the sum of its slices' shares: this is
@@ -110,3 +118,29 @@ def fingerprint_update(
         added = _hash_sum(seed, idx, _bits_u16(new))
         removed = _hash_sum(seed, idx, _bits_u16(old))
     return format_fingerprint(parse_fingerprint(value) + added - removed)
+
+
+def fingerprint_share(name: str, index: torch.Tensor, values: torch.Tensor) -> int:
+    """The part of the fingerprint sum that elements ``index`` of ``name`` contribute (mod 2**64).
+
+    A state split across processes (tensor-parallel shards) hashes as the sum of its
+    parts' shares, provided every element is counted in exactly one part.
+    """
+    if index.numel() == 0:
+        return 0
+    idx = index.detach().reshape(-1).cpu().numpy().astype(np.uint64)
+    bits = _bits_u16(values)
+    seed = _seed(name)
+    total = 0
+    with np.errstate(over="ignore"):
+        for start in range(0, bits.size, _CHUNK):
+            total = (total + _hash_sum(seed, idx[start : start + _CHUNK], bits[start : start + _CHUNK])) & _MASK
+    return total
+
+
+def fingerprint_add(value: str | int, *shares: int) -> str:
+    """``value`` (a fingerprint, or 0) moved by ``shares`` (sums of element hashes, may be negative)."""
+    total = parse_fingerprint(value) if isinstance(value, str) else int(value)
+    for share in shares:
+        total += share
+    return format_fingerprint(total)

@@ -13,7 +13,7 @@ import torch
 
 from ._detector import BF16ChangeDetector, bf16_state_dict, named_parameters
 from ._errors import ConfigError, DeltaSyncError, NotFoundError
-from ._fingerprint import fingerprint, fingerprint_share, fingerprint_update, format_fingerprint, parse_fingerprint
+from ._fingerprint import fingerprint, fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
 from ._format import (
     CODECS,
     HISTORY_PATH,
@@ -455,7 +455,7 @@ class DeltaPublisher:
             if values is None:
                 continue
             slices.append(AnchorSlice(name, owned.shape, owned.begin, owned.end, values))
-            share += fingerprint_share(name, values, owned.begin)
+            share += fingerprint_slice_share(name, values, owned.begin)
         return slices, share
 
     def _encode_part(self, data: bytes) -> tuple[bytes, int]:

@@ -14,6 +14,9 @@ Start a server that follows a bucket (``deltasync serve`` fills all of this in):
   ``deltasync_prefetch`` and ``deltasync_apply`` through ``/collective_rpc``.
 - :class:`TokenMiddleware` requires the token on vLLM's control routes.
 - :class:`LoraSyncMiddleware` loads adapter versions from the bucket (``--enable-lora``).
+- ``DELTASYNC_CPU_PLAIN_GEMM=1`` (read on import) keeps vLLM-CPU's linear weights plain, so
+  deltas are written in place there too (a test and benchmark setting; see
+  :mod:`vllm_ext._plain_gemm`). On CUDA, unquantized models are patched in place anyway.
 - :func:`register` registers the backend; it runs when this package is imported (the
   worker extension imports it in every worker) and as the ``vllm.general_plugins`` entry
   point ``deltasync``.
@@ -28,8 +31,17 @@ from ._engine import DeltaWeightTransferEngine
 from ._extension import DeltaWorkerExtension
 from ._lora import LoraSyncMiddleware
 from ._middleware import TokenMiddleware
+from ._plain_gemm import PLAIN_GEMM_ENV, install_plain_gemm
 
-__all__ = ["BACKEND", "DeltaWeightTransferEngine", "DeltaWorkerExtension", "LoraSyncMiddleware", "TokenMiddleware", "register"]
+__all__ = [
+    "BACKEND",
+    "PLAIN_GEMM_ENV",
+    "DeltaWeightTransferEngine",
+    "DeltaWorkerExtension",
+    "LoraSyncMiddleware",
+    "TokenMiddleware",
+    "register",
+]
 
 #: The name of the weight-transfer backend (``--weight-transfer-config '{"backend": "delta"}'``).
 BACKEND = "delta"
@@ -47,3 +59,5 @@ def register() -> None:
 
 
 register()
+# Before any worker loads its model: the worker-extension module is imported first.
+install_plain_gemm()

@@ -16,7 +16,8 @@ __all__ = ["DeltaWorkerExtension"]
 
 
 class DeltaWorkerExtension:
-    """Worker extension adding ``deltasync_status``, ``deltasync_prefetch`` and ``deltasync_apply``."""
+    """Worker extension adding ``deltasync_status``, ``deltasync_prefetch``, ``deltasync_apply``
+    and ``deltasync_verify``."""
 
     def deltasync_status(self) -> dict[str, Any]:
         """This worker's rank, version, fingerprint, bucket, last update and prefetch state."""
@@ -33,6 +34,24 @@ class DeltaWorkerExtension:
         ``RolloutClient.update`` does through the routes.
         """
         return _updater_of(self).update(version, auth)
+
+    def deltasync_verify(self) -> dict[str, Any]:
+        """Recompute the served fingerprint in full from the live weights; ``ok`` if it is the
+        one tracked. A mismatch makes the next update load the newest anchor."""
+        return _updater_of(self).verify()
+
+    def deltasync_test_poke(self, name: str, index: int, bits: int) -> bool:
+        """Test only (``DELTASYNC_TEST_HOOKS=1``): set one live element's bf16 bit pattern."""
+        return _updater_of(self).test_poke(name, index, bits)
+
+    def deltasync_test_fail_after_write(self, rank: int) -> None:
+        """Test only (``DELTASYNC_TEST_HOOKS=1``): the next in-place write fails on ``rank``
+        after it has written."""
+        _updater_of(self).test_fail_after_write(rank)
+
+    def deltasync_test_tensor_bytes(self) -> dict[str, int]:
+        """Test only (``DELTASYNC_TEST_HOOKS=1``): bytes of CPU tensors beyond the model's own."""
+        return _updater_of(self).test_tensor_bytes()
 
 
 def _updater_of(worker: Any) -> WorkerUpdater:

@@ -22,18 +22,31 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from deltasync import ConfigError, DeltaReceiver, DeltaSyncError, FormatError, StagedUpdate, VersionError
+from deltasync import (
+    ConfigError,
+    DeltaReceiver,
+    DeltaSyncError,
+    FormatError,
+    IntegrityError,
+    StagedUpdate,
+    VersionError,
+)
 from deltasync._auth import TOKEN_ENV, check_update_tag
 
 from ._checkpoint import read_checkpoint_shapes, resolve_model_dir
+from ._inplace import InPlaceState, LiveStaged, release_freed_memory
+from ._plain_gemm import PLAIN_GEMM_ENV, plain_gemm_enabled
 from ._reload import reload_groups, reload_weights
+from ._weight_map import discover
 
-__all__ = ["BUCKET_ENV", "ServerConfig", "UpdateError", "WorkerUpdater", "updater_for"]
+__all__ = ["BUCKET_ENV", "TEST_HOOKS_ENV", "ServerConfig", "UpdateError", "WorkerUpdater", "updater_for"]
 
 logger = logging.getLogger(__name__)
 
 #: The environment variable naming the bucket a server follows.
 BUCKET_ENV = "DELTASYNC_BUCKET"
+#: "1" enables the test-only RPCs (changing a live element, failing after a write).
+TEST_HOOKS_ENV = "DELTASYNC_TEST_HOOKS"
 
 # Checkpoint tensors that are not parameters: vLLM skips them when loading, and a trainer's
 # state never holds them.
@@ -100,16 +113,41 @@ class WorkerUpdater:
         self.last_error: dict[str, Any] | None = None
         self._receiver: DeltaReceiver | None = None
         self._prefetch: _Prefetch | None = None
+        self._fail_after_write = False
+        self._anchor_timing: dict[str, float] = {}
+        self.fallback: dict[str, str] = {}
+        self.live: InPlaceState | None = self._plan_in_place()
+
+    @property
+    def mode(self) -> str:
+        """"in-place" (deltas are written into the live weights) or "reload" (layerwise reload)."""
+        return "in-place" if self.live is not None else "reload"
 
     # ------------------------------------------------------------------ public
 
     def status(self) -> dict[str, Any]:
-        """Plain data about what this worker serves (the answer of ``deltasync_status``)."""
+        """Plain data about what this worker serves (the answer of ``deltasync_status``).
+
+        ``fingerprint`` is that of the weights served: in "in-place" mode hashed from the live
+        weights (summed over every rank), in "reload" mode that of the copy they were loaded from.
+        """
+        self._settle()
         receiver = self._receiver
+        live = self.live
+        if live is not None:
+            # Weights that changed behind deltasync's back are no version at all.
+            version, fp = (None if live.tainted else live.version), live.fingerprint
+        else:
+            version = None if receiver is None else receiver.version
+            fp = None if receiver is None else receiver.fingerprint
         return {
             "rank": self.rank,
-            "version": None if receiver is None else receiver.version,
-            "fingerprint": None if receiver is None else receiver.fingerprint,
+            "version": version,
+            "fingerprint": fp,
+            "mode": self.mode,
+            "fallback": sorted(self.fallback),
+            "tainted": None if live is None else live.tainted,
+            "host_copy_bytes": 0 if receiver is None else sum(t.nbytes for t in receiver.state_dict().values()),
             "bucket": self.config.bucket,
             "auth": self.config.token is not None,
             "checkpoint": self.checkpoint,
@@ -120,6 +158,7 @@ class WorkerUpdater:
 
     def prefetch(self, version: object, auth: object = None) -> dict[str, Any]:
         """Start staging ``version`` in a background thread; the engine keeps generating."""
+        self._settle()
         try:
             version = _check_version(version)
             check_update_tag(self.config.token, version, auth)
@@ -129,8 +168,9 @@ class WorkerUpdater:
                 raise VersionError(
                     f"version {version} is not committed in {receiver.store.url} (the newest is {latest})"
                 )
-            if receiver.version is not None and version < receiver.version:
-                raise VersionError(f"version {version} is older than the served version {receiver.version}")
+            served = self._served_state()[0]
+            if served is not None and version < served:
+                raise VersionError(f"version {version} is older than the served version {served}")
         except DeltaSyncError as exc:
             return self._fail(version, f"deltasync: prefetch of version {version} refused: {exc}")
         job = self._prefetch
@@ -140,7 +180,7 @@ class WorkerUpdater:
             return self._fail(version, f"deltasync: prefetch of version {version} refused: version {job.version} "
                                        "is still being prefetched; update to it or wait until it is ready")  # fmt: skip
         job = _Prefetch(version)
-        if receiver.version == version:
+        if self._served_state()[0] == version:
             job.state = "applied"
             return job.describe()
         job.thread = threading.Thread(
@@ -156,6 +196,9 @@ class WorkerUpdater:
         On any failure the served weights and version stay those from before the call, and
         :class:`UpdateError` is raised (by the last worker only: see :meth:`_fail`).
         """
+        self._settle()
+        if self.live is not None:
+            return self._update_live(version, auth)
         start = time.perf_counter()
         staged: StagedUpdate | None = None
         error: str | None = None
@@ -164,7 +207,7 @@ class WorkerUpdater:
             version = _check_version(version)
             check_update_tag(self.config.token, version, auth)
             receiver = self._open_receiver()
-            staged = self._take_prefetched(version, receiver)
+            staged = self._take_prefetched(version)  # type: ignore[assignment]
             prefetched = staged is not None
             if staged is None:
                 staged = receiver.stage(version)
@@ -204,6 +247,267 @@ class WorkerUpdater:
             self._open_receiver().apply(staged)
         self.last = {**result, "time": time.time()}
         return result
+
+
+    # ------------------------------------------------------------------ in-place mode
+
+    def _plan_in_place(self) -> InPlaceState | None:
+        """Map the checkpoint onto the live weights; None (reload mode) if any name does not map."""
+        from vllm.config import set_current_vllm_config
+        from vllm.platforms import current_platform
+
+        reason = None
+        if self.expected is None:
+            reason = "the served checkpoint's parameter names and shapes are unknown"
+        elif current_platform.is_cpu() and not plain_gemm_enabled():
+            reason = f"vLLM's CPU build repacks linear weights for its kernels (set {PLAIN_GEMM_ENV}=1 to keep them plain)"
+        if reason is not None:
+            self.fallback = {name: reason for name in self.expected or {"*": ()}}
+            logger.info("deltasync: reload mode: %s", reason)
+            return None
+        assert self.expected is not None
+        start = time.perf_counter()
+        with set_current_vllm_config(self.vllm_config):
+            weight_map = discover(self.model, self.expected)
+        fallback: dict[str, str] = {}
+        for theirs in _gather(weight_map.fallback):  # every rank decides alike
+            fallback.update(theirs)
+        if fallback:
+            self.fallback = fallback
+            name, why = next(iter(sorted(fallback.items())))
+            logger.warning("deltasync: reload mode: %d parameters cannot be patched in place (e.g. %s: %s)",
+                           len(fallback), name, why)  # fmt: skip
+            return None
+        live = InPlaceState(self.model, weight_map, _gather, _rank_index(), self._load_dense)
+        logger.info("deltasync: in-place mode: %d checkpoint tensors mapped in %.2f s; served fingerprint %s",
+                    len(weight_map.pieces), time.perf_counter() - start, live.fingerprint)  # fmt: skip
+        return live
+
+    def _load_dense(self, weights: Any) -> None:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[arg-type]
+            self.model.load_weights(weights)
+
+    def _stage_live(self, version: int, receiver: DeltaReceiver, *, dense: bool = False) -> LiveStaged:
+        """Stage in-place: deltas on the served weights, or (catch-up) the newest anchor and
+        the deltas after it, decoded in full for a dense load."""
+        live = self.live
+        assert live is not None
+        pointer = receiver.pointer()
+        if version > pointer.version:
+            raise VersionError(f"version {version} is not committed in {receiver.store.url} (the newest is {pointer.version})")
+        if live.version is not None and version < live.version:
+            raise VersionError(f"version {version} is older than the served version {live.version}")
+        own = (
+            not dense
+            and live.tainted is None
+            and live.version is not None
+            and pointer.anchor <= live.version
+            and pointer.entry(live.version).fingerprint == live.fingerprint
+        )
+        if own:
+            return live.stage_deltas(receiver, pointer, version)
+        full = DeltaReceiver(receiver.store).stage(version)  # a transient copy, dropped after the load
+        self._validate(full)
+        return LiveStaged(
+            from_version=live.version,
+            from_fingerprint=live.fingerprint,
+            version=full.version,
+            kind="anchor",
+            fingerprint=full.fingerprint,
+            names=full.names,
+            changed=full.changed,
+            nbytes=full.nbytes,
+            seconds=full.seconds,
+            dense=full,
+        )
+
+    def _update_live(self, version: object, auth: object) -> dict[str, Any]:
+        live = self.live
+        assert live is not None
+        start = time.perf_counter()
+        staged: LiveStaged | None = None
+        error: str | None = None
+        prefetched = False
+        try:
+            version = _check_version(version)
+            check_update_tag(self.config.token, version, auth)
+            receiver = self._open_receiver()
+            staged = self._take_prefetched(version)  # type: ignore[assignment]
+            prefetched = staged is not None
+            if staged is None:
+                staged = self._stage_live(version, receiver)
+        except Exception as exc:  # noqa: BLE001  (every worker must reach the agreement below)
+            error = f"({type(exc).__name__}): {exc}"
+        # One round trip: every rank's error and fingerprint shares.
+        answers = _gather((error, None if staged is None else staged.shares))
+        error = next((e for e, _ in answers if e is not None), None)
+        if error is not None:
+            return self._fail(version, f"deltasync: update to version {version} refused {error}; "
+                                       f"still serving {self._served()}")  # fmt: skip
+        assert staged is not None
+        fingerprint = staged.fingerprint
+        if staged.kind == "delta":
+            try:
+                fingerprint = live.check_chain(staged, [shares for _, shares in answers])
+            except IntegrityError as exc:  # the same on every rank: all shares are known to all
+                logger.warning("deltasync: %s; loading the newest anchor instead", exc)
+                error = None
+                try:
+                    staged = self._stage_live(version, self._open_receiver(), dense=True)
+                except Exception as exc2:  # noqa: BLE001
+                    error = f"({type(exc2).__name__}): {exc2}"
+                error = _agree(error)
+                if error is not None:
+                    return self._fail(version, f"deltasync: update to version {version} refused: {exc}; "
+                                               f"loading the anchor instead failed {error}; "
+                                               f"still serving {self._served()}")  # fmt: skip
+        stage_s = staged.seconds if prefetched else time.perf_counter() - start
+        result: dict[str, Any] = {
+            "version": staged.version,
+            "fingerprint": staged.fingerprint,
+            "kind": staged.kind,
+            "mode": "in-place",
+            "nbytes": staged.nbytes,
+            "prefetched": prefetched,
+            "stage_s": stage_s,
+            "apply_s": 0.0,
+            "changed": len(staged.names),
+            "sent": len(staged.writes),
+        }
+        apply_start = time.perf_counter()
+        if staged.kind == "delta":
+            failure = self._write_live(staged, fingerprint)
+        elif staged.kind == "anchor":
+            failure = self._load_live(staged)
+        else:
+            failure = None
+        if failure is not None:
+            return failure
+        result["apply_s"] = time.perf_counter() - apply_start
+        if staged.kind == "anchor":
+            result.update(self._anchor_timing, served_hash="after the pause")
+        self.last = {**result, "time": time.time()}
+        return result
+
+    def _write_live(self, staged: LiveStaged, fingerprint: str) -> dict[str, Any] | None:
+        live = self.live
+        assert live is not None
+        undo: list[Any] = []
+        error: str | None = None
+        try:
+            undo = live.write(staged)
+            if self._fail_after_write:
+                self._fail_after_write = False
+                raise UpdateError(f"a failure injected after rank {self.rank} wrote (test hook)")
+        except Exception as exc:  # noqa: BLE001
+            undo = getattr(exc, "undo", undo)
+            error = f"writing version {staged.version} on rank {self.rank} failed ({type(exc).__name__}: {exc})"
+        error = _agree(error)
+        if error is not None:
+            live.rollback(undo)  # every rank, those whose writes worked too
+            return self._fail(staged.version, f"deltasync: {error}; every rank put its previous values back: "
+                                              f"still serving {self._served()}")  # fmt: skip
+        live.commit(staged.version, fingerprint)
+        staged.writes.clear()
+        release_freed_memory()
+        return None
+
+    def _load_live(self, staged: LiveStaged) -> dict[str, Any] | None:
+        live = self.live
+        assert live is not None
+        error: str | None = None
+        start = time.perf_counter()
+        try:
+            self._load_dense(staged.dense.tensors())
+        except Exception as exc:  # noqa: BLE001
+            error = f"loading version {staged.version} on rank {self.rank} failed ({type(exc).__name__}: {exc})"
+        staged.dense = None  # drop the transient copy, and give its memory back to the system
+        release_freed_memory()
+        self._anchor_timing = {"load_s": time.perf_counter() - start}
+        error = _agree(error)
+        if error is not None:
+            served = live.full_fingerprint()
+            live.tainted, live.fingerprint = error, served
+            return self._fail(staged.version, f"deltasync: {error}; the served weights are not those of any "
+                                              "version: the next update loads the newest anchor again")  # fmt: skip
+        # The full hash of the served weights runs after the pause, while the engine generates;
+        # the next call of any kind waits for it (:meth:`_settle`) before trusting the state.
+        live.commit(staged.version, staged.fingerprint)
+        live.start_full_hash()
+        return None
+
+    def _settle(self) -> None:
+        """Finish a full hash of the served weights started after an anchor (a collective: every
+        worker calls this first in every deltasync call)."""
+        if self.live is not None and self.live.pending is not None:
+            self.live.settle()
+
+    def verify(self) -> dict[str, Any]:
+        """Recompute the served fingerprint in full and compare (in-place mode); a mismatch
+        makes the next update load the newest anchor instead of building on these weights."""
+        self._settle()
+        if self.live is not None:
+            expected = self.live.fingerprint
+            out = self.live.verify()
+            return {**out, "expected": expected, "mode": "in-place"}
+        receiver = self._receiver
+        ok = receiver is not None and receiver.verify()
+        return {"ok": ok, "fingerprint": None if receiver is None else receiver.fingerprint,
+                "expected": None if receiver is None else receiver.fingerprint,
+                "version": None if receiver is None else receiver.version, "mode": "reload"}  # fmt: skip
+
+    # ------------------------------------------------------------------ test hooks
+
+    def _check_hooks(self) -> None:
+        if os.environ.get(TEST_HOOKS_ENV) != "1":
+            raise ConfigError(f"test hooks are off; start the server with {TEST_HOOKS_ENV}=1")
+
+    def test_poke(self, name: str, index: int, bits: int) -> bool:
+        """Change one live element (test only)."""
+        self._check_hooks()
+        self._settle()
+        if self.live is None:
+            raise ConfigError("poke needs in-place mode")
+        return self.live.poke(name, index, bits)
+
+    def test_fail_after_write(self, rank: int) -> None:
+        """Make the next in-place write fail on ``rank`` after it wrote (test only)."""
+        self._check_hooks()
+        self._fail_after_write = rank == self.rank
+
+    def test_tensor_bytes(self) -> dict[str, int]:
+        """Bytes of CPU tensors alive in this process, beyond the model's parameters, that are
+        shaped like a checkpoint tensor: what an HF-named copy would be made of (test only)."""
+        import gc
+
+        self._check_hooks()
+        gc.collect()
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters() if p.numel()}
+        params |= {b.untyped_storage().data_ptr() for b in self.model.buffers() if b.numel()}
+        shapes = {tuple(shape) for shape in (self.expected or {}).values()}
+        seen: set[int] = set()
+        total = 0
+        largest = 0
+        for obj in gc.get_objects():
+            if (
+                isinstance(obj, torch.Tensor)
+                and obj.device.type == "cpu"
+                and not obj.is_meta
+                and tuple(obj.shape) in shapes
+            ):
+                try:
+                    ptr = obj.untyped_storage().data_ptr()
+                except RuntimeError:
+                    continue
+                if ptr in params or ptr in seen or ptr == 0:
+                    continue
+                seen.add(ptr)
+                n = obj.untyped_storage().nbytes()
+                total += n
+                largest = max(largest, n)
+        return {"bytes": total, "largest": largest}
 
     # ------------------------------------------------------------------ internals
 
@@ -260,10 +564,10 @@ class WorkerUpdater:
         return f"the weights were restored: still serving {self._served()}"
 
     def _served(self) -> str:
-        receiver = self._receiver
-        if receiver is None or receiver.version is None:
+        version = self._served_state()[0]
+        if version is None:
             return "the checkpoint it started with"
-        return f"version {receiver.version}"
+        return f"version {version}"
 
     def _open_receiver(self) -> DeltaReceiver:
         if self._receiver is None:
@@ -275,7 +579,14 @@ class WorkerUpdater:
             self._receiver = DeltaReceiver(self.config.bucket)
         return self._receiver
 
-    def _take_prefetched(self, version: int, receiver: DeltaReceiver) -> StagedUpdate | None:
+    def _served_state(self) -> tuple[int | None, str | None]:
+        """The version and fingerprint served (before the first update: version None)."""
+        if self.live is not None:
+            return self.live.version, self.live.fingerprint
+        receiver = self._receiver
+        return (None, None) if receiver is None else (receiver.version, receiver.fingerprint)
+
+    def _take_prefetched(self, version: int) -> StagedUpdate | LiveStaged | None:
         job, self._prefetch = self._prefetch, None
         if job is None:
             return None
@@ -285,16 +596,19 @@ class WorkerUpdater:
         if (
             staged is None
             or job.version != version
-            or staged.from_version != receiver.version
-            or staged.from_fingerprint != receiver.fingerprint
+            or (staged.from_version, staged.from_fingerprint) != self._served_state()
         ):
             return None
         return staged
 
     def _run_prefetch(self, job: _Prefetch, receiver: DeltaReceiver) -> None:
         try:
-            staged = receiver.stage(job.version)
-            self._validate(staged)
+            staged: StagedUpdate | LiveStaged
+            if self.live is not None:
+                staged = self._stage_live(job.version, receiver)
+            else:
+                staged = receiver.stage(job.version)
+                self._validate(staged)
         except Exception as exc:  # noqa: BLE001  (reported through status; update re-stages)
             job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
             return
@@ -370,6 +684,26 @@ def _parallel_groups() -> list[Any]:
 def _is_last_rank() -> bool:
     """Whether this worker answers last in vLLM's executor (rank order: pipeline, then tensor)."""
     return all(group.rank_in_group == group.world_size - 1 for group in _parallel_groups())
+
+
+def _rank_index() -> int:
+    """This worker's position in :func:`_gather`'s answer."""
+    index, size = 0, 1
+    for group in _parallel_groups():
+        index += group.rank_in_group * size
+        size *= group.world_size
+    return index
+
+
+def _gather(obj: Any) -> list[Any]:
+    """``obj`` of every worker of this engine, in :func:`_rank_index` order (the same list on all)."""
+    items = [obj]
+    for group in _parallel_groups():
+        if group.world_size > 1:
+            out: list[Any] = [None] * group.world_size
+            torch.distributed.all_gather_object(out, items, group=group.cpu_group)
+            items = [x for sub in out for x in sub]
+    return items
 
 
 def _agree(error: str | None) -> str | None:

@@ -25,7 +25,7 @@ from deltasync import (
     fingerprint,
     open_store,
 )
-from deltasync._fingerprint import fingerprint_share, format_fingerprint
+from deltasync._fingerprint import fingerprint_slice_share, format_fingerprint
 from deltasync._format import ChainEntry, Change, PartEntry, encode_delta, part_path, read_header, sha256_hex
 from deltasync._parts import AnchorSlice, encode_anchor_part, fetch_version, iter_anchor_parts
 from deltasync.cli import main
@@ -342,7 +342,7 @@ def test_fingerprint_shares_add_up() -> None:
     for name, t in state.items():
         flat = t.reshape(-1)
         for begin, end in ((0, 4), (4, 4), (4, flat.numel())):
-            total += fingerprint_share(name, flat[begin:end], begin)
+            total += fingerprint_slice_share(name, flat[begin:end], begin)
     assert format_fingerprint(total) == fingerprint(state)
 
 

@@ -4,7 +4,7 @@ One server with the extension (``server``) lives through the whole module and fo
 bucket that a trainer-side fp32 model publishes into. After each update its greedy tokens
 and logprobs must equal those of a server started fresh from the same bf16 weights (started
 one at a time, only for the versions that need one). Server starts are the cost here:
-six in all (the main server, three references, a late joiner, a restart).
+seven in all (the main server, four references, a late joiner, a restart).
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ class World:
         self.publisher = DeltaPublisher(self.bucket, self.model, None, anchor_every=1000, anchor_bytes_ratio=0)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.steps = 0
+        # The anchor is not the checkpoint the servers start from, so loading it shows.
+        with torch.no_grad():
+            self.model.get_parameter("model.layers.1.self_attn.v_proj.weight")[:16] += 0.05
         self.publisher.publish()
 
     @property
@@ -153,14 +156,15 @@ def test_status_before_the_first_update(client):
     assert status.workers[0]["auth"] is True and status.workers[0]["last_update"] is None
 
 
-def test_the_anchor_loads_every_parameter_and_keeps_the_outputs(world, server, client):
+def test_the_anchor_loads_every_parameter_exactly(world, server, client):
+    expected = world.reference([PROMPTS, [LONG_PROMPT]])
     before = [greedy(server.url), greedy(server.url, [LONG_PROMPT])]
+    assert before != expected  # the anchor differs from the checkpoint the server started with
     report = _update(client, 0, "anchor (first update)")
     (result,) = report.results
     assert (result.version, result.kind, result.fingerprint) == (0, "anchor", world.fingerprint)
     assert result.nbytes == (world.bucket / "anchors" / "00000000.safetensors").stat().st_size
-    # The server started from these very weights: it is its own fresh reference.
-    assert [greedy(server.url), greedy(server.url, [LONG_PROMPT])] == before
+    assert [greedy(server.url), greedy(server.url, [LONG_PROMPT])] == expected
     assert _get(server, "/weight_info") == {"weight_version": "0"}
 
 

@@ -1,0 +1,147 @@
+"""The weight map and in-place writes without a server, on a toy model whose loader does what
+vLLM's do (rename, fuse, shard by rows and columns, pad, transform)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltasync import fingerprint
+from deltasync._fingerprint import fingerprint_add, fingerprint_share
+
+pytest.importorskip("vllm")
+
+
+class ToyModel(torch.nn.Module):
+    """A fused, row-sharded q/k projection, a column-sharded output, a padded embedding and a
+    norm that the loader transforms (like a quantized or repacked layer would)."""
+
+    def __init__(self, rank: int, world: int = 2, pad: int = 3) -> None:
+        super().__init__()
+        self.rank, self.world = rank, world
+        self.qk = torch.nn.Parameter(torch.zeros(4 // world + 2 // world, 6, dtype=torch.bfloat16), requires_grad=False)
+        self.out = torch.nn.Parameter(torch.zeros(5, 6 // world, dtype=torch.bfloat16), requires_grad=False)
+        self.emb = torch.nn.Parameter(torch.zeros(7 // world + 1 + pad, 6, dtype=torch.bfloat16), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(6, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, w in weights:
+            if name in ("q.weight", "k.weight"):
+                rows = w.shape[0] // self.world
+                shard = w.narrow(0, self.rank * rows, rows)
+                start = 0 if name == "q.weight" else 4 // self.world
+                self.qk.data.narrow(0, start, rows).copy_(shard)
+                loaded.add("qk")
+            elif name == "o.weight":
+                cols = w.shape[1] // self.world
+                self.out.data.copy_(w.narrow(1, self.rank * cols, cols))
+                loaded.add("out")
+            elif name == "embed.weight":
+                per = -(-w.shape[0] // self.world)
+                shard = w.narrow(0, self.rank * per, min(per, w.shape[0] - self.rank * per))
+                self.emb.data[: shard.shape[0]].copy_(shard)
+                self.emb.data[shard.shape[0] :].fill_(0)
+                loaded.add("emb")
+            elif name == "norm.weight":
+                self.norm.data.copy_(w + 1)  # a transform: not patchable element by element
+                loaded.add("norm")
+            elif name == "lm_head.weight":
+                continue  # tied: skipped
+        return loaded
+
+
+SHAPES = {"q.weight": (4, 6), "k.weight": (2, 6), "o.weight": (5, 6), "embed.weight": (7, 6), "norm.weight": (6,)}
+
+
+def test_discover_maps_fused_sharded_and_padded_names_and_refuses_transforms():
+    from vllm_ext._weight_map import discover
+
+    for rank in (0, 1):
+        model = ToyModel(rank)
+        wmap = discover(model, {**SHAPES, "lm_head.weight": (7, 6)})
+        assert set(wmap.pieces) == {"q.weight", "k.weight", "o.weight", "embed.weight"}
+        assert list(wmap.fallback) == ["norm.weight"] and "copies a transformed tensor" in wmap.fallback["norm.weight"]
+        assert wmap.ignored == ["lm_head.weight"]
+        assert torch.count_nonzero(model.qk.float()) == 0  # every write was suppressed
+        # Each piece sends a checkpoint element where the loader would.
+        for name, pieces in wmap.pieces.items():
+            source = torch.arange(1, 1 + torch.Size(SHAPES[name]).numel(), dtype=torch.float32)
+            reference = ToyModel(rank)
+            reference.load_weights([(name, source.reshape(SHAPES[name]).to(torch.bfloat16))])
+            mapped = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
+            for piece in pieces:
+                hit, dst = piece.locate(torch.arange(source.numel()))
+                mapped[piece.param].view(-1)[dst] = source[hit].to(torch.bfloat16)
+            for pname, param in reference.named_parameters():
+                if pname != "norm":
+                    assert torch.equal(mapped[pname], param.data), (name, pname)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_piece_locate_and_chunks_match_the_strided_view(shape, data):
+    from vllm_ext._weight_map import Piece
+
+    base = torch.arange(torch.Size(shape).numel()).reshape(shape)
+    starts = [data.draw(st.integers(0, s - 1)) for s in shape]
+    view = base
+    for d, (start, size) in enumerate(zip(starts, shape)):
+        length = data.draw(st.integers(1, size - start))
+        view = view.narrow(d, start, length)
+    perm = data.draw(st.permutations(range(len(shape))))
+    view = view.permute(*perm)
+    piece = Piece(param="p", sizes=tuple(view.shape), src_offset=view.storage_offset(),
+                  src_strides=tuple(view.stride()), dst_offset=3, dst_strides=tuple(torch.empty(view.shape).stride()))  # fmt: skip
+    assert piece.invertible()
+    everything = torch.arange(base.numel())
+    hit, dst = piece.locate(everything)
+    want = view.reshape(-1)  # checkpoint indices in box order; box order = dst order
+    order = torch.argsort(dst)
+    assert torch.equal(everything[hit][order], want)
+    assert torch.equal(dst[order], 3 + torch.arange(want.numel()))
+    src_all = torch.cat([s for s, _ in piece.chunks(limit=4)])
+    dst_all = torch.cat([d for _, d in piece.chunks(limit=4)])
+    assert torch.equal(src_all[torch.argsort(dst_all)], want)
+
+
+def test_in_place_writes_every_bit_pattern_exactly_and_rolls_back():
+    from vllm_ext._inplace import InPlaceState, LiveStaged, _Write
+    from vllm_ext._weight_map import discover
+
+    model = ToyModel(0, world=1)
+    shapes = {k: v for k, v in SHAPES.items() if k != "norm.weight"}
+    weights = {name: torch.randn(shape).to(torch.bfloat16) for name, shape in shapes.items()}
+    model.load_weights(weights.items())
+    state = InPlaceState(model, discover(model, shapes), lambda x: [x], 0, lambda w: None)
+    assert state.fingerprint == fingerprint(weights)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # Every bf16 bit pattern, NaN payloads and -0.0 included, into the embedding's elements.
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    numel = model.emb.numel()
+    staged = LiveStaged(from_version=0, from_fingerprint=state.fingerprint, version=1, kind="delta", fingerprint="")
+    for chunk in patterns.split(numel):
+        staged.writes = {"emb": _Write(torch.arange(chunk.numel()), chunk)}
+        undo = state.write(staged)
+        assert torch.equal(model.emb.data.view(-1).view(torch.int16)[: chunk.numel()], chunk)
+        state.rollback(undo)
+        for name, param in model.named_parameters():
+            assert torch.equal(param.data.view(torch.int16), before[name].view(torch.int16)), name
+    assert state.verify()["ok"]
+    # A changed element: verify sees it, and taints the state.
+    assert state.poke("o.weight", 7, 0x7FC1)
+    check = state.verify()
+    assert not check["ok"] and state.tainted
+
+
+def test_fingerprint_shares_add_up_to_the_fingerprint():
+    state = {"a": torch.randn(100).to(torch.bfloat16), "b": torch.randn(3, 5).to(torch.bfloat16)}
+    index = torch.arange(100)
+    half = fingerprint_share("a", index[:40], state["a"][:40]) + fingerprint_share("a", index[40:], state["a"][40:])
+    b = fingerprint_share("b", torch.arange(15), state["b"].reshape(-1))
+    assert fingerprint_add(0, half, b) == fingerprint(state)

@@ -1,0 +1,371 @@
+"""Deltas written straight into the live (tensor-parallel-sharded) weights, with no host copy.
+
+Each worker maps checkpoint elements onto its live parameters (:mod:`._weight_map`). For a
+delta it decodes only the elements it holds, against old values read from the live
+weights (the zstd codec codes new values relative to them), and writes them with one
+``index_put_`` per parameter after saving the old values there: time and memory are
+O(changed elements on this rank). Values move as int16 bit patterns, never through float
+arithmetic, so every bf16 pattern (NaN payloads too) arrives exactly.
+
+The fingerprint of what is served is computed from the live weights through the map:
+each rank hashes the elements it owns (an element held by several ranks or pieces, like a
+replicated KV head, a norm or a bias, belongs to the first of them) and the shares add up
+across ranks. It is computed in full at start-up, after an anchor and on ``verify``, and
+moved in O(changed) by every delta. A delta is written only if the fingerprint it gives,
+summed over every rank, is the one the bucket committed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deltasync import DeltaReceiver, IntegrityError
+from deltasync._fingerprint import fingerprint_add, fingerprint_share
+from deltasync._format import decode_delta
+
+from ._weight_map import Piece, WeightMap
+
+__all__ = ["InPlaceState", "LiveStaged", "release_freed_memory"]
+
+_MASK = (1 << 64) - 1
+
+
+def release_freed_memory() -> None:
+    """Return freed heap pages to the system. glibc keeps them (per thread arena) after large
+    transient buffers, such as an anchor's full copy or a full hash's chunks; elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class _Write:
+    """New values for one parameter on this rank: flat indices and int16 bit patterns."""
+
+    dst: torch.Tensor
+    bits: torch.Tensor
+
+
+@dataclass
+class LiveStaged:
+    """A staged in-place update (this rank's part), checked except for the cross-rank sums."""
+
+    from_version: int | None
+    from_fingerprint: str | None
+    version: int
+    kind: str
+    """"delta" (written in place), "anchor" (loaded densely, then checked) or "none"."""
+    fingerprint: str
+    """The fingerprint the bucket committed for ``version``."""
+    chain: list[tuple[int, str, str]] = field(default_factory=list)
+    """(version, base fingerprint, fingerprint) of each delta replayed."""
+    shares: list[int] = field(default_factory=list)
+    """This rank's fingerprint move for each delta of ``chain`` (owned elements only)."""
+    writes: dict[str, _Write] = field(default_factory=dict)
+    """vLLM parameter -> what to write there."""
+    changed: int = 0
+    """Checkpoint elements changed (all ranks, counted once)."""
+    names: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    seconds: float = 0.0
+    dense: Any = None
+    """For an anchor: the fully staged :class:`~deltasync.StagedUpdate` to load densely."""
+
+
+class _Patch:
+    """Pending values of one checkpoint tensor on this rank across several deltas (sorted)."""
+
+    def __init__(self) -> None:
+        self.index = torch.empty(0, dtype=torch.int64)
+        self.bits = torch.empty(0, dtype=torch.int16)
+
+    def merge(self, index: torch.Tensor, bits: torch.Tensor) -> None:
+        all_index = torch.cat([self.index, index])
+        all_bits = torch.cat([self.bits, bits])
+        order = torch.sort(all_index, stable=True).indices
+        all_index, all_bits = all_index[order], all_bits[order]
+        keep = torch.ones_like(all_index, dtype=torch.bool)
+        keep[:-1] = all_index[1:] != all_index[:-1]  # the later value wins
+        self.index, self.bits = all_index[keep], all_bits[keep]
+
+    def overlay(self, index: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        if self.index.numel() == 0 or index.numel() == 0:
+            return bits
+        pos = torch.searchsorted(self.index, index).clamp(max=self.index.numel() - 1)
+        hit = self.index[pos] == index
+        out = bits.clone()
+        out[hit] = self.bits[pos[hit]]
+        return out
+
+
+class InPlaceState:
+    """One worker's served weights, followed in place.
+
+    Args:
+        model: the live model.
+        weight_map: this worker's map (every checkpoint name maps, none falls back).
+        gather: ``obj -> [obj of every rank]`` over this engine's ranks (the same order on all).
+        rank_index: this worker's position in ``gather``'s answer.
+        load_dense: loads ``(checkpoint name, tensor)`` pairs through the model's loader.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        weight_map: WeightMap,
+        gather: Callable[[Any], list[Any]],
+        rank_index: int,
+        load_dense: Callable[[Any], None],
+    ) -> None:
+        self.map = weight_map
+        self.gather = gather
+        self.load_dense = load_dense
+        params = dict(model.named_parameters())
+        self.flat = {name: params[name].data.view(-1).view(torch.int16) for name in self._mapped_params()}
+        # Pieces of the same name held by earlier ranks, or earlier on this rank, own their
+        # elements: an element counts once in the fingerprint.
+        everyone = gather(self.map.pieces)
+        self.before: dict[str, list[list[Piece]]] = {}
+        for name, mine in self.map.pieces.items():
+            earlier = [theirs.get(name, []) for theirs in everyone[:rank_index]]
+            self.before[name] = [sum(earlier, []) + mine[:k] for k in range(len(mine))]
+        self.version: int | None = None
+        self.fingerprint = self.full_fingerprint()
+        self.tainted: str | None = None
+        self.pending: dict[str, Any] | None = None
+
+    def _mapped_params(self) -> set[str]:
+        return {p.param for pieces in self.map.pieces.values() for p in pieces}
+
+    # ------------------------------------------------------------------ fingerprint
+
+    def _owned(self, name: str, k: int, index: torch.Tensor) -> torch.Tensor:
+        """Mask of ``index`` (all inside piece ``k`` of ``name``) that no earlier piece holds."""
+        owned = torch.ones(index.numel(), dtype=torch.bool)
+        for other in self.before[name][k]:
+            hit, _ = other.locate(index)
+            owned[hit] = False
+        return owned
+
+    def local_share(self) -> int:
+        """This rank's share of the fingerprint, hashed from the live weights."""
+        total = 0
+        for name, pieces in self.map.pieces.items():
+            for k, piece in enumerate(pieces):
+                for src, dst in piece.chunks():
+                    owned = self._owned(name, k, src)
+                    if not bool(owned.all()):
+                        src, dst = src[owned], dst[owned]
+                    flat = self.flat[piece.param]
+                    bits = flat[dst.to(flat.device)]
+                    total = (total + fingerprint_share(name, src, bits.view(torch.bfloat16))) & _MASK
+        return total
+
+    def full_fingerprint(self) -> str:
+        """The fingerprint of what every rank serves, recomputed in full (a collective)."""
+        return fingerprint_add(0, *self.gather(self.local_share()))
+
+    def start_full_hash(self) -> None:
+        """Hash this rank's share of the served weights in a background thread; :meth:`settle`
+        sums the shares and checks them against the committed fingerprint."""
+        job: dict[str, Any] = {"share": None, "error": None}
+
+        def run() -> None:
+            try:
+                job["share"] = self.local_share()
+            except Exception as exc:  # noqa: BLE001  (reported by settle)
+                job["error"] = f"{type(exc).__name__}: {exc}"
+            release_freed_memory()
+
+        job["thread"] = threading.Thread(target=run, name="deltasync-served-hash", daemon=True)
+        self.pending = job
+        job["thread"].start()
+
+    def settle(self) -> None:
+        """Wait for the background hash, sum it across ranks (a collective), and taint the state
+        when it is not the fingerprint committed for the served version."""
+        job, self.pending = self.pending, None
+        if job is None:
+            return
+        job["thread"].join()
+        shares = self.gather(job["share"])
+        if any(share is None for share in shares):
+            served = self.full_fingerprint()  # a rank's background hash failed: hash again here
+        else:
+            served = fingerprint_add(0, *shares)
+        if served != self.fingerprint:
+            self.tainted = (
+                f"after loading version {self.version} the served weights hash to {served}, "
+                f"not {self.fingerprint}; the next update loads the newest anchor again"
+            )
+            self.fingerprint = served
+
+    def read(self, name: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Live int16 bits at the checkpoint indices of ``name`` that this rank holds:
+        ``(positions in index, bits)``, each element once."""
+        found = torch.zeros(index.numel(), dtype=torch.bool)
+        out = torch.zeros(index.numel(), dtype=torch.int16)
+        for piece in self.map.pieces.get(name, []):
+            hit, dst = piece.locate(index)
+            flat = self.flat[piece.param]
+            out[hit] = flat[dst.to(flat.device)].cpu()
+            found[hit] = True
+        return torch.nonzero(found).reshape(-1), out[found]
+
+    # ------------------------------------------------------------------ staging
+
+    def stage_deltas(self, receiver: DeltaReceiver, pointer: Any, target: int) -> LiveStaged:
+        """Decode deltas ``version + 1 .. target`` for the elements this rank holds.
+
+        ``receiver`` is only used to read and check files (sizes, SHA-256); it holds no state.
+        """
+        start = time.perf_counter()
+        assert self.version is not None
+        staged = LiveStaged(
+            from_version=self.version,
+            from_fingerprint=self.fingerprint,
+            version=target,
+            kind="delta" if target > self.version else "none",
+            fingerprint=pointer.entry(target).fingerprint,
+        )
+        patches: dict[str, _Patch] = {}
+
+        def current(name: str, index: torch.Tensor) -> torch.Tensor:
+            # Old values at elements this rank holds; zeros elsewhere (decoded, then dropped).
+            pos, bits = self.read(name, index)
+            out = torch.zeros(index.numel(), dtype=torch.int16)
+            patch = patches.get(name)
+            out[pos] = bits if patch is None else patch.overlay(index[pos], bits)
+            return out
+
+        names: dict[str, None] = {}
+        for v in range(self.version + 1, target + 1):
+            entry = pointer.entry(v)
+            data = receiver._read(entry)
+            where = f"{receiver.store.url}/{entry.path} (version {v})"
+            header, changes = decode_delta(
+                data,
+                where=where,
+                numels=self.map.numels,
+                base_values=lambda n, i: current(n, i).view(torch.bfloat16),
+            )
+            receiver._check_header(header, entry, pointer, where)
+            share = 0
+            for name, change in changes.items():
+                if name in self.map.ignored:
+                    continue
+                pos, old = self.read(name, change.index)
+                if name in patches:
+                    old = patches[name].overlay(change.index[pos], old)
+                index = change.index[pos]
+                new = change.new.view(torch.int16)[pos]
+                share += self._share_move(name, index, old, new)
+                patches.setdefault(name, _Patch()).merge(index, new)
+                names[name] = None
+                staged.changed += change.index.numel()
+            staged.chain.append((v, header.base_fingerprint or "", header.fingerprint))
+            staged.shares.append(share & _MASK)
+            staged.nbytes += len(data)
+        staged.names = list(names)
+        for name, patch in patches.items():
+            for piece in self.map.pieces.get(name, []):
+                hit, dst = piece.locate(patch.index)
+                if hit.numel():
+                    write = staged.writes.get(piece.param)
+                    bits = patch.bits[hit]
+                    if write is None:
+                        staged.writes[piece.param] = _Write(dst, bits)
+                    else:
+                        write.dst, write.bits = torch.cat([write.dst, dst]), torch.cat([write.bits, bits])
+        staged.seconds = time.perf_counter() - start
+        return staged
+
+    def _share_move(self, name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> int:
+        """Fingerprint move of elements ``index`` (held here) going from ``old`` to ``new`` bits,
+        counting only the elements this rank owns."""
+        owned = torch.zeros(index.numel(), dtype=torch.bool)
+        for k, piece in enumerate(self.map.pieces.get(name, [])):
+            hit, _ = piece.locate(index)
+            if hit.numel():
+                owned[hit[self._owned(name, k, index[hit])]] = True
+                # An element in two of this rank's pieces: the first piece owns it.
+        index, old, new = index[owned], old[owned], new[owned]
+        return fingerprint_share(name, index, new.view(torch.bfloat16)) - fingerprint_share(
+            name, index, old.view(torch.bfloat16)
+        )
+
+    # ------------------------------------------------------------------ writing
+
+    def check_chain(self, staged: LiveStaged, shares_of_all: list[list[int]]) -> str:
+        """The fingerprint after the staged deltas, from every rank's shares; raises
+        :class:`~deltasync.IntegrityError` where the sum is not what the bucket committed."""
+        fp = self.fingerprint
+        for i, (version, base, committed) in enumerate(staged.chain):
+            if base != fp:
+                raise IntegrityError(
+                    f"version {version} applies to a state with fingerprint {base}, but the served "
+                    f"weights have {fp}"
+                )
+            fp = fingerprint_add(fp, *(shares[i] for shares in shares_of_all))
+            if fp != committed:
+                raise IntegrityError(
+                    f"version {version}: the served weights would have fingerprint {fp} after it, the bucket "
+                    f"says {committed} (the served weights differ from the bucket's state, or the file is corrupt)"
+                )
+        return fp
+
+    def write(self, staged: LiveStaged) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Write the staged values; returns the undo log (old bits), also when it raises part-way
+        (the exception then carries it as ``exc.undo``)."""
+        undo: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        try:
+            for param, w in staged.writes.items():
+                flat = self.flat[param]
+                dst = w.dst.to(flat.device)
+                undo.append((param, dst, flat[dst]))
+                flat.index_put_((dst,), w.bits.to(flat.device))
+        except Exception as exc:
+            exc.undo = undo  # type: ignore[attr-defined]
+            raise
+        return undo
+
+    def rollback(self, undo: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """Put the saved old bits back, last write first."""
+        for param, dst, old in reversed(undo):
+            self.flat[param].index_put_((dst,), old)
+
+    def commit(self, version: int, fingerprint: str) -> None:
+        self.version, self.fingerprint, self.tainted = version, fingerprint, None
+
+    # ------------------------------------------------------------------ tests and checks
+
+    def verify(self) -> dict[str, Any]:
+        """Recompute the served fingerprint in full; a mismatch taints the state."""
+        served = self.full_fingerprint()
+        ok = served == self.fingerprint
+        if not ok:
+            self.tainted = f"verify found fingerprint {served}, expected {self.fingerprint}"
+            self.fingerprint = served
+        return {"ok": ok, "fingerprint": served, "version": self.version}
+
+    def poke(self, name: str, index: int, bits: int) -> bool:
+        """Test hook: set one live element's bf16 bit pattern (on this rank, if held here)."""
+        idx = torch.tensor([index], dtype=torch.int64)
+        done = False
+        for piece in self.map.pieces.get(name, []):
+            hit, dst = piece.locate(idx)
+            if hit.numel():
+                signed = bits - 0x10000 if bits >= 0x8000 else bits
+                flat = self.flat[piece.param]
+                flat.index_put_((dst.to(flat.device),), torch.tensor([signed], dtype=torch.int16, device=flat.device))
+                done = True
+        return done

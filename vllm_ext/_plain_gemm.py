@@ -1,0 +1,49 @@
+"""``DELTASYNC_CPU_PLAIN_GEMM=1``: keep plain linear weights on vLLM's CPU build (tests, benchmarks).
+
+vLLM-CPU repacks every unquantized linear weight for its GEMM kernels after loading
+(``dispatch_cpu_unquantized_gemm``) and leaves ``layer.weight`` empty, so nothing there can
+be patched in place. With this switch, read once when :mod:`vllm_ext` is imported (before
+the worker loads its model), 2-D weights stay plain ``[out, in]`` tensors used by
+``F.linear``, as on CUDA; greedy outputs are identical to the default build. Default CPU
+servers keep the packed kernels and deltasync's layerwise-reload path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["PLAIN_GEMM_ENV", "install_plain_gemm", "plain_gemm_enabled"]
+
+#: The environment variable that turns the switch on ("1").
+PLAIN_GEMM_ENV = "DELTASYNC_CPU_PLAIN_GEMM"
+
+_installed = False
+
+
+def plain_gemm_enabled() -> bool:
+    """Whether this process keeps plain CPU linear weights (the switch is on and installed)."""
+    return _installed
+
+
+def install_plain_gemm(environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
+    """Replace vLLM's CPU GEMM dispatch when the switch is on; returns whether it is installed."""
+    global _installed
+    if _installed or environ.get(PLAIN_GEMM_ENV, "") != "1":
+        return _installed
+    from vllm.model_executor.layers import utils
+
+    packed = utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_plain_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+        # vLLM imports the dispatch function from this module when it processes each layer
+        # and calls ``layer.cpu_linear`` at run time: both see this one.
+        if getattr(layer, "weight", None) is not None and layer.weight.ndim == 2:
+            layer.cpu_linear = torch.nn.functional.linear
+            return
+        packed(layer, remove_weight)  # conv and expert weights keep their own kernels
+
+    utils.dispatch_cpu_unquantized_gemm = dispatch_plain_gemm
+    _installed = True
+    return True

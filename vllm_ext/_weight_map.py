@@ -1,0 +1,224 @@
+"""Where each checkpoint element lives in this worker's model, found through the model's own loader.
+
+vLLM models rename checkpoint tensors, fuse q/k/v and gate/up, shard them across
+tensor-parallel ranks, replicate KV heads and pad vocabularies, each architecture in its own
+``load_weights``. Instead of a table per architecture, :func:`discover` runs ``load_weights``
+once per checkpoint name on an uninitialised probe tensor of the checkpoint's shape, under a
+dispatch mode that records every ``copy_`` into a parameter (which parameter, which strided
+box of it, from which strided box of the probe) and suppresses every write. A name whose
+loading does anything else to a parameter (a transform, a cast, a repacked or quantized
+layout) cannot be patched element by element and falls back to the layerwise reload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Piece", "WeightMap", "discover"]
+
+
+_aten = torch.ops.aten
+# Writes that put constants, not checkpoint values, into a parameter (vocabulary padding).
+_CONSTANT_FILLS = {_aten.fill_.Scalar, _aten.zero_.default}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One strided box of a checkpoint tensor copied into one box of a live parameter.
+
+    Element ``i`` of the box (a multi-index) is checkpoint flat index
+    ``src_offset + sum(i * src_strides)`` and parameter flat index
+    ``dst_offset + sum(i * dst_strides)``. Plain data: pieces travel between ranks.
+    """
+
+    param: str
+    """The vLLM parameter name (``model.named_parameters()``)."""
+    sizes: tuple[int, ...]
+    src_offset: int
+    src_strides: tuple[int, ...]
+    dst_offset: int
+    dst_strides: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    @property
+    def src_range(self) -> tuple[int, int]:
+        """The smallest and largest checkpoint flat index in the box."""
+        return self.src_offset, self.src_offset + sum((s - 1) * st for s, st in zip(self.sizes, self.src_strides))
+
+    def _dims(self) -> list[int]:
+        """Box dimensions with more than one element, largest source stride first."""
+        return sorted((d for d, s in enumerate(self.sizes) if s > 1), key=lambda d: -self.src_strides[d])
+
+    def invertible(self) -> bool:
+        """Whether each checkpoint index in the box has one multi-index (a box of a dense tensor)."""
+        span = 0  # largest offset reachable with the dimensions of smaller strides
+        for d in reversed(self._dims()):
+            if self.src_strides[d] <= span:
+                return False
+            span += (self.sizes[d] - 1) * self.src_strides[d]
+        return True
+
+    def locate(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For int64 checkpoint indices: the positions in ``index`` inside this box and their
+        parameter flat indices. O(len(index))."""
+        lo, hi = self.src_range
+        hit = torch.nonzero((index >= lo) & (index <= hi)).reshape(-1)
+        if hit.numel() == 0:
+            return hit, hit
+        rest = index[hit] - self.src_offset
+        dst = torch.full_like(rest, self.dst_offset)
+        for d in self._dims():
+            coord = torch.div(rest, self.src_strides[d], rounding_mode="floor")
+            rest = rest - coord * self.src_strides[d]
+            inside = coord < self.sizes[d]
+            dst += coord * self.dst_strides[d]
+            if not bool(inside.all()):
+                hit, rest, dst = hit[inside], rest[inside], dst[inside]
+        keep = rest == 0
+        if not bool(keep.all()):
+            hit, dst = hit[keep], dst[keep]
+        return hit, dst
+
+    def chunks(self, limit: int = 1 << 22) -> Any:
+        """Every ``(checkpoint indices, parameter indices)`` of the box, in chunks of at most
+        about ``limit`` elements (for full hashes)."""
+        dims = self._dims()
+        if not dims:
+            yield (torch.tensor([self.src_offset]), torch.tensor([self.dst_offset]))
+            return
+        outer, inner = dims[0], dims[1:]
+        inner_src = torch.zeros(1, dtype=torch.int64)
+        inner_dst = torch.zeros(1, dtype=torch.int64)
+        for d in inner:
+            steps = torch.arange(self.sizes[d], dtype=torch.int64)
+            inner_src = (inner_src[:, None] + steps[None, :] * self.src_strides[d]).reshape(-1)
+            inner_dst = (inner_dst[:, None] + steps[None, :] * self.dst_strides[d]).reshape(-1)
+        rows = max(1, limit // max(1, inner_src.numel()))
+        for start in range(0, self.sizes[outer], rows):
+            steps = torch.arange(start, min(start + rows, self.sizes[outer]), dtype=torch.int64)
+            src = (self.src_offset + steps[:, None] * self.src_strides[outer] + inner_src[None, :]).reshape(-1)
+            dst = (self.dst_offset + steps[:, None] * self.dst_strides[outer] + inner_dst[None, :]).reshape(-1)
+            yield src, dst
+
+
+@dataclass
+class WeightMap:
+    """Checkpoint name -> the pieces of it that this worker holds, and what could not be mapped."""
+
+    pieces: dict[str, list[Piece]] = field(default_factory=dict)
+    fallback: dict[str, str] = field(default_factory=dict)
+    """Checkpoint name -> why it cannot be patched in place."""
+    ignored: list[str] = field(default_factory=list)
+    """Names the model's loader skips on purpose (e.g. a head tied to the embedding)."""
+    numels: dict[str, int] = field(default_factory=dict)
+    """Checkpoint name -> element count (every name of the checkpoint)."""
+
+
+class _Recorder(TorchDispatchMode):
+    """Records copies into parameters from the probe; suppresses every write to a parameter."""
+
+    def __init__(self, storages: Mapping[int, tuple[str, torch.Tensor]], probe: torch.Tensor) -> None:
+        super().__init__()
+        self.storages = storages
+        self.probe_ptr = probe.untyped_storage().data_ptr()
+        self.probe_offset = probe.storage_offset()
+        self.copies: list[Piece] = []
+        self.problems: list[str] = []
+
+    def _param_of(self, tensor: Any) -> tuple[str, torch.Tensor] | None:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return None
+        try:
+            return self.storages.get(tensor.untyped_storage().data_ptr())
+        except RuntimeError:  # tensors without storage
+            return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func._schema.is_mutable and args:
+            target = self._param_of(args[0])
+            if target is not None:
+                name, param = target
+                if func in (_aten.copy_.default,):
+                    self._record(name, param, args[0], args[1])
+                elif func not in _CONSTANT_FILLS:
+                    self.problems.append(f"{name}: the loader applies {func} to it")
+                return args[0]
+        return func(*args, **kwargs)
+
+    def _record(self, name: str, param: torch.Tensor, dst: torch.Tensor, src: Any) -> None:
+        if not isinstance(src, torch.Tensor) or src.untyped_storage().data_ptr() != self.probe_ptr:
+            self.problems.append(f"{name}: the loader copies a transformed tensor into it")
+            return
+        if src.dtype != dst.dtype or tuple(src.shape) != tuple(dst.shape):
+            self.problems.append(f"{name}: the loader converts {src.dtype}{list(src.shape)} to "
+                                 f"{dst.dtype}{list(dst.shape)}")  # fmt: skip
+            return
+        piece = Piece(
+            param=name,
+            sizes=tuple(dst.shape),
+            src_offset=src.storage_offset() - self.probe_offset,
+            src_strides=tuple(src.stride()),
+            dst_offset=dst.storage_offset() - param.storage_offset(),
+            dst_strides=tuple(dst.stride()),
+        )
+        if piece.numel and not piece.invertible():
+            self.problems.append(f"{name}: the loader reads overlapping elements of the checkpoint tensor")
+            return
+        if piece.numel:
+            self.copies.append(piece)
+
+
+def discover(
+    model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]], *, dtype: torch.dtype = torch.bfloat16
+) -> WeightMap:
+    """Map every checkpoint name in ``shapes`` onto this worker's live parameters."""
+    params = dict(model.named_parameters())
+    storages: dict[int, tuple[str, torch.Tensor]] = {}
+    unfit: dict[str, str] = {}
+    for name, param in params.items():
+        if param.dtype != dtype:
+            unfit[name] = f"it is {param.dtype}, not {dtype}"
+        elif not param.is_contiguous() or param.numel() == 0:
+            unfit[name] = "it is not a dense tensor (repacked for a kernel)"
+        if param.numel():
+            storages[param.untyped_storage().data_ptr()] = (name, param)
+    out = WeightMap(numels={name: _numel(shape) for name, shape in shapes.items()})
+    for name, shape in shapes.items():
+        probe = torch.empty(shape, dtype=dtype)
+        recorder = _Recorder(storages, probe)
+        try:
+            with torch.no_grad(), recorder:
+                loaded = model.load_weights([(name, probe)])
+        except Exception as exc:  # noqa: BLE001  (any failure means: not patchable in place)
+            out.fallback[name] = f"loading it on a probe failed ({type(exc).__name__}: {exc})"
+            continue
+        problems = recorder.problems + [f"{p.param}: {unfit[p.param]}" for p in recorder.copies if p.param in unfit]
+        if problems:
+            out.fallback[name] = "; ".join(dict.fromkeys(problems))
+        elif recorder.copies:
+            out.pieces[name] = recorder.copies
+        elif loaded is not None and not loaded:
+            out.ignored.append(name)  # the loader skips it (a tied head, rotary buffers)
+        else:
+            # Loaded into something that is not a parameter, or into a part this rank lacks.
+            out.pieces[name] = []
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
