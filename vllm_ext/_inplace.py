@@ -27,7 +27,7 @@ import torch
 
 from deltasync import DeltaReceiver, IntegrityError
 from deltasync._fingerprint import fingerprint_add, fingerprint_share
-from deltasync._format import decode_delta
+from deltasync._parts import decode_version
 
 from ._weight_map import Piece, WeightMap
 
@@ -250,11 +250,12 @@ class InPlaceState:
         names: dict[str, None] = {}
         for v in range(self.version + 1, target + 1):
             entry = pointer.entry(v)
-            data = receiver._read(entry)
-            where = f"{receiver.store.url}/{entry.path} (version {v})"
-            header, changes = decode_delta(
-                data,
-                where=where,
+            files = receiver._read_version(entry)  # one file, or one per part of a split version
+            where = receiver._where(entry)
+            header, changes = decode_version(  # type: ignore[assignment]
+                files,
+                entry,
+                url=receiver.store.url,
                 numels=self.map.numels,
                 base_values=lambda n, i: current(n, i).view(torch.bfloat16),
             )
@@ -274,7 +275,7 @@ class InPlaceState:
                 staged.changed += change.index.numel()
             staged.chain.append((v, header.base_fingerprint or "", header.fingerprint))
             staged.shares.append(share & _MASK)
-            staged.nbytes += len(data)
+            staged.nbytes += sum(map(len, files))
         staged.names = list(names)
         for name, patch in patches.items():
             for piece in self.map.pieces.get(name, []):
