@@ -17,9 +17,12 @@ from collections.abc import Mapping, Sequence
 from ._auth import TOKEN_ENV
 from ._errors import ConfigError
 
-__all__ = ["BUCKET_ENV", "add_parser", "extension_args", "run", "serve_command"]
+__all__ = ["BUCKET_ENV", "PLAIN_GEMM_ENV", "add_parser", "extension_args", "run", "serve_command"]
 
 BUCKET_ENV = "DELTASYNC_BUCKET"
+#: Set to "1" in a vLLM-CPU server's environment to keep plain linear weights, so deltas are
+#: written in place there (a test, demo and benchmark setting; see ``vllm_ext._plain_gemm``).
+PLAIN_GEMM_ENV = "DELTASYNC_CPU_PLAIN_GEMM"
 _VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 _EXTENSION = "vllm_ext.DeltaWorkerExtension"
 _MIDDLEWARE = "vllm_ext.TokenMiddleware"

@@ -66,7 +66,7 @@ from trl.experimental.async_grpo.async_rollout_worker import (  # noqa: E402
 )
 
 from deltasync._auth import TOKEN_ENV  # noqa: E402
-from deltasync._serve import BUCKET_ENV, extension_args  # noqa: E402
+from deltasync._serve import BUCKET_ENV, PLAIN_GEMM_ENV, extension_args  # noqa: E402
 from deltasync._server import stop_process_group, wait_healthy  # noqa: E402
 from deltasync.envs.wordle import WordleEnvClient, WordleObservation, episode_rewards  # noqa: E402
 
@@ -441,7 +441,10 @@ def _train(setup: _Setup, args: argparse.Namespace, out: Path, *, tiny: bool) ->
     want = fingerprint(bf16_state_dict(model))
     status = RolloutClient([setup.rollout_url], token=setup.token).status()[setup.rollout_url]
     exact = bool(status.ok and status.fingerprint == want)
-    _say(f"server version {status.version}, fingerprint {status.fingerprint}; trainer bf16 fingerprint {want}: "
+    # "in-place": hashed from the weights being served; "reload" (a default CPU server): from the
+    # server's host copy, which it loaded into the model.
+    _say(f"served weights ({status.mode} mode): version {status.version}, fingerprint {status.fingerprint}; "
+         f"trainer bf16 fingerprint {want}: "
          + ("EXACT" if exact else f"MISMATCH ({status.error or 'fingerprints differ'})"))
     return {
         "exact": exact,
@@ -511,7 +514,10 @@ def _run_tiny(args: argparse.Namespace, out: Path, token: str, chosen: dict[str,
         _say("[tiny] starting a vLLM server with the deltasync extension (30-60 s on a CPU)")
         rollout = VLLMServer(
             model_dir,
-            env={BUCKET_ENV: bucket, TOKEN_ENV: token, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+            # Plain CPU linear weights: deltas are written in place and the server's fingerprint is
+            # hashed from the weights it serves, so the EXACT check at the end is about the model.
+            env={BUCKET_ENV: bucket, TOKEN_ENV: token, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                 PLAIN_GEMM_ENV: "1"},
             extra_args=[
                 *extension_args(middleware=True),
                 "--served-model-name", str(model_dir),

@@ -14,10 +14,10 @@ import os
 
 import torch
 
+from deltasync._serve import PLAIN_GEMM_ENV  # the one definition, shared with the demo and examples
+
 __all__ = ["PLAIN_GEMM_ENV", "install_plain_gemm", "plain_gemm_enabled"]
 
-#: The environment variable that turns the switch on ("1").
-PLAIN_GEMM_ENV = "DELTASYNC_CPU_PLAIN_GEMM"
 
 _installed = False
 
