@@ -197,6 +197,42 @@ def test_a_failure_after_some_ranks_wrote_restores_every_rank(world, server, cli
     _assert_in_place(world, client, version)
 
 
+def test_nan_payloads_and_signed_zeros_replay_exactly_in_place(world, server, client):
+    """Bit patterns, not values: a weight that becomes a NaN with a payload (bf16 0xFFFF, as an
+    fp32 cast of 0xFFFFFFFF gives), -0.0 and an infinity, then changes again; both deltas are
+    replayed in one update, and the fingerprint hashed from the live weights must match."""
+    served = _status(client).version
+    name = "model.layers.1.mlp.up_proj.weight"
+    param = world.model.get_parameter(name)
+    with torch.no_grad():
+        flat = param.view(-1)
+        flat.view(torch.int32)[:3] = torch.tensor([-1, 0, 0x7F800000], dtype=torch.int32)  # NaN, +0, +inf
+        flat[1] = -0.0
+    assert bf16_state_dict(world.model)[name].view(-1)[:3].view(torch.int16).tolist() == [-1, -32768, 0x7F80]
+    first = world.publisher.publish()
+    assert first.kind == "delta"
+    with torch.no_grad():
+        param.view(-1)[:3] = torch.tensor([0.25, -0.5, 1.0])
+    second = world.publisher.publish()
+    assert second.kind == "delta" and second.version == first.version + 1
+    report = client.update(second.version)  # both deltas in one update when the server was current
+    assert report.ok, report.failed
+    assert served is None or report.results[0].kind == "delta"
+    _assert_in_place(world, client, second.version)
+    assert [v["ok"] for v in _rpc(server, "deltasync_verify")] == [True] * world.tp
+    # And served as such: the NaN's payload is in the live weights (the fingerprint hashes bits).
+    with torch.no_grad():
+        param.view(-1).view(torch.int32)[3] = -1
+    assert world.publisher.publish().version == second.version + 1
+    assert client.update(second.version + 1).ok
+    _assert_in_place(world, client, second.version + 1)
+    with torch.no_grad():
+        param.view(-1)[3] = 0.125  # no NaN left for the tests after this one
+    assert world.publisher.publish().version == second.version + 2
+    assert client.update(second.version + 2).ok
+    _assert_in_place(world, client, second.version + 2)
+
+
 def test_a_changed_live_element_is_caught_and_not_built_upon(world, server, client):
     version = _status(client).version
     name = "model.layers.0.mlp.up_proj.weight"
