@@ -10,14 +10,7 @@ import time
 
 import pytest
 import requests
-from vllm_fixtures import (  # noqa: F401  (fixtures)
-    PROMPTS,
-    greedy,
-    requires_vllm,
-    running_server,
-    tiny_model_dir,
-    tiny_model_factory,
-)
+from servers import PROMPTS, greedy, requires_vllm, running_server
 
 from deltasync._errors import ConfigError
 from deltasync._server import VLLMServer, VLLMServerError, _group_alive
@@ -175,7 +168,7 @@ def test_command_runs_the_api_server_module():
 
 
 @pytest.fixture(scope="module")
-def two_servers(tiny_model_dir, tmp_path_factory):  # noqa: F811
+def two_servers(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-logs")
     with (
         running_server(tiny_model_dir, log_file=logs / "first.log") as first,
@@ -186,7 +179,7 @@ def two_servers(tiny_model_dir, tmp_path_factory):  # noqa: F811
 
 @pytest.mark.server
 @requires_vllm
-def test_serves_the_tiny_model(two_servers, tiny_model_dir):  # noqa: F811
+def test_serves_the_tiny_model(two_servers, tiny_model_dir):
     server = two_servers[0]
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
     models = requests.get(server.url + "/v1/models", timeout=10).json()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from vllm_fixtures import REPO_ROOT, tiny_model_dir, tiny_model_factory  # noqa: F401  (fixtures)
+from servers import REPO_ROOT
 
 from deltasync._errors import ConfigError
 from deltasync.tiny import CHATML_SPECIAL_TOKENS, QWEN2_5_CHAT_TEMPLATE, TINY_SHAPE, build_tiny_model, fit_tiny_model
@@ -40,7 +40,7 @@ def test_build_leaves_global_rng_alone(tmp_path):
     assert torch.equal(torch.rand(4), expected)
 
 
-def test_loads_in_transformers(tiny_model_dir):  # noqa: F811
+def test_loads_in_transformers(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -76,7 +76,7 @@ def test_loads_in_transformers(tiny_model_dir):  # noqa: F811
     assert torch.isfinite(logits).all()
 
 
-def test_weights_are_bf16_safetensors_under_hf_names(tiny_model_dir):  # noqa: F811
+def test_weights_are_bf16_safetensors_under_hf_names(tiny_model_dir):
     from safetensors import safe_open
 
     with safe_open(tiny_model_dir / "model.safetensors", "pt") as f:
@@ -87,7 +87,7 @@ def test_weights_are_bf16_safetensors_under_hf_names(tiny_model_dir):  # noqa: F
     assert "lm_head.weight" not in names  # tied to model.embed_tokens.weight
 
 
-def test_chat_template_applies(tiny_model_dir):  # noqa: F811
+def test_chat_template_applies(tiny_model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -103,7 +103,7 @@ def test_chat_template_applies(tiny_model_dir):  # noqa: F811
     assert ids[0] == im_start and ids.count(im_start) == 3
 
 
-def test_chat_template_is_the_one_trl_recognises(tiny_model_dir):  # noqa: F811
+def test_chat_template_is_the_one_trl_recognises(tiny_model_dir):
     chat_template_utils = pytest.importorskip("trl.chat_template_utils")
     from transformers import AutoTokenizer
 
@@ -121,7 +121,7 @@ def test_custom_chat_template(tmp_path):
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi"
 
 
-def test_shape_options(tiny_model_factory):  # noqa: F811
+def test_shape_options(tiny_model_factory):
     path = tiny_model_factory(hidden_size=256, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
                               vocab_size=400, tie_word_embeddings=False)  # fmt: skip
     config = json.loads((path / "config.json").read_text())

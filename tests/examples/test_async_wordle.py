@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from vllm_fixtures import REPO_ROOT, requires_vllm
+from servers import REPO_ROOT, requires_vllm
 
 from deltasync import DeltaReceiver
 from deltasync.envs.wordle import WordleAction, WordleEnvironment

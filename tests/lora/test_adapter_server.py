@@ -15,7 +15,7 @@ import re
 import pytest
 import requests
 from lora_helpers import TOKEN, greedy_for, lora_model, make_trl_trainer, train, trainable
-from vllm_fixtures import SERVER_START_TIMEOUT, requires_vllm, running_server, server_env, tiny_model_factory  # noqa: F401
+from servers import SERVER_START_TIMEOUT, requires_vllm, running_server, server_env
 
 from deltasync import AdapterRolloutClient, fingerprint
 from deltasync._lora import ADAPTER_CONFIG_KEY, adapter_publisher, adapter_state_dict
@@ -59,7 +59,7 @@ class Lab:
 
 
 @pytest.fixture(scope="module")
-def lab(tiny_model_factory, tmp_path_factory):  # noqa: F811
+def lab(tiny_model_factory, tmp_path_factory):
     lab = Lab(tiny_model_factory(seed=0), tiny_model_factory(seed=1), tmp_path_factory.mktemp("adapter"))
     lab.server.start(timeout=SERVER_START_TIMEOUT)
     try:

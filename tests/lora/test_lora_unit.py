@@ -11,7 +11,6 @@ import torch
 peft = pytest.importorskip("peft")
 from lora_helpers import TARGETS, lora_model, train, trainable  # noqa: E402
 from peft import get_peft_model_state_dict  # noqa: E402
-from vllm_fixtures import tiny_model_factory  # noqa: E402,F401  (fixture)
 
 from deltasync import DeltaReceiver, fingerprint  # noqa: E402
 from deltasync._format import read_metadata  # noqa: E402
@@ -30,7 +29,7 @@ from deltasync._lora import (  # noqa: E402
 from deltasync._serve import serve_command  # noqa: E402
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_factory):  # noqa: F811
+def model_dir(tiny_model_factory):
     return tiny_model_factory(seed=0)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from lora_helpers import TOKEN, greedy_for, lora_model, make_trl_trainer, train, trainable
 from safetensors.torch import load_file
-from vllm_fixtures import SERVER_START_TIMEOUT, requires_vllm, running_server, server_env, tiny_model_factory  # noqa: F401
+from servers import SERVER_START_TIMEOUT, requires_vllm, running_server, server_env
 
 from deltasync import RolloutClient, fingerprint
 from deltasync._lora import merged_publisher, merged_state_dict
@@ -52,7 +52,7 @@ class Lab:
 
 
 @pytest.fixture(scope="module")
-def lab(tiny_model_factory, tmp_path_factory):  # noqa: F811
+def lab(tiny_model_factory, tmp_path_factory):
     lab = Lab(tiny_model_factory(seed=0), tmp_path_factory.mktemp("merged"))
     lab.server.start(timeout=SERVER_START_TIMEOUT)
     try:

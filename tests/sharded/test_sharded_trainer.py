@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from vllm_fixtures import greedy, requires_vllm, running_server, server_env, tiny_model_factory  # noqa: F401
+from servers import greedy, requires_vllm, running_server, server_env
 
 from deltasync import DeltaReceiver, fingerprint
 from deltasync._serve import extension_args
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_factory, tmp_path_factory):  # noqa: F811
+def setup(tiny_model_factory, tmp_path_factory):
     model_dir = tiny_model_factory(seed=0)
     root = tmp_path_factory.mktemp("sharded-trl")
     bucket = root / "bucket"

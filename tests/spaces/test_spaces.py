@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from vllm_fixtures import REPO_ROOT, requires_vllm, server_env, tiny_model_dir, tiny_model_factory  # noqa: F401
+from servers import REPO_ROOT, requires_vllm, server_env
 
 from deltasync import RolloutClient
 from deltasync._errors import ConfigError
@@ -247,7 +247,7 @@ def test_rollout_start_script_is_executable() -> None:
 @pytest.mark.server
 @requires_vllm
 def test_rollout_start_serves_with_its_routes_behind_the_token(
-    tiny_model_dir: Path,  # noqa: F811
+    tiny_model_dir: Path,
     tmp_path: Path,
 ) -> None:
     port = free_port()

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from vllm_fixtures import requires_vllm, running_server, server_env, tiny_model_factory  # noqa: F401
+from servers import requires_vllm, running_server, server_env
 
 from deltasync import DeltaReceiver, PublishOptions, RolloutClient, bf16_state_dict, fingerprint
 from deltasync._demo import reward_target_letter
@@ -18,7 +18,7 @@ TOKEN = "trainer-test-secret"
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_factory, tmp_path_factory):  # noqa: F811
+def setup(tiny_model_factory, tmp_path_factory):
     model_dir = tiny_model_factory(seed=0)
     bucket = tmp_path_factory.mktemp("trl") / "bucket"
     extra = [

@@ -21,15 +21,7 @@ import pytest
 import requests
 import torch
 from safetensors.torch import load_file
-from vllm_fixtures import (  # noqa: F401  (fixtures)
-    PROMPTS,
-    SERVER_START_TIMEOUT,
-    greedy,
-    requires_vllm,
-    running_server,
-    server_env,
-    tiny_model_factory,
-)
+from servers import PROMPTS, SERVER_START_TIMEOUT, greedy, requires_vllm, running_server, server_env
 
 from deltasync import DeltaPublisher, RolloutClient, bf16_state_dict, fingerprint
 from deltasync._auth import update_tag
@@ -97,7 +89,7 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tiny_model_factory, tmp_path_factory):  # noqa: F811
+def world(tiny_model_factory, tmp_path_factory):
     return World(tiny_model_factory(seed=0), tmp_path_factory.mktemp("delta-server"))
 
 

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 import torch
-from vllm_fixtures import greedy, requires_vllm, running_server, tiny_model_factory  # noqa: F401  (fixture)
+from servers import greedy, requires_vllm, running_server
 
 from deltasync import DeltaPublisher, RolloutClient, bf16_state_dict, fingerprint
 from deltasync._serve import extension_args
@@ -30,7 +30,7 @@ TP_ARGS = ["--tensor-parallel-size", "2"]
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-def test_two_workers_update_refuse_and_stay_exact(tiny_model_factory, tmp_path):  # noqa: F811
+def test_two_workers_update_refuse_and_stay_exact(tiny_model_factory, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model_dir = tiny_model_factory(seed=0)

@@ -20,7 +20,7 @@ import requests
 import torch
 import zstandard
 from safetensors.torch import load as st_load
-from vllm_fixtures import greedy, requires_vllm, running_server, tiny_model_factory  # noqa: F401
+from servers import greedy, requires_vllm, running_server
 
 from deltasync import DeltaPublisher, Pointer, RolloutClient, bf16_state_dict, fingerprint
 from deltasync import _format as F
@@ -67,12 +67,12 @@ class Bucket:
 
 
 @pytest.fixture(scope="module")
-def bucket(tiny_model_factory, tmp_path_factory):  # noqa: F811
+def bucket(tiny_model_factory, tmp_path_factory):
     return Bucket(tiny_model_factory(seed=0), tmp_path_factory.mktemp("hostile-server") / "bucket")
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_factory, bucket):  # noqa: F811
+def server(tiny_model_factory, bucket):
     env = {"DELTASYNC_BUCKET": str(bucket.root), "DELTASYNC_TOKEN": TOKEN}
     from deltasync._serve import extension_args
 

@@ -11,7 +11,7 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from vllm_fixtures import requires_vllm
+from servers import requires_vllm
 
 pytestmark = requires_vllm
 

