@@ -1,6 +1,6 @@
 """RolloutClient against fake servers (httpx.MockTransport): routes, bodies, auth, reports.
 
-The real servers are exercised in tests/vllm_ext/test_delta_server.py.
+The real servers are exercised in tests/integration/vllm_ext/test_delta_server.py.
 """
 
 from __future__ import annotations

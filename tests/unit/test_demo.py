@@ -1,4 +1,4 @@
-"""The demo's summary and plot line, on a made-up run (the real run is tests/trl/test_trainer.py)."""
+"""The demo's summary and plot line, on a made-up run (the real run is tests/integration/trl/test_trainer.py)."""
 
 from __future__ import annotations
 

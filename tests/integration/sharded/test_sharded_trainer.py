@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.server, pytest.mark.trainer, requires_vllm]
 
 TOKEN = "sharded-trainer-secret"
 SCRIPT = Path(__file__).with_name("_trl_multiprocess.py")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 The split buckets here are written in one process by ``write_split``, which lays parameters
 out as FSDP2 does (rows chunked like ``torch.chunk``, trailing ranks possibly empty); the
-real collective writer is tested on gloo process groups in tests/sharded/.
+real collective writer is tested on gloo process groups in tests/integration/sharded/.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def test_split_anchor_part_bytes(split) -> None:
 def test_protocol_md_example_is_current(split) -> None:
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "protocol.md").read_text()
     section = doc[doc.index("## 18. Split versions"):]
     data = split.read_bytes("anchors/00000000.part1.safetensors")
     header = data[8 : 8 + int.from_bytes(data[:8], "little")].decode().rstrip()

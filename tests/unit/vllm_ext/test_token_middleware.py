@@ -357,7 +357,7 @@ def test_the_readme_and_the_space_card_list_the_public_routes():
     import pathlib
     import re
 
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[3]
     readme = (root / "README.md").read_text()
     table = readme[readme.index("| public without the token |") :].split("\n\n", 1)[0]
     card = (root / "spaces" / "vllm" / "README.md").read_text()

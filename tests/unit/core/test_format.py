@@ -2,7 +2,7 @@
 
 The example state and changes below are also the worked example of docs/protocol.md, and a
 test checks that the dumps printed there are what the code writes. After a deliberate format
-change, ``PYTHONPATH=. python tests/test_format.py`` prints the new dumps to paste into the document.
+change, ``PYTHONPATH=. python tests/unit/core/test_format.py`` prints the new dumps to paste into the document.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from deltasync import DeltaReceiver, DeltaSyncError, FormatError, IntegrityError
 from deltasync import _format as F
 from deltasync._fingerprint import fingerprint, fingerprint_update
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "protocol.md"
 BUCKET = "memory://example"
 ANCHOR_WHERE = f"{BUCKET}/anchors/00000000.safetensors (version 0)"
 DELTA_WHERE = f"{BUCKET}/deltas/00000001.safetensors (version 1)"
@@ -494,7 +494,7 @@ def test_protocol_doc_shows_the_bytes_the_code_writes() -> None:
         assert match, f"docs/protocol.md has no <!-- dump: {name} --> block"
         if name == "zstd-delta" and zstandard.ZSTD_VERSION != ZSTD_GOLDEN_LIBZSTD:
             continue  # compressed bytes depend on the libzstd version
-        assert match.group(1) == text, f"docs/protocol.md: dump {name!r} is stale; run python tests/core/test_format.py"
+        assert match.group(1) == text, f"docs/protocol.md: dump {name!r} is stale; run python tests/unit/core/test_format.py"
 
 
 # --------------------------------------------------------------------------- the container
