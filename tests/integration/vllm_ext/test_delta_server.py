@@ -53,6 +53,7 @@ class World:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.steps = 0
         self.publisher.publish()
+        self.anchor_fingerprint = self.fingerprint  # version 0, what a fresh server serves
 
     @property
     def fingerprint(self) -> str:
@@ -109,9 +110,29 @@ def server(world):
             print("  " + json.dumps(row))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(server):
-    return RolloutClient(server.url, TOKEN)
+    return RolloutClient(server.url, TOKEN)  # per test: a restarted server may have a new port
+
+
+# Every test brings the shared servers to the state it needs, so any one runs alone and in any order.
+
+
+def _fresh(srv) -> None:
+    """Restart ``srv`` if it was ever updated: it serves the model directory again."""
+    (status,) = RolloutClient(srv.url, TOKEN).status().values()
+    if status.version is not None:
+        srv.stop()
+        srv.start(timeout=SERVER_START_TIMEOUT)
+
+
+def _current(world: World, *servers) -> None:
+    """Update each server that does not serve the newest committed version to it."""
+    for srv in servers:
+        one = RolloutClient(srv.url, TOKEN)
+        (status,) = one.status().values()
+        if status.version != world.publisher.version:
+            assert one.update(world.publisher.version).ok
 
 
 def _update(client: RolloutClient, version: int, label: str):
@@ -139,17 +160,19 @@ def _get(server, route: str):
 # --------------------------------------------------------------------------- exactness
 
 
-def test_status_before_the_first_update(client):
+def test_status_before_the_first_update(server, client):
+    _fresh(server)
     status = _status(client)
     assert (status.version, status.fingerprint) == (None, None)
     assert status.workers[0]["auth"] is True and status.workers[0]["last_update"] is None
 
 
 def test_the_anchor_loads_every_parameter_and_keeps_the_outputs(world, server, client):
+    _fresh(server)
     before = [greedy(server.url), greedy(server.url, [LONG_PROMPT])]
     report = _update(client, 0, "anchor (first update)")
     (result,) = report.results
-    assert (result.version, result.kind, result.fingerprint) == (0, "anchor", world.fingerprint)
+    assert (result.version, result.kind, result.fingerprint) == (0, "anchor", world.anchor_fingerprint)
     assert result.nbytes == (world.bucket / "anchors" / "00000000.safetensors").stat().st_size
     # The server started from these very weights: it is its own fresh reference.
     assert [greedy(server.url), greedy(server.url, [LONG_PROMPT])] == before
@@ -165,6 +188,7 @@ def test_the_anchor_loads_every_parameter_and_keeps_the_outputs(world, server, c
     ids=["layer0-q_proj", "layer1-gate_proj"],
 )
 def test_a_delta_touching_one_projection_is_exact(world, server, client, name, rows, sent):
+    _current(world, server)
     version = world.edit(name, rows)
     expected = world.reference([PROMPTS])[0]
     assert greedy(server.url) != expected  # the edit matters
@@ -177,6 +201,7 @@ def test_a_delta_touching_one_projection_is_exact(world, server, client, name, r
 
 
 def test_an_adamw_step_is_exact_and_long_prompts_see_no_stale_cache(world, server, client):
+    _current(world, server)
     version = world.adamw_step()
     expected, expected_long = world.reference([PROMPTS, [LONG_PROMPT]])
     stale_long = greedy(server.url, [LONG_PROMPT])  # fills the prefix cache with old-weight KV
@@ -244,7 +269,8 @@ def test_missing_and_wrong_tokens_are_refused(world, server, client):
 
 
 def test_a_request_in_flight_during_an_update_finishes(world, server, client):
-    version = world.publisher.version  # the version the refusals above left committed
+    _current(world, server)
+    version = world.edit("model.norm.weight", slice(0, 32))  # a new version, so the update does something
     answer: dict = {}
     streaming = threading.Event()
 
@@ -274,6 +300,7 @@ def test_a_request_in_flight_during_an_update_finishes(world, server, client):
 
 
 def test_prefetch_then_update(world, server, client):
+    _current(world, server)
     version = world.adamw_step()
     served = _status(client).version
     (result,) = client.prefetch(version).values()
@@ -322,6 +349,8 @@ def late_server(world, server):
 
 
 def test_a_late_server_catches_up_and_both_update_together(world, server, late_server):
+    _fresh(late_server)
+    _current(world, server)
     both = RolloutClient([server.url, late_server.url], TOKEN)
     assert both.status()[late_server.url].version is None
     version = world.adamw_step()
@@ -335,6 +364,7 @@ def test_a_late_server_catches_up_and_both_update_together(world, server, late_s
 
 
 def test_a_restarted_server_catches_up(world, server, late_server):
+    _current(world, late_server)
     expected = greedy(late_server.url)
     server.stop()
     server.start(timeout=SERVER_START_TIMEOUT)
