@@ -21,7 +21,14 @@ import pytest
 import requests
 import torch
 from safetensors.torch import load_file
-from servers import PROMPTS, SERVER_START_TIMEOUT, greedy, requires_vllm, running_server, server_env
+from servers import (
+    PROMPTS,
+    SERVER_START_TIMEOUT,
+    greedy,
+    requires_vllm,
+    running_server,
+    server_env,
+)
 
 from deltasync import DeltaPublisher, RolloutClient, bf16_state_dict, fingerprint
 from deltasync._auth import update_tag
