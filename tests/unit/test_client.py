@@ -1,0 +1,260 @@
+"""RolloutClient against fake servers (httpx.MockTransport): routes, bodies, auth, reports.
+
+The real servers are exercised in tests/integration/vllm_ext/test_delta_server.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import time
+
+import httpx
+import pytest
+
+from deltasync import ConfigError, RolloutClient, ServerResult, UpdateReport, VersionError
+from deltasync._auth import bearer_matches, update_tag
+from deltasync._server import free_port
+
+
+class FakeServer:
+    """Answers vLLM's routes like a server with vllm_ext, and records every request."""
+
+    def __init__(self, url: str, *, version: int | None = None, workers: int = 1) -> None:
+        self.url = url
+        self.version = version
+        self.worker_versions: list[int | None] | None = None
+        self.workers = workers
+        self.requests: list[tuple[str, dict, object, str | None]] = []
+        self.fail: dict[str, tuple[int, object]] = {}
+        self.active = False
+        self.delay = 0.0
+        self.drop: dict[str, int] = {}  # route -> connections to drop before answering
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        route = request.url.path
+        body = json.loads(request.content) if request.content else None
+        self.requests.append((route, dict(request.url.params), body, request.headers.get("authorization")))
+        if self.drop.get(route):
+            self.drop[route] -= 1
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        if route in self.fail:
+            status, payload = self.fail[route]
+            return httpx.Response(status, json=payload)
+        if route == "/pause":
+            time.sleep(self.delay)
+            return httpx.Response(200, json={"status": "paused"})
+        if route == "/start_weight_update":
+            if self.active:
+                return _vllm_error("start_weight_update called while a weight update is already active. "
+                                   "Call finish_weight_update first.")
+            self.active = True
+            return httpx.Response(200, json={"message": "Weight update started"})
+        if route == "/update_weights":
+            self.active = False if body["update_info"]["version"] < 0 else self.active
+            self.version = body["update_info"]["version"]
+            return httpx.Response(200, json={"message": "Weights updated"})
+        if route == "/finish_weight_update":
+            self.active = False
+            return httpx.Response(200, json={"message": "Weight update finished"})
+        if route == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
+        if route == "/resume":
+            return httpx.Response(200, json={"status": "resumed"})
+        if route == "/collective_rpc":
+            versions = self.worker_versions or [self.version] * self.workers
+            if body["method"] == "deltasync_status":
+                results = [
+                    {
+                        "rank": rank,
+                        "version": v,
+                        "fingerprint": None if v is None else f"fp{v}",
+                        "last_update": None if v is None else {
+                            "version": v, "kind": "delta", "nbytes": 123, "stage_s": 0.01, "apply_s": 0.002 * (rank + 1),
+                        },
+                    }
+                    for rank, v in enumerate(versions)
+                ]  # fmt: skip
+                return httpx.Response(200, json={"results": results})
+            if body["method"] == "deltasync_prefetch":
+                version = body["args"][0]
+                return httpx.Response(200, json={"results": [{"version": version, "state": "running", "error": None}]})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    def routes(self) -> list[str]:
+        return [r for r, *_ in self.requests]
+
+
+def _vllm_error(message: str, status: int = 500) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"message": message, "type": "InternalServerError", "code": status}})
+
+
+def _client(servers: list[FakeServer], token: str | None = None, **kwargs) -> RolloutClient:
+    by_host = {httpx.URL(s.url).netloc.decode(): s for s in servers}
+    transport = httpx.MockTransport(lambda request: by_host[request.url.netloc.decode()].handle(request))
+    return RolloutClient([s.url for s in servers], token, transport=transport, **kwargs)
+
+
+UPDATE_ROUTES = [
+    "/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache", "/resume",
+    "/collective_rpc",
+]  # fmt: skip
+
+
+def test_update_runs_vllms_weight_update_sequence_with_tag_and_bearer():
+    server = FakeServer("http://a:8000")
+    server.delay = 0.05
+    report = _client([server], token="s3cret").update(3)
+    assert server.routes() == UPDATE_ROUTES
+    by_route = {route: (params, body) for route, params, body, _ in server.requests}
+    assert by_route["/pause"][0] == {"mode": "keep"}
+    assert by_route["/update_weights"][1] == {"update_info": {"version": 3, "auth": update_tag("s3cret", 3)}}
+    assert by_route["/finish_weight_update"][1] == {"weight_version": "3"}
+    assert by_route["/reset_prefix_cache"][0] == {"reset_running_requests": "true"}
+    assert by_route["/collective_rpc"][1]["method"] == "deltasync_status"
+    assert {auth for *_, auth in server.requests} == {"Bearer s3cret"}
+    assert isinstance(report, UpdateReport) and report.ok and report.version == 3
+    assert report.updated == ["http://a:8000"] and report.failed == []
+    (result,) = report.results
+    assert result == ServerResult(
+        url="http://a:8000", ok=True, version=3, fingerprint="fp3", kind="delta", nbytes=123, stage_s=0.01,
+        apply_s=0.002, paused_s=result.paused_s, error=None,
+    )  # fmt: skip
+    assert 0.05 <= result.paused_s == report.paused_s < 5
+
+
+def test_update_tag_is_hmac_sha256_of_the_version():
+    expected = hmac.new(b"s3cret", b"deltasync-update:3", hashlib.sha256).hexdigest()
+    assert update_tag("s3cret", 3) == expected
+    assert expected == "7c5b1071cbb5f6d9052b5c6359f6aa1d693ef430438bdd11712ddd95d51886bd"  # pinned for other clients
+    assert update_tag("s3cret", 4) != expected and update_tag("other", 3) != expected
+    assert bearer_matches("s3cret", "Bearer s3cret") and bearer_matches("s3cret", "bearer s3cret")
+    assert not bearer_matches("s3cret", "Bearer s3cre") and not bearer_matches("s3cret", None)
+    assert not bearer_matches("s3cret", "Basic s3cret") and not bearer_matches("s3cret", "s3cret")
+
+
+def test_without_a_token_nothing_is_signed():
+    server = FakeServer("http://a:8000")
+    _client([server]).update(0)
+    assert {auth for *_, auth in server.requests} == {None}
+    update = next(body for route, _, body, _ in server.requests if route == "/update_weights")
+    assert update == {"update_info": {"version": 0, "auth": None}}
+
+
+def test_a_refused_update_still_resumes_and_reports_the_servers_words():
+    server = FakeServer("http://a:8000", version=2)
+    message = ("Call to collective_rpc method failed: Worker failed with error 'deltasync: update to version 3 "
+               "refused (IntegrityError): .../deltas/00000003.safetensors (version 3): SHA-256 ...'")
+    server.fail["/update_weights"] = (500, {"error": {"message": message, "type": "InternalServerError"}})
+    report = _client([server], token="t").update(3)  # does not raise
+    assert server.routes() == [
+        "/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume", "/collective_rpc",
+    ]  # fmt: skip
+    # The session is closed without a version label: the served version did not change.
+    assert server.requests[3][2] is None
+    assert not report.ok and report.updated == []
+    (failed,) = report.failed
+    assert failed.error == f"POST /update_weights: HTTP 500: {message}"
+    assert failed.version == 2 and failed.fingerprint == "fp2" and failed.kind is None and failed.paused_s > 0
+
+
+def test_resume_is_retried_on_a_dropped_connection():
+    # vLLM closes the connection after a 500; the resume sent right after must still arrive.
+    server = FakeServer("http://a:8000", version=2)
+    server.fail["/update_weights"] = (500, {"error": {"message": "refused"}})
+    server.drop["/resume"] = 2
+    (result,) = _client([server]).update(3).results
+    assert server.routes().count("/resume") == 3 and result.error == "POST /update_weights: HTTP 500: refused"
+    server.drop["/resume"] = 3
+    (result,) = _client([server]).update(3).results
+    assert result.error == (
+        "POST /update_weights: HTTP 500: refused; then POST /resume: RemoteProtocolError: Server disconnected "
+        "without sending a response. (the server may still be paused)"
+    )
+
+
+def test_one_failed_server_does_not_stop_the_others():
+    good, bad = FakeServer("http://good:1"), FakeServer("http://bad:2")
+    bad.fail["/pause"] = (401, {"error": {"message": "/pause: the bearer token is wrong", "type": "Unauthorized"}})
+    report = _client([good, bad], token="t").update(5)
+    assert report.updated == ["http://good:1"]
+    assert [r.url for r in report.failed] == ["http://bad:2"]
+    assert report.failed[0].error == "POST /pause: HTTP 401: /pause: the bearer token is wrong"
+    assert "/resume" in bad.routes() and "/update_weights" not in bad.routes()
+    assert report.paused_s == max(r.paused_s for r in report.results)
+
+
+def test_an_unreachable_server_is_reported():
+    url = f"http://127.0.0.1:{free_port()}"
+    report = RolloutClient(url, timeout=5).update(1)
+    (result,) = report.failed
+    assert result.url == url and result.error.startswith("POST /pause: ConnectError")
+
+
+def test_a_stale_weight_update_session_is_closed_first():
+    server = FakeServer("http://a:8000")
+    server.active = True  # a client died between start and finish
+    assert _client([server]).update(1).ok
+    assert server.routes()[:4] == ["/pause", "/start_weight_update", "/finish_weight_update", "/start_weight_update"]
+
+
+def test_wrong_version_or_uncleared_cache_after_the_update_is_a_failure():
+    server = FakeServer("http://a:8000")
+    server.fail["/reset_prefix_cache"] = (200, {"success": False})
+    (result,) = _client([server]).update(1).results
+    assert not result.ok and "prefix cache could not be reset" in result.error
+
+    lagging = FakeServer("http://b:8000")
+    lagging.worker_versions = [0]  # the server keeps reporting the old version
+    (result,) = _client([lagging]).update(1).results
+    assert not result.ok
+    assert result.error == "the server reports version 0 after the update to version 1"
+
+
+def test_status_reports_disagreeing_workers():
+    server = FakeServer("http://a:8000")
+    server.worker_versions = [3, 3]
+    status = _client([server]).status()["http://a:8000"]
+    assert status.ok and (status.version, status.fingerprint) == (3, "fp3") and len(status.workers) == 2
+    server.worker_versions = [3, 2]
+    status = _client([server]).status()["http://a:8000"]
+    assert not status.ok and status.version is None
+    assert status.error == "the server's workers disagree: rank 0 at version 3 (fp3); rank 1 at version 2 (fp2)"
+    server.fail["/collective_rpc"] = (500, {"error": {"message": "Call to collective_rpc method failed: no such method"}})
+    status = _client([server]).status()["http://a:8000"]
+    assert not status.ok and status.error == "POST /collective_rpc: HTTP 500: Call to collective_rpc method failed: no such method"
+
+
+def test_prefetch_asks_every_server_to_stage_in_the_background():
+    servers = [FakeServer("http://a:1", version=1), FakeServer("http://b:2", version=1)]
+    results = _client(servers, token="t", timeout=30).prefetch(2)
+    assert list(results) == ["http://a:1", "http://b:2"] and all(r.ok for r in results.values())
+    assert results["http://a:1"].version == 1  # still serving the old version
+    for server in servers:
+        route, _, body, auth = server.requests[0]
+        assert (route, auth) == ("/collective_rpc", "Bearer t")
+        assert body == {"method": "deltasync_prefetch", "args": [2, update_tag("t", 2)], "timeout": 30.0}
+
+
+def test_a_prefetch_refused_by_any_worker_is_a_failure():
+    server = FakeServer("http://a:8000", version=1)
+    refusal = "deltasync: prefetch of version 9 refused: version 9 is not committed in file:///b (the newest is 1)"
+    server.fail["/collective_rpc"] = (200, {"results": [{"version": 9, "error": refusal}, {"version": 9, "error": None}]})
+    (result,) = _client([server]).prefetch(9).values()
+    assert not result.ok and result.error == refusal
+
+
+def test_bad_arguments():
+    with pytest.raises(ConfigError, match="urls is empty"):
+        RolloutClient([])
+    with pytest.raises(ConfigError, match="lists a server twice"):
+        RolloutClient(["http://a:1", "http://a:1/"])
+    with pytest.raises(ConfigError, match="must start with http:// or https://"):
+        RolloutClient("a:1")
+    with pytest.raises(ConfigError, match="token is empty"):
+        RolloutClient("http://a:1", "")
+    client = RolloutClient("http://a:1")
+    for version in (-1, True, "3", 1.0):
+        with pytest.raises(VersionError, match="version must be a non-negative integer"):
+            client.update(version)  # type: ignore[arg-type]
