@@ -5,7 +5,7 @@ intermediate 4864, tied embeddings, :func:`deltasync.tiny.build_tiny_model`), pu
 anchor and ``--updates`` deltas of about ``--density`` changed elements each into a local
 bucket (each changed element moves by one bf16 step), then, for each mode in turn, starts one
 server from the model and has it follow the bucket the way the TRL integration does: every
-version is prefetched first, then applied (pause, apply, reset the prefix cache, resume).
+version is prefetched first, then applied (pause emptying the prefix cache, apply, resume).
 
 - ``in-place``: ``DELTASYNC_CPU_PLAIN_GEMM=1`` (plain linear weights), deltas written into the
   live weights;
@@ -15,7 +15,11 @@ Per mode it reports the anchor's and the deltas' paused and apply seconds (as th
 the server measure them), and the growth of the server process tree's RSS from start-up to
 after the last update, against the model's bf16 size. After every update the served
 fingerprint must equal the bucket's; otherwise the run aborts. Times are noisy on a shared
-machine: read the ratios, measured in the same run.
+machine: read the ratios, measured in the same run. For scale, the same run also measures
+what no update can avoid: a bare pause/resume pair on the in-place server (the HTTP and engine
+round trips of an update that loads nothing), and, in this process on one thread, a dense copy
+of the model's bf16 bytes (the floor of an anchor's load) and one ``scatter_`` of as many int16
+values as a delta changes, at sorted random positions (the floor of a delta's write).
 
 Run from the repository root: ``python benchmarks/server.py --out benchmarks/results/server.json``.
 """
@@ -32,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 try:
@@ -139,6 +144,14 @@ def run_mode(mode: str, model_dir: Path, bucket: Path, versions: int, root: Path
             rows.append({"version": version, "kind": r.kind, "paused_s": r.paused_s, "apply_s": r.apply_s,
                          "stage_s": r.stage_s, "load_s": last.get("load_s"), "hash_s": last.get("hash_s")})  # fmt: skip
             log(f"{mode}: version {version} ({r.kind}): paused {r.paused_s:.3f} s, apply {r.apply_s:.3f} s")
+        pause_resume = []
+        with httpx.Client(timeout=60) as http:  # one connection, as RolloutClient keeps
+            http.get(server.url + "/health").raise_for_status()
+            for _ in range(5):  # what the pause costs with nothing to load: the round trips alone
+                start = time.perf_counter()
+                http.post(server.url + "/pause", params={"mode": "keep", "clear_cache": "true"}).raise_for_status()
+                http.post(server.url + "/resume").raise_for_status()
+                pause_resume.append(time.perf_counter() - start)
         time.sleep(2)
         rss_end = tree_rss(server.pid)  # type: ignore[arg-type]
     finally:
@@ -154,7 +167,32 @@ def run_mode(mode: str, model_dir: Path, bucket: Path, versions: int, root: Path
         "delta_apply_s": statistics.median(r["apply_s"] for r in deltas),
         "rss_start": rss_start,
         "rss_end": rss_end,
+        "pause_resume_s": statistics.median(pause_resume),
     }
+
+
+def floors(bf16_bytes: int, changed: int, seed: int) -> dict[str, float]:
+    """Seconds (best of 3, one thread) of a dense copy of the model's bytes into a buffer already
+    in memory, and of one scatter_ of ``changed`` int16 values at sorted random positions of it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        flat = torch.zeros(bf16_bytes // 2, dtype=torch.int16)
+        gen = torch.Generator().manual_seed(seed)
+        index = torch.unique(torch.randint(0, flat.numel(), (changed,), generator=gen))
+        values = torch.ones(index.numel(), dtype=torch.int16)
+        target = torch.ones_like(flat)  # touched: the copy into it faults no pages in
+        copy_s, scatter_s = [], []
+        for _ in range(3):
+            start = time.perf_counter()
+            target.copy_(flat)
+            copy_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            flat.scatter_(0, index, values)
+            scatter_s.append(time.perf_counter() - start)
+        return {"dense_copy_s": min(copy_s), "scatter_s": min(scatter_s), "scatter_elements": index.numel()}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -201,11 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     bf16_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     log(f"model: {model_dir} ({bf16_bytes / 2**30:.2f} GiB bf16)")
     published = publish_versions(model_dir, root / "bucket", args.updates, args.density, args.seed)
+    changed = int(statistics.median(p["changed"] for p in published[1:]))
+    floor = floors(bf16_bytes, changed, args.seed)
+    log(f"floors: dense copy {floor['dense_copy_s']:.3f} s, scatter of {changed} {floor['scatter_s']:.3f} s")
     results = {}
     for mode in args.modes:
         results[mode] = run_mode(mode, model_dir, root / "bucket", args.updates + 1, root)
     summary: dict[str, Any] = {"shape": SHAPE, "bf16_bytes": bf16_bytes, "density": args.density,
-                               "published": published, "modes": results}  # fmt: skip
+                               "published": published, "modes": results, "floors": floor}  # fmt: skip
     print("| mode | anchor paused s | anchor apply s | delta paused s (median) | delta apply s (median) "
           "| delta/anchor apply | delta/anchor pause | RSS growth | RSS growth / bf16 |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
@@ -227,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
             r = results["in-place"]["delta_paused_s"] / results["reload"]["delta_paused_s"]
             a = results["in-place"]["delta_paused_s"] / results["reload"]["anchor_paused_s"]
             print(f"in-place delta pause / reload delta pause: {r:.0%}; / reload anchor pause: {a:.0%}")
+        r = results["in-place"]
+        print(f"in-place pause/resume with nothing loaded: {r['pause_resume_s']:.3f} s; floors on one thread here: "
+              f"dense copy of the bf16 bytes {floor['dense_copy_s']:.3f} s, scatter_ of {changed} values "
+              f"{floor['scatter_s']:.3f} s")  # fmt: skip
         print()
         for key, (label, limit) in TARGETS.items():
             value = results["in-place"][key]

@@ -5,12 +5,17 @@
 Per server and concurrently (a thread each), :meth:`RolloutClient.update` runs vLLM's
 weight-update sequence::
 
-    POST /pause?mode=keep                 in-flight requests freeze, new ones queue
+    POST /pause?mode=keep&clear_cache=true   in-flight requests freeze, new ones queue, and the
+                                             prefix cache is emptied (the frozen requests'
+                                             KV is recomputed on resume, with the new weights)
     POST /start_weight_update
-    POST /update_weights                  {"update_info": {"version": N, "auth": TAG}}
-    POST /finish_weight_update            {"weight_version": "N"}
-    POST /reset_prefix_cache?reset_running_requests=true
-    POST /resume                          always, even after a failure
+    POST /update_weights                     {"update_info": {"version": N, "auth": TAG}}
+    POST /finish_weight_update               {"weight_version": "N"}
+    POST /resume                             always, even after a failure
+
+Nothing generates between the pause and the resume, so no KV computed with the old weights
+can enter the cache after the pause emptied it: no separate ``/reset_prefix_cache`` is needed
+(vLLM's pause raises, so the update fails, when the cache cannot be emptied).
 
 then reads the server's state back through ``/collective_rpc`` (``deltasync_status``).
 A server that fails is reported with the server's own error text; it never raises.
@@ -294,7 +299,7 @@ class RolloutClient:
         start = time.perf_counter()
         try:
             try:
-                server.post("/pause", params={"mode": "keep"})
+                server.post("/pause", params={"mode": "keep", "clear_cache": "true"})
             except _RequestError as exc:
                 refused_pause = exc.status is not None  # an answer, so certainly not paused
                 raise
@@ -305,12 +310,6 @@ class RolloutClient:
                 _close_session(server)
                 raise
             server.post("/finish_weight_update", body={"weight_version": str(version)})
-            reset = server.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
-            if isinstance(reset, dict) and reset.get("success") is False:
-                error = (
-                    f"the weights are at version {version}, but the prefix cache could not be reset "
-                    "(cached KV from the old weights may be reused)"
-                )
         except _RequestError as exc:
             error = str(exc)
         finally:

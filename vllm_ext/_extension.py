@@ -30,8 +30,8 @@ class DeltaWorkerExtension:
     def deltasync_apply(self, version: int, auth: str | None = None) -> dict[str, Any]:
         """Apply ``version`` now, without the weight-update routes.
 
-        The caller must pause generation and reset the prefix cache around it, as
-        ``RolloutClient.update`` does through the routes.
+        The caller must pause generation around it and empty the prefix cache (``/pause`` with
+        ``clear_cache=true`` does), as ``RolloutClient.update`` does through the routes.
         """
         return _updater_of(self).update(version, auth)
 

@@ -2,9 +2,13 @@
 
 Each worker maps checkpoint elements onto its live parameters (:mod:`._weight_map`). For a
 delta it decodes only the elements it holds, against old values read from the live
-weights (the zstd codec codes new values relative to them), and writes them with one
-``index_put_`` per parameter after saving the old values there: time and memory are
-O(changed elements on this rank). Values move as int16 bit patterns, never through float
+weights (the zstd codec codes new values relative to them). Everything but the write itself
+happens while staging, before the pause: decoding, mapping to flat positions of the live
+parameters (sorted, for a near-sequential pass), and saving the old values there for a
+rollback; they cannot change in between, since a staged update is used only while the
+served version and fingerprint are those it was staged against, and only an update changes
+them. Applying is one ``scatter_`` per live parameter: time and memory are O(changed
+elements on this rank). Values move as int16 bit patterns, never through float
 arithmetic, so every bf16 pattern (NaN payloads too) arrives exactly.
 
 The fingerprint of what is served is computed from the live weights through the map:
@@ -49,10 +53,12 @@ def release_freed_memory() -> None:
 
 @dataclass
 class _Write:
-    """New values for one parameter on this rank: flat indices and int16 bit patterns."""
+    """New values for one parameter on this rank: flat indices (sorted, each once), the int16
+    bit patterns to write there and those there now (the undo log)."""
 
     dst: torch.Tensor
     bits: torch.Tensor
+    old: torch.Tensor | None = None
 
 
 @dataclass
@@ -287,6 +293,11 @@ class InPlaceState:
                         staged.writes[piece.param] = _Write(dst, bits)
                     else:
                         write.dst, write.bits = torch.cat([write.dst, dst]), torch.cat([write.bits, bits])
+        for param, write in staged.writes.items():
+            flat = self.flat[param]
+            write.dst, order = torch.sort(write.dst.to(flat.device))
+            write.bits = write.bits[order].to(flat.device)
+            write.old = flat.gather(0, write.dst)  # the undo log, read now rather than in the pause
         staged.seconds = time.perf_counter() - start
         return staged
 
@@ -331,9 +342,9 @@ class InPlaceState:
         try:
             for param, w in staged.writes.items():
                 flat = self.flat[param]
-                dst = w.dst.to(flat.device)
-                undo.append((param, dst, flat[dst]))
-                flat.index_put_((dst,), w.bits.to(flat.device))
+                old = w.old if w.old is not None else flat.gather(0, w.dst)
+                undo.append((param, w.dst, old))
+                flat.scatter_(0, w.dst, w.bits)
         except Exception as exc:
             exc.undo = undo  # type: ignore[attr-defined]
             raise
@@ -342,7 +353,7 @@ class InPlaceState:
     def rollback(self, undo: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         """Put the saved old bits back, last write first."""
         for param, dst, old in reversed(undo):
-            self.flat[param].index_put_((dst,), old)
+            self.flat[param].scatter_(0, dst, old)
 
     def commit(self, version: int, fingerprint: str) -> None:
         self.version, self.fingerprint, self.tainted = version, fingerprint, None

@@ -58,8 +58,6 @@ class FakeServer:
         if route == "/finish_weight_update":
             self.active = False
             return httpx.Response(200, json={"message": "Weight update finished"})
-        if route == "/reset_prefix_cache":
-            return httpx.Response(200, json={"success": True})
         if route == "/resume":
             return httpx.Response(200, json={"status": "resumed"})
         if route == "/collective_rpc":
@@ -97,8 +95,7 @@ def _client(servers: list[FakeServer], token: str | None = None, **kwargs) -> Ro
 
 
 UPDATE_ROUTES = [
-    "/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache", "/resume",
-    "/collective_rpc",
+    "/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume", "/collective_rpc",
 ]  # fmt: skip
 
 
@@ -108,10 +105,10 @@ def test_update_runs_vllms_weight_update_sequence_with_tag_and_bearer():
     report = _client([server], token="s3cret").update(3)
     assert server.routes() == UPDATE_ROUTES
     by_route = {route: (params, body) for route, params, body, _ in server.requests}
-    assert by_route["/pause"][0] == {"mode": "keep"}
+    # The pause empties the prefix cache: no separate /reset_prefix_cache round trip.
+    assert by_route["/pause"][0] == {"mode": "keep", "clear_cache": "true"}
     assert by_route["/update_weights"][1] == {"update_info": {"version": 3, "auth": update_tag("s3cret", 3)}}
     assert by_route["/finish_weight_update"][1] == {"weight_version": "3"}
-    assert by_route["/reset_prefix_cache"][0] == {"reset_running_requests": "true"}
     assert by_route["/collective_rpc"][1]["method"] == "deltasync_status"
     assert {auth for *_, auth in server.requests} == {"Bearer s3cret"}
     assert isinstance(report, UpdateReport) and report.ok and report.version == 3
@@ -199,11 +196,13 @@ def test_a_stale_weight_update_session_is_closed_first():
     assert server.routes()[:4] == ["/pause", "/start_weight_update", "/finish_weight_update", "/start_weight_update"]
 
 
-def test_wrong_version_or_uncleared_cache_after_the_update_is_a_failure():
+def test_wrong_version_after_the_update_or_a_pause_that_cannot_empty_the_cache_is_a_failure():
     server = FakeServer("http://a:8000")
-    server.fail["/reset_prefix_cache"] = (200, {"success": False})
+    # vLLM's pause answers 500 when it cannot empty the prefix cache: nothing is loaded then.
+    server.fail["/pause"] = (500, {"error": "Failed to pause generation: Failed to reset the KV connector cache."})
     (result,) = _client([server]).update(1).results
-    assert not result.ok and "prefix cache could not be reset" in result.error
+    assert not result.ok and "Failed to reset the KV connector cache" in result.error
+    assert server.routes()[:2] == ["/pause", "/resume"] and "/update_weights" not in server.routes()
 
     lagging = FakeServer("http://b:8000")
     lagging.worker_versions = [0]  # the server keeps reporting the old version

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 from servers import PROMPTS, greedy, requires_vllm, running_server
 
-from deltasync import DeltaPublisher, RolloutClient, bf16_state_dict, fingerprint
+from deltasync import DeltaPublisher, Pointer, RolloutClient, bf16_state_dict, fingerprint, open_store
+from deltasync._format import ChainEntry, Change, PartEntry, encode_delta, part_path, sha256_hex
 from deltasync._serve import extension_args
 
 pytestmark = [pytest.mark.server, requires_vllm]
@@ -265,3 +266,61 @@ def test_a_late_server_catches_up_in_place(world, server, client):
         version = world.edit("model.layers.1.mlp.down_proj.weight", slice(0, 4))
         assert late_client.update(version).results[0].kind == "delta"
         _assert_in_place(world, late_client, version)
+
+
+def _publish_split(world, old: dict[str, torch.Tensor], parts: int = 2) -> int:
+    """Publish the trainer's current bf16 state as the next version, a delta from ``old`` split into
+    ``parts`` files (format version 2) laid out as FSDP2 shards rows, as a sharded trainer would write it."""
+    store = open_store(world.bucket)
+    pointer = Pointer.from_bytes(store.read_bytes("latest.json"))
+    new = bf16_state_dict(world.model)
+    version, fp = pointer.version + 1, fingerprint(new)
+    numels = {name: t.numel() for name, t in new.items()}
+    files = []
+    for part in range(parts):
+        changes = {}
+        for name, tensor in new.items():
+            rows = -(-tensor.shape[0] // parts) * (tensor.numel() // tensor.shape[0])
+            begin, end = min(part * rows, tensor.numel()), min((part + 1) * rows, tensor.numel())
+            flat, before = tensor.reshape(-1), old[name].reshape(-1)
+            index = torch.nonzero(flat[begin:end].view(torch.int16) != before[begin:end].view(torch.int16))
+            index = index.reshape(-1) + begin
+            if index.numel():
+                changes[name] = Change(index=index, new=flat[index], old=before[index])
+        data = encode_delta(
+            changes, version=version, anchor=pointer.anchor, codec="zstd", total=pointer.total, fingerprint=fp,
+            base_fingerprint=pointer.fingerprint, part=(part, parts), numels=numels,
+        )  # fmt: skip
+        path = part_path("delta", version, part)
+        store.write_bytes(path, data)
+        changed = sum(c.index.numel() for c in changes.values())
+        files.append(PartEntry(path=path, nbytes=len(data), sha256=sha256_hex(data), changed=changed))
+    entry = ChainEntry(
+        version=version, kind="delta", path="", nbytes=sum(f.nbytes for f in files), sha256="", fingerprint=fp,
+        changed=sum(f.changed for f in files), parts=tuple(files),
+    )  # fmt: skip
+    store.write_bytes("latest.json", Pointer(version=version, anchor=pointer.anchor, fingerprint=fp,
+                                             total=pointer.total, chain=(*pointer.chain, entry)).to_bytes())  # fmt: skip
+    return version
+
+
+def test_a_split_version_is_written_in_place_and_exact(world, server, client):
+    # Last in the module: the bucket then holds a version its publisher did not write.
+    served = bf16_state_dict(world.model)
+    assert fingerprint(served) == _status(client).fingerprint
+    with torch.no_grad():  # changes in both halves of the rows, so in both parts
+        world.model.get_parameter("model.layers.0.mlp.down_proj.weight")[::3] += 0.05
+        world.model.get_parameter("model.embed_tokens.weight")[::7, :5] -= 0.05
+        world.model.get_parameter("model.norm.weight")[-4:] += 0.25
+    version = _publish_split(world, served)
+    pointer = Pointer.from_bytes(open_store(world.bucket).read_bytes("latest.json"))
+    assert len(pointer.entry(version).parts) == 2 and all(p.changed for p in pointer.entry(version).parts)
+    report = client.update(version)
+    assert report.ok, report.failed
+    assert report.results[0].kind == "delta"
+    _assert_in_place(world, client, version)  # the served fingerprint, hashed from the live weights
+    assert [v["ok"] for v in _rpc(server, "deltasync_verify")] == [True] * world.tp
+    if world.tp == 1:
+        expected, expected_long = world.reference([PROMPTS, [LONG_PROMPT]])
+        assert greedy(server.url) == expected
+        assert greedy(server.url, [LONG_PROMPT]) == expected_long
