@@ -45,7 +45,9 @@ Greedy = list[tuple[tuple[int, ...], tuple[float, ...]]]
 def server_env(**extra: str) -> dict[str, str]:
     """Environment for a test server: offline, one OpenMP thread, the repo importable."""
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
+    # INFO: tests read vLLM's log (supported tasks, request log); importing TRL in the test
+    # process sets VLLM_LOGGING_LEVEL=ERROR in os.environ, which servers would inherit.
+    return {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "VLLM_LOGGING_LEVEL": "INFO", **extra}
 
 
 @contextlib.contextmanager

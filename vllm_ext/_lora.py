@@ -167,7 +167,7 @@ class _AdapterSync:
             if receiver is not None and receiver.version == version and self.loaded.get(version) == adapter:
                 self.last = {"version": version, "kind": "none", "nbytes": 0, "stage_s": 0.0, "apply_s": 0.0}
                 return {**self.status(), "kind": "none", "nbytes": 0, "stage_s": 0.0, "apply_s": 0.0}
-            staged, state, config, base, anchor_meta = await asyncio.to_thread(self._stage, version)
+            staged, state, config, base, anchor_meta, staging = await asyncio.to_thread(self._stage, version)
             check_adapter_config(config)
             rank = adapter_rank(config)
             if rank > lora_config.max_lora_rank:
@@ -187,8 +187,8 @@ class _AdapterSync:
             path = await asyncio.to_thread(self._materialise, adapter, state, config)
             t_load = time.perf_counter()
             await self._load(adapter, path)
-            assert self.receiver is not None
-            self.receiver.apply(staged)
+            staging.apply(staged)
+            self.receiver = staging
             self.anchor_meta = anchor_meta
             self.loaded[version] = adapter
             unloaded = await self._retire(version - keep)
@@ -208,11 +208,16 @@ class _AdapterSync:
 
     # ------------------------------------------------------------------ steps
 
-    def _stage(self, version: int) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any], str, tuple[int, dict[str, str]]]:
+    def _stage(
+        self, version: int
+    ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any], str, tuple[int, dict[str, str]], DeltaReceiver]:
         """Download and check version ``version``; returns it with the full adapter state and its metadata."""
-        if self.receiver is None:
-            self.receiver = DeltaReceiver(self.bucket)  # type: ignore[arg-type]
         receiver = self.receiver
+        if receiver is None or self.anchor_meta is None or receiver.pointer().anchor != self.anchor_meta[0]:
+            # A new chain (a new anchor: maybe another trainer's adapter, of another rank) is staged
+            # on a fresh receiver, whose manifest is that anchor's; it replaces the current one only
+            # once the adapter passed every check and loaded.
+            receiver = DeltaReceiver(self.bucket)  # type: ignore[arg-type]
         latest = receiver.latest()
         if version > latest:
             raise VersionError(f"version {version} is not committed in {receiver.store.url} (the newest is {latest})")
@@ -242,7 +247,7 @@ class _AdapterSync:
             raise AdapterError(f"anchor {anchor}: {ADAPTER_CONFIG_KEY} is not JSON ({exc})") from exc
         if not isinstance(config, dict):
             raise AdapterError(f"anchor {anchor}: {ADAPTER_CONFIG_KEY} is not a JSON object")
-        return staged, state, config, meta[BASE_FINGERPRINT_KEY], anchor_meta
+        return staged, state, config, meta[BASE_FINGERPRINT_KEY], anchor_meta, receiver
 
     def _served_base_fingerprint(self) -> str:
         """Fingerprint of the checkpoint this server runs, tensor by tensor (never all in memory)."""

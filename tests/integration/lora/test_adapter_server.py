@@ -63,12 +63,25 @@ def lab(tiny_model_factory, tmp_path_factory):
     lab = Lab(tiny_model_factory(seed=0), tiny_model_factory(seed=1), tmp_path_factory.mktemp("adapter"))
     lab.server.start(timeout=SERVER_START_TIMEOUT)
     try:
+        # Every test starts from the same state, whatever runs before it: three adapter versions
+        # published and served (checked by the first test), recorded for the fresh-server test.
+        lab.published = _publish_three_versions(lab)
         yield lab
     finally:
         lab.server.stop()
 
 
 def test_adapter_versions_are_served_under_versioned_names(lab) -> None:
+    kinds, status, gone, base_again = lab.published
+    assert kinds == ["anchor", "delta", "delta"]
+    assert len({json.dumps(lab.served[n]) for n in lab.served}) == 4  # every version answers differently
+    # keep=2: the oldest version was unloaded, the newest two stay
+    assert status.workers[0]["loaded"] == ["trl-policy-v1", "trl-policy-v2"]
+    assert gone == 404
+    assert base_again == lab.served["base"]  # the base model is unchanged
+
+
+def _publish_three_versions(lab):
     lab.served["base"] = greedy_for(lab.url, str(lab.model_dir))
     model = lora_model(lab.model_dir)
     optimizer = __import__("torch").optim.AdamW(trainable(model), lr=1e-2)
@@ -88,15 +101,9 @@ def test_adapter_versions_are_served_under_versioned_names(lab) -> None:
         lab.served[name] = greedy_for(lab.url, name)
         model.save_pretrained(lab.root / name)
         lab.saved[name] = str(lab.root / name)
-    assert kinds == ["anchor", "delta", "delta"]
-    assert len({json.dumps(lab.served[n]) for n in lab.served}) == 4  # every version answers differently
-    # keep=2: the oldest version was unloaded, the newest two stay
     status = lab.status()
-    assert status.workers[0]["loaded"] == ["trl-policy-v1", "trl-policy-v2"]
     gone = requests.post(f"{lab.url}/v1/completions", json={"model": "trl-policy-v0", "prompt": "a", "max_tokens": 1})
-    assert gone.status_code == 404
-    # the base model is unchanged
-    assert greedy_for(lab.url, str(lab.model_dir)) == lab.served["base"]
+    return kinds, status, gone.status_code, greedy_for(lab.url, str(lab.model_dir))
 
 
 def refused(lab, publisher, match: str) -> None:
@@ -195,7 +202,7 @@ def test_trl_trainer_checks_the_server_before_training(lab, tmp_path) -> None:
 
 
 def test_a_fresh_server_loading_the_saved_adapters_answers_the_same(lab) -> None:
-    lab.server.stop()  # one server at a time
+    # Beside the shared server (which later tests, in any order, still use).
     modules = [f"ref-{name}={path}" for name, path in lab.saved.items()]
     extra = [*LORA_ARGS, "--no-enable-chunked-prefill", "--lora-modules", *modules]
     with running_server(lab.model_dir, extra_args=extra) as fresh:

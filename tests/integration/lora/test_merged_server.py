@@ -56,12 +56,23 @@ def lab(tiny_model_factory, tmp_path_factory):
     lab = Lab(tiny_model_factory(seed=0), tmp_path_factory.mktemp("merged"))
     lab.server.start(timeout=SERVER_START_TIMEOUT)
     try:
+        # Every test starts from the same state, whatever runs before it: three merged versions
+        # published and served (checked by the first test), the merged checkpoint saved.
+        lab.published = _publish_three_versions(lab)
         yield lab
     finally:
         lab.server.stop()
 
 
 def test_merged_versions_serve_exactly_the_merged_bf16_weights(lab) -> None:
+    kinds, base, served_fingerprint = lab.published
+    assert kinds == ["anchor", "delta", "delta"]
+    assert lab.served != base  # the LoRA moved the served weights
+    checkpoint = load_file(lab.merged_dir / "model.safetensors")
+    assert fingerprint(checkpoint) == served_fingerprint
+
+
+def _publish_three_versions(lab):
     base = greedy_for(lab.url, str(lab.model_dir))
     model = lora_model(lab.model_dir)
     optimizer = torch.optim.AdamW(trainable(model), lr=1e-2)
@@ -77,14 +88,11 @@ def test_merged_versions_serve_exactly_the_merged_bf16_weights(lab) -> None:
         report = lab.client.update(result.version)
         assert report.ok, report.failed
         assert (report.results[0].version, report.results[0].fingerprint) == (result.version, want)
-    assert kinds == ["anchor", "delta", "delta"]
     lab.served = greedy_for(lab.url, str(lab.model_dir))
-    assert lab.served != base  # the LoRA moved the served weights
     # The merged checkpoint, as PEFT writes it: the fresh server of the last test loads it.
     shutil.copytree(lab.model_dir, lab.merged_dir)
     copy.deepcopy(model).merge_and_unload().save_pretrained(lab.merged_dir)
-    checkpoint = load_file(lab.merged_dir / "model.safetensors")
-    assert fingerprint(checkpoint) == lab.status().fingerprint
+    return kinds, base, lab.status().fingerprint
 
 
 def test_trl_trainer_with_peft_config_in_merged_mode(lab, tmp_path) -> None:
@@ -121,6 +129,6 @@ def test_trl_trainer_refuses_adapter_mode_without_enable_lora(lab, tmp_path) -> 
 
 def test_a_fresh_server_from_the_merged_checkpoint_answers_the_same(lab) -> None:
     assert lab.served is not None
-    lab.server.stop()  # one server at a time
+    # Beside the shared server (which later tests, in any order, still use).
     with running_server(lab.merged_dir, extra_args=["--served-model-name", str(lab.model_dir), "--no-enable-chunked-prefill"]) as fresh:
         assert greedy_for(fresh.url, str(lab.model_dir)) == lab.served

@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 from safetensors.torch import load_file
-from servers import PROMPTS, greedy, requires_vllm, running_server
+from servers import PROMPTS, SERVER_START_TIMEOUT, greedy, requires_vllm, running_server
 
 from deltasync import DeltaPublisher, Pointer, RolloutClient, bf16_state_dict, fingerprint, open_store
 from deltasync._format import ChainEntry, Change, PartEntry, encode_delta, part_path, sha256_hex
@@ -50,6 +50,7 @@ class World:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.publisher = DeltaPublisher(self.bucket, self.model, None, anchor_every=1000, anchor_bytes_ratio=0)
         self.publisher.publish()
+        self.start_fingerprint = self.fingerprint  # the checkpoint's, which version 0 also holds
         self.args, self.env = (EAGER, {}) if tp == 1 else ([*EAGER, *TP2[0]], TP2[1])
 
     @property
@@ -100,9 +101,27 @@ def server(world):
         yield srv
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(server):
+    return RolloutClient(server.url)  # per test: a restarted server may have a new port
+
+
+# Every test brings the shared server to the state it needs, so any one runs alone and in any order.
+
+
+def _fresh(server) -> RolloutClient:
+    """Restart ``server`` if it was ever updated (it then serves the checkpoint again)."""
+    if _status(RolloutClient(server.url)).version is not None:
+        server.stop()
+        server.start(timeout=SERVER_START_TIMEOUT)
     return RolloutClient(server.url)
+
+
+def _current(world, client) -> None:
+    """Update the server to the newest committed version, unless it serves it already."""
+    if _status(client).version != world.publisher.version:
+        report = client.update(world.publisher.version)
+        assert report.ok, report.failed
 
 
 def _rpc(server, method: str, *args):
@@ -128,19 +147,23 @@ def _assert_in_place(world, client, version):
 # --------------------------------------------------------------------------- tests
 
 
-def test_start_up_serves_the_checkpoint_fingerprint_in_place(world, server, client):
+def test_start_up_serves_the_checkpoint_fingerprint_in_place(world, server):
+    client = _fresh(server)
     status = _status(client)
     assert status.mode == "in-place" and len(status.workers) == world.tp
     # Hashed from the live (sharded) weights: the trainer's fingerprint of the same checkpoint.
-    assert (status.version, status.fingerprint) == (None, world.fingerprint)
+    assert (status.version, status.fingerprint) == (None, world.start_fingerprint)
     assert [v["ok"] for v in _rpc(server, "deltasync_verify")] == [True] * world.tp
 
 
-def test_the_anchor_loads_densely_and_holds_no_host_copy(world, server, client):
+def test_the_anchor_loads_densely_and_holds_no_host_copy(world, server):
+    client = _fresh(server)
     report = client.update(0)
     assert report.ok, report.failed
     assert report.results[0].kind == "anchor"
-    status = _assert_in_place(world, client, 0)
+    status = _status(client)
+    assert [(w["mode"], w["fallback"]) for w in status.workers] == [("in-place", [])] * world.tp
+    assert (status.version, status.fingerprint) == (0, world.start_fingerprint)
     assert all(w["host_copy_bytes"] == 0 for w in status.workers)
     params = sum(t.numel() * 2 for t in bf16_state_dict(world.model).values())
     # Beyond the model's own parameters, no worker keeps tensors the size of a copy of them.
@@ -150,6 +173,7 @@ def test_the_anchor_loads_densely_and_holds_no_host_copy(world, server, client):
 
 @pytest.mark.parametrize("edit", list(EDITS))
 def test_a_delta_is_written_in_place_and_exact(world, server, client, edit):
+    _current(world, client)
     name, rows = EDITS[edit]
     before = greedy(server.url)
     version = world.edit(name, rows)
@@ -169,6 +193,7 @@ def test_a_delta_is_written_in_place_and_exact(world, server, client, edit):
 
 
 def test_prefetch_then_update(world, server, client):
+    _current(world, client)
     version = world.edit("model.layers.0.mlp.down_proj.weight", slice(0, 16))
     (result,) = client.prefetch(version).values()
     assert result.ok, result.error
@@ -181,6 +206,7 @@ def test_prefetch_then_update(world, server, client):
 
 
 def test_a_failure_after_some_ranks_wrote_restores_every_rank(world, server, client):
+    _current(world, client)
     served = _status(client)
     outputs = greedy(server.url)
     version = world.edit("model.layers.1.self_attn.o_proj.weight", slice(0, 8))
@@ -235,6 +261,7 @@ def test_nan_payloads_and_signed_zeros_replay_exactly_in_place(world, server, cl
 
 
 def test_a_changed_live_element_is_caught_and_not_built_upon(world, server, client):
+    _current(world, client)
     version = _status(client).version
     name = "model.layers.0.mlp.up_proj.weight"
     _rpc(server, "deltasync_test_poke", name, 5, 0x7FC1)  # a NaN with a payload, on whichever rank holds it
@@ -254,6 +281,7 @@ def test_a_changed_live_element_is_caught_and_not_built_upon(world, server, clie
 def test_a_late_server_catches_up_in_place(world, server, client):
     if world.tp != 1:
         pytest.skip("one late server is enough (TP=1)")
+    _current(world, client)
     expected = greedy(server.url)
     with world.server("late") as late:
         late_client = RolloutClient(late.url)
@@ -305,7 +333,7 @@ def _publish_split(world, old: dict[str, torch.Tensor], parts: int = 2) -> int:
 
 
 def test_a_split_version_is_written_in_place_and_exact(world, server, client):
-    # Last in the module: the bucket then holds a version its publisher did not write.
+    _current(world, client)
     served = bf16_state_dict(world.model)
     assert fingerprint(served) == _status(client).fingerprint
     with torch.no_grad():  # changes in both halves of the rows, so in both parts
@@ -313,6 +341,10 @@ def test_a_split_version_is_written_in_place_and_exact(world, server, client):
         world.model.get_parameter("model.embed_tokens.weight")[::7, :5] -= 0.05
         world.model.get_parameter("model.norm.weight")[-4:] += 0.25
     version = _publish_split(world, served)
+    # The publisher did not write this version: bring it up to the bucket (pointer and snapshot), so
+    # that tests after this one, in any order, publish on top of it.
+    world.publisher._pointer = Pointer.from_bytes(open_store(world.bucket).read_bytes("latest.json"))
+    world.publisher.detector.reset()
     pointer = Pointer.from_bytes(open_store(world.bucket).read_bytes("latest.json"))
     assert len(pointer.entry(version).parts) == 2 and all(p.changed for p in pointer.entry(version).parts)
     report = client.update(version)
