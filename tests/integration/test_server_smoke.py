@@ -3,57 +3,12 @@
 from __future__ import annotations
 
 import math
-import sys
-import textwrap
 
 import pytest
 import requests
 from servers import PROMPTS, greedy, requires_vllm, running_server
 
-from deltasync._server import VLLMServer, VLLMServerError
-
-# A stand-in for the API server: serves /health (after HEALTH_DELAY s, unless it is
-# negative), prints its environment, and keeps a child in its process group the way
-# vLLM keeps its engine core and worker processes.
-_FAKE_SERVER = textwrap.dedent(
-    """
-    import http.server, os, signal, subprocess, sys, time
-    port = int(sys.argv[sys.argv.index("--port") + 1])
-    print("FAKE_ENV", os.environ.get("VLLM_CPU_KVCACHE_SPACE"), os.environ.get("VLLM_SERVER_DEV_MODE"),
-          os.environ.get("FAKE_EXTRA"), " ".join(sys.argv[1:]), flush=True)
-    if os.environ.get("FAKE_EXIT"):
-        print("boom: cannot load the model", flush=True)
-        sys.exit(int(os.environ["FAKE_EXIT"]))
-    child_code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
-    if not os.environ.get("FAKE_STUBBORN"):
-        child_code = "import time; time.sleep(600)"
-    child = subprocess.Popen([sys.executable, "-c", child_code])
-    print("FAKE_CHILD", child.pid, flush=True)
-    delay = float(os.environ.get("HEALTH_DELAY", "0"))
-    if delay < 0:
-        time.sleep(600)
-    time.sleep(delay)
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
-    """
-)
-
-
-class _FakeServer(VLLMServer):
-    script: str = ""
-
-    @property
-    def command(self) -> list[str]:
-        return [sys.executable, self.script, *super().command[3:]]
-
+from deltasync._server import VLLMServerError
 
 # -- real vLLM-CPU servers ------------------------------------------------------------
 

@@ -10,7 +10,6 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -122,33 +121,3 @@ def test_rollout_start_serves_with_its_routes_behind_the_token(
         assert status.ok and status.version is None, status.error
         assert not RolloutClient(url, token="wrong").status()[url].ok
     assert "--middleware vllm_ext.TokenMiddleware" in log.read_text()
-
-
-# --------------------------------------------------------------------------- deltasync spaces
-
-
-class RecordingApi:
-    """Stands in for ``huggingface_hub.HfApi``: records every call; snapshots uploaded folders."""
-
-    def __init__(self, user: str = "me") -> None:
-        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-        self.uploads: dict[str, dict[str, bytes]] = {}
-        self.user = user
-        self.token = None
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self.calls.append((name, args, kwargs))
-            if name == "whoami":
-                return {"name": self.user}
-            if name == "upload_folder":
-                root = Path(kwargs["folder_path"])
-                self.uploads[kwargs["repo_id"]] = {
-                    p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()
-                }
-            return None
-
-        return call
