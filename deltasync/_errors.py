@@ -8,6 +8,7 @@ where there is one, the fix.
 from __future__ import annotations
 
 __all__ = [
+    "AdapterError",
     "DeltaSyncError",
     "ConfigError",
     "FormatError",
@@ -18,6 +19,7 @@ __all__ = [
     "AuthError",
     "PublishError",
     "ServerError",
+    "UpdateError",
     "VLLMServerError",
     "WordleRequestError",
     "WordleServerError",
@@ -83,3 +85,11 @@ class WordleServerError(DeltaSyncError, RuntimeError):
     def __init__(self, message: str, *, code: str) -> None:
         super().__init__(f"{message} (code: {code})")
         self.code = code
+
+
+class UpdateError(DeltaSyncError):
+    """A server refused or failed an update; the message says why and what it still serves."""
+
+
+class AdapterError(DeltaSyncError, ValueError):
+    """An adapter, or an adapter bucket, cannot be served: the message says why and the fix."""

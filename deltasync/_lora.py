@@ -29,7 +29,7 @@ import torch
 
 from ._client import RolloutClient, ServerResult, ServerStatus, _RequestError, _Server
 from ._detector import BF16ChangeDetector, _inner_optimizer, checkpoint_name
-from ._errors import ConfigError, DeltaSyncError
+from ._errors import AdapterError, ConfigError
 from ._fingerprint import fingerprint, format_fingerprint, parse_fingerprint
 from ._publisher import DeltaPublisher, PublishOptions
 
@@ -69,10 +69,6 @@ _LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _PEFT_PREFIX = "base_model.model."
 # Modules vLLM cannot put a LoRA on (its LoRA manager covers linear layers only).
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head", "wte", "wpe", "embed_in", "embed_out")
-
-
-class AdapterError(DeltaSyncError, ValueError):
-    """An adapter, or an adapter bucket, cannot be served: the message says why and the fix."""
 
 
 # --------------------------------------------------------------------------- configs

@@ -32,6 +32,7 @@ from deltasync import (
     VersionError,
 )
 from deltasync._auth import TOKEN_ENV, check_update_tag
+from deltasync._errors import UpdateError
 
 from ._checkpoint import read_checkpoint_shapes, resolve_model_dir
 from ._inplace import InPlaceState, LiveStaged, release_freed_memory
@@ -52,10 +53,6 @@ TEST_HOOKS_ENV = "DELTASYNC_TEST_HOOKS"
 # state never holds them.
 _NOT_PARAMETERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 _TIED_HEAD = "lm_head.weight"
-
-
-class UpdateError(DeltaSyncError):
-    """An update was refused or failed; the message says why and what the server still serves."""
 
 
 @dataclass(frozen=True, kw_only=True)
