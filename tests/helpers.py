@@ -29,3 +29,19 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: i
     if step:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+def tiny_grpo_args(output_dir, url: str, steps: int, **overrides):
+    """``(AsyncGRPOConfig, Dataset)`` for a few quick TRL steps of the tiny model against ``url``:
+    short completions, small queues (two cores), no checkpoints or reports."""
+    from datasets import Dataset
+
+    from deltasync.trl import AsyncGRPOConfig
+
+    prompts = [[{"role": "user", "content": f"Say something about {w}."}] for w in ("cats", "rain", "tea", "maps")] * 8
+    options = dict(
+        output_dir=str(output_dir), max_steps=steps, learning_rate=1e-4, per_device_train_batch_size=8,
+        num_generations=4, max_completion_length=8, max_inflight_tasks=4, queue_maxsize=8, token_budget=0,
+        gradient_checkpointing=False, report_to=[], save_strategy="no", logging_steps=1, vllm_server_base_url=url,
+    )  # fmt: skip
+    return AsyncGRPOConfig(**{**options, **overrides}), Dataset.from_dict({"prompt": prompts})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import requests
 import torch
+from helpers import tiny_grpo_args
 from servers import PROMPTS
 
 TOKEN = "lora-test-secret"
@@ -56,33 +57,15 @@ def greedy_for(url: str, model: str | None = None, max_tokens: int = 12) -> Gree
 
 
 def make_trl_trainer(model_dir, bucket, url, tmp_path, *, steps, peft_config, **delta_options):
-    from datasets import Dataset
-
     from deltasync._demo import reward_target_letter
-    from deltasync.trl import AsyncGRPOConfig, AsyncGRPOTrainer, DeltaSyncConfig
+    from deltasync.trl import AsyncGRPOTrainer, DeltaSyncConfig
 
-    prompts = [[{"role": "user", "content": f"Say something about {w}."}] for w in ("cats", "rain", "tea", "maps")] * 8
-    config = AsyncGRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        max_steps=steps,
-        learning_rate=1e-3,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        max_inflight_tasks=4,
-        queue_maxsize=8,
-        token_budget=0,
-        gradient_checkpointing=False,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        vllm_server_base_url=url,
-    )
+    config, dataset = tiny_grpo_args(tmp_path / "out", url, steps, learning_rate=1e-3)
     return AsyncGRPOTrainer(
         model=str(model_dir),
         reward_funcs=[reward_target_letter],
         args=config,
-        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        train_dataset=dataset,
         peft_config=peft_config,
         delta_sync=DeltaSyncConfig(bucket=str(bucket), server_urls=[url], token=TOKEN, **delta_options),
     )

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import tiny_grpo_args
 from servers import requires_vllm, running_server, server_env
 
 from deltasync import DeltaReceiver, PublishOptions, RolloutClient, bf16_state_dict, fingerprint
@@ -32,33 +33,14 @@ def setup(tiny_model_factory, tmp_path_factory):
 
 
 def make_trainer(model_dir, bucket, url, tmp_path, *, steps, token=TOKEN, **overrides):
-    from datasets import Dataset
+    from deltasync.trl import AsyncGRPOTrainer, DeltaSyncConfig
 
-    from deltasync.trl import AsyncGRPOConfig, AsyncGRPOTrainer, DeltaSyncConfig
-
-    prompts = [[{"role": "user", "content": f"Say something about {w}."}] for w in ("cats", "rain", "tea", "maps")] * 8
-    config = AsyncGRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        max_steps=steps,
-        learning_rate=1e-4,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        max_inflight_tasks=4,
-        queue_maxsize=8,
-        token_budget=0,
-        gradient_checkpointing=False,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        vllm_server_base_url=url,
-        **overrides,
-    )
+    config, dataset = tiny_grpo_args(tmp_path / "out", url, steps, **overrides)
     return AsyncGRPOTrainer(
         model=str(model_dir),
         reward_funcs=[reward_target_letter],  # importable by the spawned rollout process
         args=config,
-        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        train_dataset=dataset,
         # Anchors only on schedule (every 10): the random tiny model at this rate changes enough
         # elements per step that the size rule would otherwise turn deltas into anchors.
         delta_sync=DeltaSyncConfig(
