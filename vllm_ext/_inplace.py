@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,9 +35,11 @@ from deltasync._parts import decode_version
 
 from ._weight_map import Piece, WeightMap
 
-__all__ = ["InPlaceState", "LiveStaged", "release_freed_memory"]
+__all__ = ["InPlaceState", "LiveStaged", "release_freed_memory", "release_later"]
 
 _MASK = (1 << 64) - 1
+# Parameter names of the host copy in ``InPlaceState.flat`` (never a vLLM parameter's name).
+_HOST = "<host>"
 
 
 def release_freed_memory() -> None:
@@ -49,6 +51,21 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def release_later(*objects: Any) -> None:
+    """Drop ``objects`` (containers of tensors, emptied) and give the memory back to the system
+    in a background thread, so that the caller (inside a pause) does not wait for either."""
+    held = list(objects)
+    del objects
+
+    def run() -> None:
+        for obj in held:
+            obj.clear()
+        held.clear()
+        release_freed_memory()
+
+    threading.Thread(target=run, name="deltasync-release", daemon=True).start()
 
 
 @dataclass
@@ -116,12 +133,22 @@ class _Patch:
 class InPlaceState:
     """One worker's served weights, followed in place.
 
+    Parameters that cannot be patched in place (``host``: checkpoint name -> shape, whole vLLM
+    modules at a time) fall back one by one: their values are kept in HF-named bf16 tensors on
+    the host, which deltas patch like live parameters (the same staging, fingerprint shares and
+    undo log), and the modules they feed are rebuilt from those tensors through ``reload``
+    inside the pause. Every other parameter is written in place.
+
     Args:
         model: the live model.
-        weight_map: this worker's map (every checkpoint name maps, none falls back).
+        weight_map: this worker's map (checkpoint names in ``host`` are not looked up in it).
         gather: ``obj -> [obj of every rank]`` over this engine's ranks (the same order on all).
         rank_index: this worker's position in ``gather``'s answer.
         load_dense: loads ``(checkpoint name, tensor)`` pairs through the model's loader.
+        host: the checkpoint names (and shapes) that fall back, in checkpoint order.
+        reload: rebuilds the modules of the given checkpoint names from ``(name, tensor)``
+            pairs (whole modules: see :func:`~vllm_ext._reload.reload_groups`); raises on failure.
+        groups: checkpoint names -> the names to send so that each touched module is whole.
     """
 
     def __init__(
@@ -131,12 +158,26 @@ class InPlaceState:
         gather: Callable[[Any], list[Any]],
         rank_index: int,
         load_dense: Callable[[Any], None],
+        *,
+        host: Mapping[str, tuple[int, ...]] | None = None,
+        reload: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
+        groups: Callable[[list[str]], list[str]] | None = None,
     ) -> None:
         self.map = weight_map
         self.gather = gather
         self.load_dense = load_dense
-        params = dict(model.named_parameters())
-        self.flat = {name: params[name].data.view(-1).view(torch.int16) for name in self._mapped_params()}
+        self.reload = reload
+        self.groups = groups or (lambda names: list(names))
+        self.model = model
+        # Allocated now, filled by the first anchor (pages are only touched then).
+        self.host: dict[str, torch.Tensor] = {name: torch.empty(shape, dtype=torch.bfloat16)
+                                              for name, shape in (host or {}).items()}  # fmt: skip
+        for name, tensor in self.host.items():
+            n = tensor.numel()
+            self.map.pieces[name] = [Piece(_HOST + name, (n,), 0, (1,), 0, (1,))] if n else []
+        self.flat: dict[str, torch.Tensor] = {}
+        self._refresh_live()
+        self.flat.update({_HOST + name: t.view(-1).view(torch.int16) for name, t in self.host.items()})
         # Pieces of the same name held by earlier ranks, or earlier on this rank, own their
         # elements: an element counts once in the fingerprint.
         everyone = gather(self.map.pieces)
@@ -145,12 +186,23 @@ class InPlaceState:
             earlier = [theirs.get(name, []) for theirs in everyone[:rank_index]]
             self.before[name] = [sum(earlier, []) + mine[:k] for k in range(len(mine))]
         self.version: int | None = None
-        self.fingerprint = self.full_fingerprint()
+        # With a host part, nothing is known before the first anchor fills it.
+        self.fingerprint: str | None = None if self.host else self.full_fingerprint()
         self.tainted: str | None = None
         self.pending: dict[str, Any] | None = None
 
-    def _mapped_params(self) -> set[str]:
-        return {p.param for pieces in self.map.pieces.values() for p in pieces}
+    def _refresh_live(self) -> None:
+        """(Re)read the live parameters' storage (a reload keeps it, but never trust that)."""
+        params = dict(self.model.named_parameters())
+        for pieces in self.map.pieces.values():
+            for piece in pieces:
+                if not piece.param.startswith(_HOST):
+                    self.flat[piece.param] = params[piece.param].data.view(-1).view(torch.int16)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host copy of the parameters that fall back (0: everything in place)."""
+        return sum(t.nbytes for t in self.host.values())
 
     # ------------------------------------------------------------------ fingerprint
 
@@ -336,8 +388,9 @@ class InPlaceState:
         return fp
 
     def write(self, staged: LiveStaged) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """Write the staged values; returns the undo log (old bits), also when it raises part-way
-        (the exception then carries it as ``exc.undo``)."""
+        """Write the staged values (and rebuild the modules of host parameters they change);
+        returns the undo log (old bits), also when it raises part-way (the exception then
+        carries it as ``exc.undo``)."""
         undo: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         try:
             for param, w in staged.writes.items():
@@ -345,15 +398,45 @@ class InPlaceState:
                 old = w.old if w.old is not None else flat.gather(0, w.dst)
                 undo.append((param, w.dst, old))
                 flat.scatter_(0, w.dst, w.bits)
+            self._reload_host([param for param, _, _ in undo])
         except Exception as exc:
             exc.undo = undo  # type: ignore[attr-defined]
             raise
         return undo
 
     def rollback(self, undo: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-        """Put the saved old bits back, last write first."""
+        """Put the saved old bits back, last write first, and rebuild the host parameters' modules
+        from the restored values."""
         for param, dst, old in reversed(undo):
             self.flat[param].scatter_(0, dst, old)
+        self._reload_host([param for param, _, _ in undo])
+
+    def _reload_host(self, params: list[str]) -> None:
+        names = [param[len(_HOST):] for param in params if param.startswith(_HOST)]
+        if names:
+            self.load_host(names)
+
+    def load_host(self, names: list[str]) -> None:
+        """Rebuild the modules that the host parameters ``names`` feed, from the host copy."""
+        assert self.reload is not None, "host parameters need a reload function"
+        self.reload([(name, self.host[name]) for name in self.groups(names)])
+        self._refresh_live()
+
+    def load_anchor(self, weights: Any) -> None:
+        """Load a full state densely: host parameters into the host copy and their modules, the
+        others through the model's loader."""
+        host = self.host
+
+        def live_part() -> Any:
+            for name, tensor in weights:
+                if name in host:
+                    host[name].view(-1).copy_(tensor.reshape(-1))
+                else:
+                    yield name, tensor
+
+        self.load_dense(live_part())
+        if host:
+            self.load_host(list(host))
 
     def commit(self, version: int, fingerprint: str) -> None:
         self.version, self.fingerprint, self.tainted = version, fingerprint, None

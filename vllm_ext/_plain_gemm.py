@@ -6,10 +6,17 @@ be patched in place. With this switch, read once when :mod:`vllm_ext` is importe
 the worker loads its model), 2-D weights stay plain ``[out, in]`` tensors used by
 ``F.linear``, as on CUDA; greedy outputs are identical to the default build. Default CPU
 servers keep the packed kernels and deltasync's layerwise-reload path.
+
+Instead of ``1``, the switch may list glob patterns of layer names (vLLM's ``prefix`` of each
+layer, e.g. ``DELTASYNC_CPU_PLAIN_GEMM="*.self_attn.*"``, separated by commas): only the layers
+that match keep plain weights, the others are packed as usual. That makes a server whose
+parameters are in part patched in place and in part fall back to the layerwise reload, as a
+quantized or repacked layer would on any device (tests use it).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
 
 import torch
@@ -30,8 +37,10 @@ def plain_gemm_enabled() -> bool:
 def install_plain_gemm(environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
     """Replace vLLM's CPU GEMM dispatch when the switch is on; returns whether it is installed."""
     global _installed
-    if _installed or environ.get(PLAIN_GEMM_ENV, "") != "1":
+    value = environ.get(PLAIN_GEMM_ENV, "").strip()
+    if _installed or value in ("", "0"):
         return _installed
+    patterns = None if value == "1" else [p.strip() for p in value.split(",") if p.strip()]
     from vllm.model_executor.layers import utils
 
     packed = utils.dispatch_cpu_unquantized_gemm
@@ -39,7 +48,9 @@ def install_plain_gemm(environ: os._Environ[str] | dict[str, str] = os.environ) 
     def dispatch_plain_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
         # vLLM imports the dispatch function from this module when it processes each layer
         # and calls ``layer.cpu_linear`` at run time: both see this one.
-        if getattr(layer, "weight", None) is not None and layer.weight.ndim == 2:
+        prefix = str(getattr(layer, "prefix", ""))
+        chosen = patterns is None or any(fnmatch.fnmatchcase(prefix, p) for p in patterns)
+        if chosen and getattr(layer, "weight", None) is not None and layer.weight.ndim == 2:
             layer.cpu_linear = torch.nn.functional.linear
             return
         packed(layer, remove_weight)  # conv and expert weights keep their own kernels

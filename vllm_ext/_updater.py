@@ -35,7 +35,7 @@ from deltasync._auth import TOKEN_ENV, check_update_tag
 from deltasync._errors import UpdateError
 
 from ._checkpoint import read_checkpoint_shapes, resolve_model_dir
-from ._inplace import InPlaceState, LiveStaged, release_freed_memory
+from ._inplace import InPlaceState, LiveStaged, release_freed_memory, release_later
 from ._plain_gemm import PLAIN_GEMM_ENV, plain_gemm_enabled
 from ._reload import reload_groups, reload_weights
 from ._weight_map import discover
@@ -117,8 +117,9 @@ class WorkerUpdater:
 
     @property
     def mode(self) -> str:
-        """"in-place" (deltas are written into the live weights) or "reload" (layerwise reload)."""
-        return "in-place" if self.live is not None else "reload"
+        """"in-place" (every delta is written into the live weights) or "reload" (some or all
+        parameters, listed in ``fallback``, are rebuilt through vLLM's layerwise reload)."""
+        return "in-place" if self.live is not None and not self.live.host else "reload"
 
     # ------------------------------------------------------------------ public
 
@@ -144,7 +145,8 @@ class WorkerUpdater:
             "mode": self.mode,
             "fallback": sorted(self.fallback),
             "tainted": None if live is None else live.tainted,
-            "host_copy_bytes": 0 if receiver is None else sum(t.nbytes for t in receiver.state_dict().values()),
+            "host_copy_bytes": live.host_bytes if live is not None
+                               else 0 if receiver is None else sum(t.nbytes for t in receiver.state_dict().values()),
             "bucket": self.config.bucket,
             "auth": self.config.token is not None,
             "checkpoint": self.checkpoint,
@@ -269,16 +271,34 @@ class WorkerUpdater:
         fallback: dict[str, str] = {}
         for theirs in _gather(weight_map.fallback):  # every rank decides alike
             fallback.update(theirs)
-        if fallback:
-            self.fallback = fallback
+        names = [n for n in self.expected if n not in weight_map.ignored]
+        # A parameter that falls back takes the rest of its vLLM module along: the layerwise
+        # reload rebuilds a module only from all of its parts.
+        host = reload_groups(sorted(n for n in fallback if n in names), names, self.packed) if fallback else []
+        self.fallback = {n: fallback.get(n, "reloaded with the rest of its vLLM module") for n in host}
+        if len(host) == len(names):
             name, why = next(iter(sorted(fallback.items())))
-            logger.warning("deltasync: reload mode: %d parameters cannot be patched in place (e.g. %s: %s)",
-                           len(fallback), name, why)  # fmt: skip
+            logger.warning("deltasync: reload mode: no parameter can be patched in place (e.g. %s: %s)", name, why)
             return None
-        live = InPlaceState(self.model, weight_map, _gather, _rank_index(), self._load_dense)
+        live = InPlaceState(
+            self.model, weight_map, _gather, _rank_index(), self._load_dense,
+            host={n: self.expected[n] for n in host}, reload=self._reload_host,
+            groups=lambda changed: reload_groups(changed, host, self.packed),
+        )  # fmt: skip
+        if host:
+            name, why = next(iter(sorted(fallback.items())))
+            logger.warning("deltasync: %d of %d checkpoint tensors fall back to the layerwise reload (e.g. %s: %s); "
+                           "the other %d are patched in place", len(host), len(names), name, why,
+                           len(names) - len(host))  # fmt: skip
         logger.info("deltasync: in-place mode: %d checkpoint tensors mapped in %.2f s; served fingerprint %s",
-                    len(weight_map.pieces), time.perf_counter() - start, live.fingerprint)  # fmt: skip
+                    len(names) - len(host), time.perf_counter() - start, live.fingerprint)  # fmt: skip
         return live
+
+    def _reload_host(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Rebuild whole modules from the host copy of the parameters that fall back."""
+        _, partial = reload_weights(self.model, self.vllm_config, iter(weights))
+        if partial:
+            raise UpdateError(f"modules {', '.join(partial[:5])} were loaded only in part")
 
     def _load_dense(self, weights: Any) -> None:
         from vllm.config import set_current_vllm_config
@@ -403,12 +423,16 @@ class WorkerUpdater:
             error = f"writing version {staged.version} on rank {self.rank} failed ({type(exc).__name__}: {exc})"
         error = _agree(error)
         if error is not None:
-            live.rollback(undo)  # every rank, those whose writes worked too
+            try:
+                live.rollback(undo)  # every rank, those whose writes worked too
+            except Exception as exc:  # noqa: BLE001  (a module of the host part could not be rebuilt)
+                live.tainted = f"restoring the previous weights failed ({type(exc).__name__}: {exc})"
+                return self._fail(staged.version, f"deltasync: {error}; {live.tainted}: the next update loads "
+                                                  "the newest anchor again")  # fmt: skip
             return self._fail(staged.version, f"deltasync: {error}; every rank put its previous values back: "
                                               f"still serving {self._served()}")  # fmt: skip
         live.commit(staged.version, fingerprint)
-        staged.writes.clear()
-        release_freed_memory()
+        release_later(staged.writes, undo)  # after the pause: freeing tens of MB is not free
         return None
 
     def _load_live(self, staged: LiveStaged) -> dict[str, Any] | None:
@@ -417,7 +441,7 @@ class WorkerUpdater:
         error: str | None = None
         start = time.perf_counter()
         try:
-            self._load_dense(staged.dense.tensors())
+            live.load_anchor(staged.dense.tensors())
         except Exception as exc:  # noqa: BLE001
             error = f"loading version {staged.version} on rank {self.rank} failed ({type(exc).__name__}: {exc})"
         staged.dense = None  # drop the transient copy, and give its memory back to the system

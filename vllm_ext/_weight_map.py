@@ -187,8 +187,19 @@ def discover(
     params = dict(model.named_parameters())
     storages: dict[int, tuple[str, torch.Tensor]] = {}
     unfit: dict[str, str] = {}
+    # A module whose GEMM runs on a repacked copy of its weight (vLLM-CPU's ``cpu_linear``
+    # kernels; a tied head keeps one beside the embedding's plain weight) would not see a
+    # write into the plain parameter.
+    repacked: dict[int, str] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        kernel = getattr(module, "cpu_linear", None)
+        if kernel is not None and kernel is not torch.nn.functional.linear:
+            for param in module.parameters(recurse=False):
+                repacked[id(param)] = module_name or "the model"
     for name, param in params.items():
-        if param.dtype != dtype:
+        if id(param) in repacked:
+            unfit[name] = f"{repacked[id(param)]} runs a kernel on a repacked copy of it"
+        elif param.dtype != dtype:
             unfit[name] = f"it is {param.dtype}, not {dtype}"
         elif not param.is_contiguous() or param.numel() == 0:
             unfit[name] = "it is not a dense tensor (repacked for a kernel)"

@@ -33,8 +33,9 @@ if [ -z "${DELTASYNC_BUCKET:-}" ]; then
 fi
 
 read -r -a vllm_args <<< "${VLLM_ARGS:-}"
-# `deltasync serve` adds --worker-extension-cls vllm_ext.DeltaWorkerExtension and
-# --weight-transfer-config '{"backend": "delta"}', sets VLLM_SERVER_DEV_MODE=1, then execs
+# `deltasync serve` adds --worker-extension-cls vllm_ext.DeltaWorkerExtension,
+# --weight-transfer-config '{"backend": "delta"}' and --middleware vllm_ext.UpdateMiddleware
+# (one-request updates), sets VLLM_SERVER_DEV_MODE=1, then execs
 # `python -m vllm.entrypoints.openai.api_server` with the arguments it does not know.
 exec "${PYTHON:-python3}" -m deltasync.cli serve "$MODEL" \
     --bucket "$DELTASYNC_BUCKET" \

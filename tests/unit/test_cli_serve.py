@@ -13,7 +13,8 @@ from deltasync._serve import serve_command
 from deltasync.cli import main
 
 EXTENSION = ["--worker-extension-cls", "vllm_ext.DeltaWorkerExtension",
-             "--weight-transfer-config", '{"backend": "delta"}']  # fmt: skip
+             "--weight-transfer-config", '{"backend": "delta"}',
+             "--middleware", "vllm_ext.UpdateMiddleware"]  # fmt: skip
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def test_serve_execs_the_api_server_with_the_extension_and_passes_vllm_args(exec
     ]  # fmt: skip
     assert json.loads(args[args.index("--weight-transfer-config") + 1]) == {"backend": "delta"}
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["DELTASYNC_BUCKET"] == str(bucket)
-    assert "DELTASYNC_TOKEN" not in env and "--middleware" not in args
+    assert "DELTASYNC_TOKEN" not in env and "vllm_ext.TokenMiddleware" not in args
     assert "warning: no token" in capsys.readouterr().err
 
 
@@ -51,7 +52,7 @@ def test_a_token_adds_the_middleware(execs, monkeypatch, tmp_path):
     monkeypatch.setenv("DELTASYNC_TOKEN", "default")
     monkeypatch.setenv("DELTASYNC_BUCKET", str(tmp_path))
     assert main(["serve", "m"]) == 0  # bucket and token from the environment
-    assert execs[1][2]["DELTASYNC_TOKEN"] == "default" and "--middleware" in execs[1][1]
+    assert execs[1][2]["DELTASYNC_TOKEN"] == "default" and "vllm_ext.TokenMiddleware" in execs[1][1]
 
 
 def test_relative_bucket_paths_become_absolute(tmp_path, monkeypatch):

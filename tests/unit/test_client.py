@@ -19,10 +19,15 @@ from deltasync._server import free_port
 
 
 class FakeServer:
-    """Answers vLLM's routes like a server with vllm_ext, and records every request."""
+    """Answers vLLM's routes like a server with vllm_ext, and records every request.
 
-    def __init__(self, url: str, *, version: int | None = None, workers: int = 1) -> None:
+    ``one_route``: it also answers ``/deltasync/update`` (vllm_ext.UpdateMiddleware); without it,
+    that route is a 404, as on a server started without the middleware.
+    """
+
+    def __init__(self, url: str, *, version: int | None = None, workers: int = 1, one_route: bool = False) -> None:
         self.url = url
+        self.one_route = one_route
         self.version = version
         self.worker_versions: list[int | None] | None = None
         self.workers = workers
@@ -42,6 +47,10 @@ class FakeServer:
         if route in self.fail:
             status, payload = self.fail[route]
             return httpx.Response(status, json=payload)
+        if route == "/deltasync/update" and self.one_route:
+            time.sleep(self.delay)
+            self.version = body["version"]
+            return httpx.Response(200, json={"results": [{"version": self.version}], "paused_s": self.delay})
         if route == "/pause":
             time.sleep(self.delay)
             return httpx.Response(200, json={"status": "paused"})
@@ -83,6 +92,12 @@ class FakeServer:
     def routes(self) -> list[str]:
         return [r for r, *_ in self.requests]
 
+    def legacy_routes(self) -> list[str]:
+        """The routes after the client's one-route attempt, which this server answered with 404."""
+        routes = self.routes()
+        assert not self.one_route and routes[0] == "/deltasync/update", routes
+        return routes[1:]
+
 
 def _vllm_error(message: str, status: int = 500) -> httpx.Response:
     return httpx.Response(status, json={"error": {"message": message, "type": "InternalServerError", "code": status}})
@@ -102,8 +117,9 @@ UPDATE_ROUTES = [
 def test_update_runs_vllms_weight_update_sequence_with_tag_and_bearer():
     server = FakeServer("http://a:8000")
     server.delay = 0.05
-    report = _client([server], token="s3cret").update(3)
-    assert server.routes() == UPDATE_ROUTES
+    client = _client([server], token="s3cret")
+    report = client.update(3)
+    assert server.legacy_routes() == UPDATE_ROUTES
     by_route = {route: (params, body) for route, params, body, _ in server.requests}
     # The pause empties the prefix cache: no separate /reset_prefix_cache round trip.
     assert by_route["/pause"][0] == {"mode": "keep", "clear_cache": "true"}
@@ -119,6 +135,35 @@ def test_update_runs_vllms_weight_update_sequence_with_tag_and_bearer():
         apply_s=0.002, paused_s=result.paused_s, error=None,
     )  # fmt: skip
     assert 0.05 <= result.paused_s == report.paused_s < 5
+    # The client remembers that this server has no one-request route.
+    server.requests.clear()
+    assert client.update(4).ok and server.routes() == UPDATE_ROUTES
+
+
+def test_update_is_one_request_where_the_server_has_the_update_route():
+    server = FakeServer("http://a:8000", one_route=True)
+    server.delay = 0.05
+    report = _client([server], token="s3cret").update(3)
+    assert server.routes() == ["/deltasync/update", "/collective_rpc"]
+    (route, params, body, auth) = server.requests[0]
+    assert body == {"version": 3, "auth": update_tag("s3cret", 3)} and auth == "Bearer s3cret" and params == {}
+    (result,) = report.results
+    assert report.ok and result.version == 3 and result.fingerprint == "fp3" and result.kind == "delta"
+    assert 0.05 <= result.paused_s < 5
+
+
+def test_a_refused_one_request_update_reports_the_servers_words():
+    server = FakeServer("http://a:8000", version=2, one_route=True)
+    message = "deltasync: update to version 3 refused (IntegrityError): ..."
+    server.fail["/deltasync/update"] = (500, {"error": {"message": message, "type": "UpdateError", "code": 500}})
+    client = _client([server], token="t")
+    (failed,) = client.update(3).failed
+    assert failed.error == f"POST /deltasync/update: HTTP 500: {message}"
+    assert failed.version == 2 and failed.fingerprint == "fp2" and failed.kind is None
+    # The server resumes by itself: no route of vLLM's sequence is called, then or on the next update.
+    assert server.routes() == ["/deltasync/update", "/collective_rpc"]
+    del server.fail["/deltasync/update"]
+    assert client.update(3).ok and server.routes()[2:] == ["/deltasync/update", "/collective_rpc"]
 
 
 def test_update_tag_is_hmac_sha256_of_the_version():
@@ -145,11 +190,11 @@ def test_a_refused_update_still_resumes_and_reports_the_servers_words():
                "refused (IntegrityError): .../deltas/00000003.safetensors (version 3): SHA-256 ...'")
     server.fail["/update_weights"] = (500, {"error": {"message": message, "type": "InternalServerError"}})
     report = _client([server], token="t").update(3)  # does not raise
-    assert server.routes() == [
+    assert server.legacy_routes() == [
         "/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume", "/collective_rpc",
     ]  # fmt: skip
     # The session is closed without a version label: the served version did not change.
-    assert server.requests[3][2] is None
+    assert server.requests[4][2] is None
     assert not report.ok and report.updated == []
     (failed,) = report.failed
     assert failed.error == f"POST /update_weights: HTTP 500: {message}"
@@ -186,14 +231,14 @@ def test_an_unreachable_server_is_reported():
     url = f"http://127.0.0.1:{free_port()}"
     report = RolloutClient(url, timeout=5).update(1)
     (result,) = report.failed
-    assert result.url == url and result.error.startswith("POST /pause: ConnectError")
+    assert result.url == url and result.error.startswith("POST /deltasync/update: ConnectError")
 
 
 def test_a_stale_weight_update_session_is_closed_first():
     server = FakeServer("http://a:8000")
     server.active = True  # a client died between start and finish
     assert _client([server]).update(1).ok
-    assert server.routes()[:4] == ["/pause", "/start_weight_update", "/finish_weight_update", "/start_weight_update"]
+    assert server.legacy_routes()[:4] == ["/pause", "/start_weight_update", "/finish_weight_update", "/start_weight_update"]
 
 
 def test_wrong_version_after_the_update_or_a_pause_that_cannot_empty_the_cache_is_a_failure():
@@ -202,7 +247,7 @@ def test_wrong_version_after_the_update_or_a_pause_that_cannot_empty_the_cache_i
     server.fail["/pause"] = (500, {"error": "Failed to pause generation: Failed to reset the KV connector cache."})
     (result,) = _client([server]).update(1).results
     assert not result.ok and "Failed to reset the KV connector cache" in result.error
-    assert server.routes()[:2] == ["/pause", "/resume"] and "/update_weights" not in server.routes()
+    assert server.legacy_routes()[:2] == ["/pause", "/resume"] and "/update_weights" not in server.routes()
 
     lagging = FakeServer("http://b:8000")
     lagging.worker_versions = [0]  # the server keeps reporting the old version

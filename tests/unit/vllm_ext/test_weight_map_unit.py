@@ -56,6 +56,23 @@ class ToyModel(torch.nn.Module):
 SHAPES = {"q.weight": (4, 6), "k.weight": (2, 6), "o.weight": (5, 6), "embed.weight": (7, 6), "norm.weight": (6,)}
 
 
+def test_a_parameter_a_module_runs_a_repacked_kernel_on_falls_back():
+    """vLLM-CPU keeps a packed copy of a weight for its GEMM (``layer.cpu_linear``): a write into
+    the plain parameter would not reach what that module computes with."""
+    from vllm_ext._weight_map import discover
+
+    model = ToyModel(0)
+    head = torch.nn.Module()
+    head.register_parameter("weight", model.emb)  # a tied head holding the embedding's parameter
+    head.cpu_linear = lambda x, weight, bias: x  # a kernel on a packed copy
+    model.head = head
+    wmap = discover(model, SHAPES)
+    assert "embed.weight" not in wmap.pieces
+    assert wmap.fallback["embed.weight"] == "emb: head runs a kernel on a repacked copy of it"
+    head.cpu_linear = torch.nn.functional.linear  # plain weights (DELTASYNC_CPU_PLAIN_GEMM=1, CUDA)
+    assert "embed.weight" in discover(model, SHAPES).pieces
+
+
 def test_discover_maps_fused_sharded_and_padded_names_and_refuses_transforms():
     from vllm_ext._weight_map import discover
 
@@ -145,3 +162,42 @@ def test_fingerprint_shares_add_up_to_the_fingerprint():
     half = fingerprint_share("a", index[:40], state["a"][:40]) + fingerprint_share("a", index[40:], state["a"][40:])
     b = fingerprint_share("b", torch.arange(15), state["b"].reshape(-1))
     assert fingerprint_add(0, half, b) == fingerprint(state)
+
+
+def test_parameters_that_fall_back_are_kept_on_the_host_and_rebuilt_through_the_reload():
+    from vllm_ext._inplace import _HOST, InPlaceState, LiveStaged, _Write
+    from vllm_ext._weight_map import discover
+
+    model = ToyModel(0, world=1)
+    wmap = discover(model, SHAPES)
+    assert list(wmap.fallback) == ["norm.weight"]  # the loader transforms it
+    reloads: list[dict[str, torch.Tensor]] = []
+
+    def reload(pairs):  # what the layerwise reload does: the model's own loader, whole modules
+        reloads.append({name: tensor.clone() for name, tensor in pairs})
+        model.load_weights(pairs)
+
+    state = InPlaceState(model, wmap, lambda x: [x], 0, model.load_weights, host={"norm.weight": (6,)}, reload=reload)
+    assert state.fingerprint is None and state.host_bytes == 12  # unknown until an anchor fills it
+    weights = {name: torch.randn(shape).to(torch.bfloat16) for name, shape in SHAPES.items()}
+    state.load_anchor(iter(weights.items()))
+    assert [list(r) for r in reloads] == [["norm.weight"]]
+    assert torch.equal(model.norm.data, weights["norm.weight"] + 1) and torch.equal(model.out.data, weights["o.weight"])
+    assert state.full_fingerprint() == fingerprint(weights)  # live part + host copy
+    state.fingerprint = state.full_fingerprint()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    new_norm = torch.full((2,), 0.5, dtype=torch.bfloat16)
+    staged = LiveStaged(from_version=0, from_fingerprint=state.fingerprint, version=1, kind="delta", fingerprint="")
+    staged.writes = {
+        "out": _Write(torch.tensor([0, 3]), torch.tensor([1, 2], dtype=torch.int16)),
+        _HOST + "norm.weight": _Write(torch.tensor([1, 4]), new_norm.view(torch.int16)),
+    }
+    undo = state.write(staged)
+    assert model.out.data.view(-1).view(torch.int16)[[0, 3]].tolist() == [1, 2]
+    assert torch.equal(state.host["norm.weight"][[1, 4]], new_norm)
+    assert torch.equal(model.norm.data[[1, 4]], new_norm + 1)  # rebuilt by the loader from the host copy
+    state.rollback(undo)
+    assert len(reloads) == 3  # the anchor, the write, the rollback
+    for name, param in model.named_parameters():
+        assert torch.equal(param.data.view(torch.int16), before[name].view(torch.int16)), name
+    assert state.verify()["ok"]

