@@ -12,8 +12,10 @@ runs there, as ASGI middleware with two routes of its own:
   loading, then unloads versions older than the newest ``K`` (their files go one update
   later, as TRL does: vLLM reads adapter files lazily). A failure changes nothing: the
   adapters already loaded stay, and the version stays.
-- ``POST /deltasync/lora/status``: the newest loaded version, its fingerprint, the loaded
-  adapters, the last update and the last error.
+- ``POST /deltasync/lora/status``: the newest loaded version, its fingerprint as vLLM's
+  workers hold it (``vllm_ext._lora_worker``; ``bucket_fingerprint`` is this process's copy),
+  the modules vLLM serves LoRA on (``lora_modules``), the loaded adapters, the last update and
+  the last error.
 
 Both routes need ``Authorization: Bearer $DELTASYNC_TOKEN`` when the server has a token,
 and updates also carry the tag of their version, as weight updates do. The server needs
