@@ -191,8 +191,9 @@ class _AdapterSync:
         for rank, answer in enumerate(answers):
             if answer["fingerprint"] is None:
                 what = [f"{k}: {answer[k]}" for k in ("inexact", "missing", "unclaimed") if answer[k]]
-                return {"fingerprint": None, "error": f"worker {rank} holds {adapter} in a form no bf16 adapter gives back "
-                                                      f"exactly ({'; '.join(what)})"}  # fmt: skip
+                return {"fingerprint": None, "mismatch": True,
+                        "error": f"worker {rank} does not hold {adapter} as loaded from the bucket "
+                                 f"({'; '.join(what)})"}  # fmt: skip
         found = {a["fingerprint"] for a in answers}
         if len(found) != 1:
             return {"fingerprint": None, "error": f"the workers disagree on {adapter}: {sorted(found)}"}
@@ -247,11 +248,11 @@ class _AdapterSync:
             t_load = time.perf_counter()
             await self._load(adapter, path)
             served = await self._served_fingerprint(adapter, sorted(state))
-            if served["fingerprint"] is not None and served["fingerprint"] != staged.fingerprint:
+            if served.get("mismatch") or served["fingerprint"] not in (None, staged.fingerprint):
                 await self._unload(adapter)
                 raise AdapterError(
-                    f"vLLM's workers hold {adapter} with fingerprint {served['fingerprint']}, not version {version}'s "
-                    f"{staged.fingerprint}: unloaded it again"
+                    f"vLLM's workers do not hold version {version} as its fingerprint {staged.fingerprint} says "
+                    f"({served['error'] or served['fingerprint']}): unloaded {adapter} again"
                 )
             staging.apply(staged)
             self.served = served

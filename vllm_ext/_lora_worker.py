@@ -8,11 +8,14 @@ LoRA dtype) and the scaling ``alpha / r`` (or PEFT's pattern / rsLoRA value) mul
 ``lora_b`` in that dtype. That cache is what the per-batch LoRA slots are filled from.
 
 :func:`lora_fingerprint` maps those tensors back to the adapter file's names through vLLM's
-own name parser and packing tables and hashes them in the bucket's layout: ``lora_A`` as held,
-``lora_B`` divided by the scaling vLLM's own ``PEFTHelper`` gives for that module, both in
-bf16. Each recovered tensor is checked to give back vLLM's tensor bit for bit (cast to the
-LoRA dtype, times the scaling, as vLLM computed it); a tensor that does not is reported by
-name and the fingerprint is withheld, so the figure is never one of a state vLLM does not hold.
+own name parser and packing tables, and checks each bit for bit against what vLLM's load makes
+of the version's tensor in the adapter file (cast to the LoRA dtype; ``lora_B`` times the
+scaling vLLM's own ``PEFTHelper`` gives for that module, in that dtype, as ``optimize()`` does).
+The fingerprint of the version's tensors is reported only when every tensor vLLM holds is
+exactly that: the figure says "vLLM holds this version", never "something like it". A tensor
+that differs (or is missing, or held with no name) is reported by name and the fingerprint is
+withheld. (Inverting the scaling instead would not be exact: ``b * s`` rounds, so two
+``lora_B`` values can give the same held tensor.)
 """
 
 from __future__ import annotations
@@ -95,17 +98,20 @@ def _find(worker: Any, lora_id: int) -> tuple[Any, Any]:
 def lora_fingerprint(worker: Any, lora_id: int, path: str, names: list[str]) -> dict[str, Any]:
     """Fingerprint of adapter ``lora_id`` as this worker holds it, under the checkpoint ``names``.
 
-    ``path``: the adapter's directory (its ``adapter_config.json`` gives vLLM's scaling per
-    module); ``names``: the tensor names of the adapter in the bucket. Returns ``fingerprint``
-    (None unless every tensor was recovered exactly), ``inexact`` (names whose held tensor no
-    bf16 tensor reproduces), ``missing`` (names vLLM holds nothing for) and ``unclaimed`` (held
-    tensors no name maps to).
+    ``path``: the adapter's directory as loaded (its ``adapter_model.safetensors`` holds the
+    version's tensors, its ``adapter_config.json`` gives vLLM's scaling per module); ``names``:
+    the tensor names of the adapter in the bucket. Returns ``fingerprint`` (None unless every held
+    tensor is exactly what vLLM makes of the version's), ``inexact`` (names whose held tensor
+    differs), ``missing`` (names vLLM holds nothing for) and ``unclaimed`` (held tensors no name
+    maps to).
     """
+    from safetensors.torch import load_file
     from vllm.lora.peft_helper import PEFTHelper
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
     manager, lora = _find(worker, lora_id)
     helper = PEFTHelper.from_local_dir(path, getattr(worker.model_runner.lora_manager, "max_position_embeddings", None))
+    loaded = load_file(os.path.join(path, "adapter_model.safetensors"))
     mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
     mapper = None if mapper is None else mapper.get_rename_mapper()
     state: dict[str, torch.Tensor] = {}
@@ -113,21 +119,20 @@ def lora_fingerprint(worker: Any, lora_id: int, path: str, names: list[str]) -> 
     for name in names:
         module, is_a = parse_fine_tuned_lora_name(name, mapper)
         held = _held(manager, lora, module, is_a)
-        if held is None:
+        if held is None or name not in loaded:
             missing.append(name)
             continue
         claimed.add(id(held))
-        if is_a:
-            value = held.to(torch.bfloat16)
-            again = value.to(held.dtype)
-        else:
+        value = loaded[name]
+        expected = value.to(held.dtype, copy=True)
+        if not is_a:
             # The checkpoint name before vLLM's renames, as PEFTHelper matches rank/alpha patterns.
             _, scaling = helper.get_rank_and_scaling(name.removeprefix("base_model.model.").rsplit(".", 2)[0])
-            value = (held.float() / scaling).to(torch.bfloat16)
-            again = value.to(held.dtype, copy=True)  # a copy: value itself is what gets hashed
             if scaling != 1:
-                again *= scaling  # what vLLM's optimize() did to the loaded tensor
-        if not torch.equal(again.view(-1).view(torch.uint8), held.reshape(-1).view(torch.uint8)):
+                expected *= scaling  # what vLLM's optimize() does to the loaded tensor
+        if expected.shape != held.shape or not torch.equal(
+            expected.reshape(-1).view(torch.uint8), held.reshape(-1).view(torch.uint8)
+        ):
             inexact.append(name)
         state[name] = value
     unclaimed = sum(1 for i in _all_held(lora) if i not in claimed)
