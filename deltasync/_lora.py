@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._client import RolloutClient, ServerResult, ServerStatus, _RequestError, _Server
 from ._detector import BF16ChangeDetector, _inner_optimizer, checkpoint_name
+from ._format import Change
+from ._sharded import check_not_zero3, shard_layout
 from ._errors import AdapterError, ConfigError
-from ._fingerprint import fingerprint, format_fingerprint, parse_fingerprint
+from ._fingerprint import fingerprint, fingerprint_slice_share, format_fingerprint, parse_fingerprint
 from ._publisher import DeltaPublisher, PublishOptions
 
 if TYPE_CHECKING:
@@ -49,8 +51,11 @@ __all__ = [
     "adapter_rank",
     "adapter_state_dict",
     "base_fingerprint",
+    "adapter_modules",
     "check_adapter_config",
+    "check_adapter_modules",
     "check_server_lora",
+    "lora_targets",
     "merged_publisher",
     "merged_state_dict",
 ]
@@ -133,12 +138,63 @@ def check_adapter_config(config: Mapping[str, Any]) -> None:
         )
 
 
-def check_server_lora(server_lora: Mapping[str, Any] | None, config: Mapping[str, Any], *, max_staleness: int) -> None:
+def adapter_modules(names: Iterable[str]) -> list[str]:
+    """The module names (last component) that adapter tensors named ``names`` put LoRA on.
+
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` -> ``q_proj``: the
+    suffix vLLM's loader matches against the modules it supports.
+    """
+    modules = set()
+    for name in names:
+        parts = name.split(".")
+        if len(parts) < 3 or not parts[-2].startswith("lora_"):
+            raise AdapterError(f"{name!r} is not a LoRA tensor name (expected '<module>.lora_A.weight' or '.lora_B.weight')")
+        modules.add(parts[-3])
+    return sorted(modules)
+
+
+def check_adapter_modules(modules: Iterable[str], accepted: Iterable[str] | None, *, restricted: object = None) -> None:
+    """Raise :class:`AdapterError` unless vLLM serves LoRA on every module in ``modules``.
+
+    ``accepted``: what the server reports (``lora_modules`` of the middleware's status route:
+    the modules whose LoRA vLLM both loads and applies to the served model; None when the
+    server cannot tell). ``restricted``: the server's ``--lora-target-modules``, named in the
+    message when it is what excludes a module. vLLM itself refuses a module it does not support
+    only when the adapter loads, and silently skips one that ``--lora-target-modules`` leaves
+    out; this check runs before anything is trained or loaded.
+    """
+    if accepted is None:
+        raise AdapterError(
+            "the server does not report which modules it serves LoRA on (its middleware could not ask the workers): "
+            "start it with --worker-extension-cls vllm_ext.DeltaWorkerExtension (deltasync serve adds it)"
+        )
+    accepted = sorted(accepted)
+    bad = sorted(set(modules) - set(accepted))
+    if bad:
+        why = f" (its --lora-target-modules is {list(restricted)})" if restricted else ""  # type: ignore[call-overload]
+        raise AdapterError(
+            f"the adapter puts LoRA on {', '.join(bad)}, but this vLLM server serves LoRA only on "
+            f"{', '.join(accepted) or 'no module'}{why}: remove {', '.join(bad)} from target_modules"
+            + (" or restart the server with those modules in --lora-target-modules" if restricted else "")
+            + ", or use peft_sync='merged'"
+        )
+
+
+def check_server_lora(
+    server_lora: Mapping[str, Any] | None,
+    config: Mapping[str, Any],
+    *,
+    max_staleness: int,
+    modules: Iterable[str] | None = None,
+    accepted: Iterable[str] | None = None,
+) -> None:
     """Raise :class:`AdapterError` unless a server with LoRA config ``server_lora`` can serve the adapter.
 
     ``server_lora`` is the ``lora_config`` of vLLM's ``/server_info`` (None: no ``--enable-lora``).
     Each sync loads the next version before the oldest servable one is unloaded, so the server
     holds ``max_staleness + 2`` adapters for a moment (vLLM would silently evict one otherwise).
+    ``modules`` (the adapter's, :func:`adapter_modules`) are checked against ``accepted``, the
+    server's ``lora_modules`` (:func:`check_adapter_modules`); None skips that check.
     """
     if server_lora is None:
         raise AdapterError(
@@ -159,6 +215,8 @@ def check_server_lora(server_lora: Mapping[str, Any] | None, config: Mapping[str
             f"name {need - 1} adapter versions and each sync loads the next before unloading the oldest: restart it "
             f"with --max-loras {need}, or lower max_staleness"
         )
+    if modules is not None:
+        check_adapter_modules(modules, accepted, restricted=server_lora.get("target_modules"))
 
 
 # --------------------------------------------------------------------------- the model's pieces
@@ -202,6 +260,19 @@ def _lora_layers(model: torch.nn.Module, adapter: str) -> dict[str, Any]:
     return layers
 
 
+def lora_targets(model: torch.nn.Module, adapter: str | None = None) -> list[str]:
+    """The last name component of every module that carries LoRA of ``adapter`` (embeddings
+    included): what the adapter's ``target_modules`` really matched, a regex included."""
+    from peft.tuners.lora import LoraLayer
+
+    adapter = _active_adapter(model, adapter)
+    return sorted({
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer) and (adapter in module.lora_A or adapter in getattr(module, "lora_embedding_A", {}))
+    })
+
+
 def _base_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """The base model's parameters under their checkpoint names (tied weights once)."""
     seen: set[int] = set()
@@ -221,8 +292,22 @@ def adapter_state_dict(model: torch.nn.Module, adapter: str | None = None) -> di
 
 
 def base_fingerprint(model: torch.nn.Module) -> str:
-    """Fingerprint of the base model's weights in bf16, as a server computes it from its checkpoint."""
-    return fingerprint(dict(_base_parameters(model)))
+    """Fingerprint of the base model's weights in bf16, as a server computes it from its checkpoint.
+
+    With several processes it is collective (every rank calls it): each rank hashes what it
+    owns of the base weights (FSDP2: its rows; DDP: rank 0 everything) and the shares add up.
+    """
+    named = list(_base_parameters(model))
+    layout = shard_layout(named)
+    if layout is None:
+        return fingerprint(dict(named))
+    share = 0
+    for name, param in named:
+        owned = layout.slices[name]
+        if owned.end > owned.begin:
+            values = owned.local(param).to(device="cpu", dtype=torch.bfloat16)
+            share += fingerprint_slice_share(name, values, owned.begin)
+    return format_fingerprint(sum(layout.all_gather(share)))
 
 
 def fingerprint_sum(parts: list[str]) -> str:
@@ -231,18 +316,34 @@ def fingerprint_sum(parts: list[str]) -> str:
 
 
 class _MergedWeight:
-    """A LoRA-targeted weight's merged value, computed when asked for (never stored)."""
+    """A LoRA-targeted weight's merged value, computed when asked for (never stored).
+
+    Under FSDP2 (the base weight a ``Shard(0)`` DTensor) it stands for this rank's rows of the
+    merged weight: the rows of ``W`` and of ``lora_B`` are split alike (both are split over the
+    output features, by ``torch.chunk``'s rule), and ``lora_A`` (``r`` rows) is gathered whole by
+    :meth:`_MergedView.prepare` before any value is read. Row blocks of ``B @ A`` are computed
+    as PEFT computes the whole product, so each element is PEFT's merge bit for bit.
+    """
 
     requires_grad = False
 
-    def __init__(self, layer: Any, adapter: str) -> None:
+    def __init__(self, layer: Any, adapter: str, name: str = "") -> None:
         self.layer = layer
         self.adapter = adapter
         self.base = layer.get_base_layer().weight
+        self.sharded = _is_dtensor(self.base)
+        self.gathered_a: torch.Tensor | None = None
+        """FSDP2: the whole lora_A, gathered by :meth:`_MergedView.prepare`."""
+        if self.sharded:
+            _check_sharded_like(name, self.base, layer, adapter)
 
     @property
     def shape(self) -> torch.Size:
         return self.base.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype
 
     @property
     def device(self) -> torch.device:
@@ -254,7 +355,49 @@ class _MergedWeight:
     def detach(self) -> torch.Tensor:
         # What PEFT's merge computes (weight.data += get_delta_weight), without touching the weight.
         with torch.no_grad():
-            return self.base.detach() + self.layer.get_delta_weight(self.adapter)
+            if not self.sharded:
+                return self.base.detach() + self.layer.get_delta_weight(self.adapter)
+            if self.gathered_a is None:
+                raise RuntimeError("_MergedView.prepare() must gather lora_A before a sharded merged weight is read")
+            weight_b = self.layer.lora_B[self.adapter].weight.to_local().detach()
+            weight_a = self.gathered_a
+            dtype = weight_b.dtype
+            # The same steps as peft's LoraLayer.get_delta_weight, on this rank's rows of B.
+            cast = weight_b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
+            if cast:
+                weight_a, weight_b = weight_a.float(), weight_b.float()
+            delta = (weight_b @ weight_a) * self.layer.scaling[self.adapter]
+            if cast:
+                delta = delta.to(dtype)
+            return self.base.to_local().detach() + delta
+
+
+def _is_dtensor(tensor: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _check_sharded_like(name: str, base: Any, layer: Any, adapter: str) -> None:
+    """Merged mode under FSDP2 needs W and lora_B split by the same rows, and no transposed layer."""
+    from torch.distributed.tensor import Shard
+
+    weight_b = layer.lora_B[adapter].weight
+    problems = []
+    if getattr(layer, "fan_in_fan_out", False):
+        problems.append("fan_in_fan_out=True (W's rows are its input features, lora_B's its output features)")
+    for what, tensor in (("the base weight", base), ("lora_B", weight_b), ("lora_A", layer.lora_A[adapter].weight)):
+        placements = tuple(getattr(tensor, "placements", ()))
+        if len(placements) != 1 or type(placements[0]) is not Shard or placements[0].dim != 0:
+            problems.append(f"{what} is placed {list(map(str, placements)) or 'as a plain tensor'}")
+    if not problems and weight_b.device_mesh != base.device_mesh:
+        problems.append("lora_B lives on another device mesh than the base weight")
+    if problems:
+        raise ConfigError(
+            f"{name}: merged mode with sharded parameters supports FSDP2 (fully_shard, Shard(0) on one 1-D mesh for the "
+            f"base weight, lora_A and lora_B), but {'; '.join(problems)}; shard the PEFT model with fully_shard as a whole, "
+            "or use adapter mode (peft_sync='adapter')"
+        )
 
 
 def merged_state_dict(model: torch.nn.Module, adapter: str | None = None) -> dict[str, torch.Tensor]:
@@ -282,10 +425,23 @@ class _MergedView(_View):
         layers = _lora_layers(model, adapter)
         pairs: list[tuple[str, Any]] = []
         for name, param in _base_parameters(model):
-            pairs.append((name, _MergedWeight(layers[name], adapter) if name in layers else param))
+            pairs.append((name, _MergedWeight(layers[name], adapter, name) if name in layers else param))
         super().__init__(pairs)
         self.__dict__["layers"] = layers
         self.__dict__["adapter"] = adapter
+        self.__dict__["sharded"] = [w for _, w in pairs if isinstance(w, _MergedWeight) and w.sharded]
+
+    def prepare(self) -> None:
+        """FSDP2: gather every targeted layer's lora_A (a collective: every rank calls it, in
+        the same order). Nothing to do in one process or with replicated parameters."""
+        for weight in self.__dict__["sharded"]:
+            weight.gathered_a = weight.layer.lora_A[weight.adapter].weight.full_tensor().detach()
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:  # type: ignore[override]
+        # Whoever reads merged values reads them after this (publishers read every rank's
+        # weights in step, so the gather happens on every rank at the same point).
+        self.prepare()
+        return super().named_parameters(*args, **kwargs)
 
 
 class MergedChangeDetector(BF16ChangeDetector):
@@ -298,13 +454,21 @@ class MergedChangeDetector(BF16ChangeDetector):
 
     def __init__(self, view: _MergedView, optimizer: object | None = None, *, snapshot_device: str | None = "cpu") -> None:
         # Same state as the parent's __init__, with merged weights as the tracked "parameters".
+        check_not_zero3(view)
         self._model = view
         self._snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
-        self.layout = None  # one process: multi-process PEFT training is not supported yet
-        self._slices = {}
+        pairs = list(view.named_parameters())
+        # A merged weight is owned and split exactly as its base weight is (DDP: rank 0 owns
+        # everything; FSDP2: each rank its rows).
+        self.layout = shard_layout([(n, w.base if isinstance(w, _MergedWeight) else w) for n, w in pairs])
+        self._slices = {} if self.layout is None else self.layout.slices
         adapter = view.__dict__["adapter"]
         layers = view.__dict__["layers"]
-        self._tracked = {name: weight for name, weight in view.named_parameters() if isinstance(weight, _MergedWeight)}
+        self._tracked = {
+            name: weight
+            for name, weight in pairs
+            if isinstance(weight, _MergedWeight) and (self.layout is None or self._slices[name].end > self._slices[name].begin)
+        }
         self._by_id = {}
         for name in self._tracked:
             layer = layers[name]
@@ -323,6 +487,14 @@ class MergedChangeDetector(BF16ChangeDetector):
         self._snapshot: dict[str, torch.Tensor] = {}
         self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.reset()
+
+    def reset(self) -> None:
+        self._model.prepare()  # type: ignore[attr-defined]
+        super().reset()
+
+    def changes(self) -> dict[str, Change]:
+        self._model.prepare()  # type: ignore[attr-defined]
+        return super().changes()
 
 
 # --------------------------------------------------------------------------- publishers
@@ -434,6 +606,30 @@ class AdapterRolloutClient(RolloutClient):
         return ServerStatus(
             url=server.url, ok=True, version=answer.get("version"), fingerprint=answer.get("fingerprint"), workers=[answer]
         )
+
+
+def server_lora_modules(url: str, token: str | None = None, *, timeout: float = 60.0) -> list[str] | None:
+    """The modules a server running ``vllm_ext.LoraSyncMiddleware`` serves LoRA on (its status route)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    where = url.rstrip("/") + STATUS_ROUTE
+    try:
+        response = httpx.post(where, json={}, headers=headers, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    if response.status_code == 404:
+        raise AdapterError(
+            f"{where} does not exist: adapter mode needs the server to run --middleware vllm_ext.LoraSyncMiddleware "
+            "(deltasync serve adds it with --enable-lora)"
+        )
+    if response.status_code != 200:
+        raise AdapterError(f"{where}: HTTP {response.status_code}: {response.text[:300]}")
+    try:
+        modules = response.json().get("lora_modules")
+    except (ValueError, AttributeError) as exc:
+        raise AdapterError(f"{where}: not a JSON object ({exc})") from exc
+    return None if modules is None else [str(m) for m in modules]
 
 
 def server_lora_config(url: str, token: str | None = None, *, timeout: float = 60.0) -> tuple[dict[str, Any] | None, int]:

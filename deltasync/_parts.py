@@ -78,9 +78,19 @@ class DeltaPart:
 
 
 def encode_anchor_part(
-    slices: Sequence[AnchorSlice], *, version: int, fingerprint: str, total: int, part: int, parts: int
+    slices: Sequence[AnchorSlice],
+    *,
+    version: int,
+    fingerprint: str,
+    total: int,
+    part: int,
+    parts: int,
+    extra_metadata: Mapping[str, str] | None = None,
 ) -> bytes:
-    """Part ``part`` of an anchor written by ``parts`` writers: each slice as a 1-D bf16 tensor."""
+    """Part ``part`` of an anchor written by ``parts`` writers: each slice as a 1-D bf16 tensor.
+
+    ``extra_metadata``: ``x-`` keys as :func:`~deltasync._format.encode_anchor` takes them
+    (every part carries them, so a reader needs only part 0)."""
     ordered = sorted(slices, key=lambda s: s.name)
     tensors = {}
     for item in ordered:
@@ -101,7 +111,12 @@ def encode_anchor_part(
         parts=parts,
         slices=tuple((s.name, tuple(s.shape), s.begin, s.end) for s in ordered),
     )
-    return _safetensors_bytes(tensors, header.to_metadata())
+    metadata = header.to_metadata()
+    for key, value in (extra_metadata or {}).items():
+        if not key.startswith("x-") or not isinstance(value, str):
+            raise FormatError(f"anchor {version}: extra metadata key {key!r} must start with 'x-' and map to a string")
+        metadata[key] = value
+    return _safetensors_bytes(tensors, metadata)
 
 
 def fetch_version(store: Store, entry: ChainEntry) -> list[bytes]:

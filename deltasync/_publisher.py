@@ -355,9 +355,15 @@ class DeltaPublisher:
             data, _ = layout.agree(
                 f"encoding anchor {version}",
                 lambda: self._encode_part(
-                    encode_anchor_part(slices, version=version, fingerprint=new_fp, total=total, part=layout.part, parts=layout.parts)
+                    encode_anchor_part(
+                        slices, version=version, fingerprint=new_fp, total=total, part=layout.part, parts=layout.parts,
+                        extra_metadata=self.anchor_metadata,
+                    )
                     if split
-                    else encode_anchor({s.name: s.values.view(s.shape) for s in slices}, version=version, fingerprint=new_fp)
+                    else encode_anchor(
+                        {s.name: s.values.view(s.shape) for s in slices}, version=version, fingerprint=new_fp,
+                        extra_metadata=self.anchor_metadata,
+                    )
                 ),
             )
             break

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._lora_worker import lora_fingerprint, lora_modules, test_poke_lora
 from ._updater import WorkerUpdater, updater_for
 
 __all__ = ["DeltaWorkerExtension"]
 
 
 class DeltaWorkerExtension:
-    """Worker extension adding ``deltasync_status``, ``deltasync_prefetch``, ``deltasync_apply``
-    and ``deltasync_verify``."""
+    """Worker extension adding ``deltasync_status``, ``deltasync_prefetch``, ``deltasync_apply``,
+    ``deltasync_verify`` and, for adapter mode, ``deltasync_lora_modules`` and
+    ``deltasync_lora_fingerprint``."""
 
     def deltasync_status(self) -> dict[str, Any]:
         """This worker's rank, version, fingerprint, bucket, last update and prefetch state."""
@@ -39,6 +41,19 @@ class DeltaWorkerExtension:
         """Recompute the served fingerprint in full from the live weights; ``ok`` if it is the
         one tracked. A mismatch makes the next update load the newest anchor."""
         return _updater_of(self).verify()
+
+    def deltasync_lora_modules(self) -> dict[str, Any]:
+        """The adapter module names whose LoRA this worker's vLLM loads and applies."""
+        return lora_modules(self)
+
+    def deltasync_lora_fingerprint(self, lora_id: int, path: str, names: list[str]) -> dict[str, Any]:
+        """Fingerprint of loaded adapter ``lora_id`` from the LoRA tensors this worker holds,
+        mapped back to the adapter's checkpoint ``names`` (see ``vllm_ext._lora_worker``)."""
+        return lora_fingerprint(self, lora_id, path, names)
+
+    def deltasync_test_poke_lora(self, lora_id: int, name: str, index: int, factor: float) -> bool:
+        """Test only (``DELTASYNC_TEST_HOOKS=1``): scale one element of a held LoRA tensor."""
+        return test_poke_lora(self, lora_id, name, index, factor)
 
     def deltasync_test_poke(self, name: str, index: int, bits: int) -> bool:
         """Test only (``DELTASYNC_TEST_HOOKS=1``): set one live element's bf16 bit pattern."""

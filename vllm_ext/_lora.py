@@ -12,8 +12,10 @@ runs there, as ASGI middleware with two routes of its own:
   loading, then unloads versions older than the newest ``K`` (their files go one update
   later, as TRL does: vLLM reads adapter files lazily). A failure changes nothing: the
   adapters already loaded stay, and the version stays.
-- ``POST /deltasync/lora/status``: the newest loaded version, its fingerprint, the loaded
-  adapters, the last update and the last error.
+- ``POST /deltasync/lora/status``: the newest loaded version, its fingerprint as vLLM's
+  workers hold it (``vllm_ext._lora_worker``; ``bucket_fingerprint`` is this process's copy),
+  the modules vLLM serves LoRA on (``lora_modules``), the loaded adapters, the last update and
+  the last error.
 
 Both routes need ``Authorization: Bearer $DELTASYNC_TOKEN`` when the server has a token,
 and updates also carry the tag of their version, as weight updates do. The server needs
@@ -38,7 +40,7 @@ import torch
 
 from deltasync import DeltaReceiver, DeltaSyncError, VersionError
 from deltasync._auth import TOKEN_ENV, bearer_matches, check_update_tag
-from deltasync._format import anchor_path, read_metadata
+from deltasync._format import anchor_path, part_path, read_metadata
 from deltasync._lora import (
     ADAPTER_CONFIG_KEY,
     BASE_FINGERPRINT_KEY,
@@ -46,8 +48,10 @@ from deltasync._lora import (
     UPDATE_ROUTE,
     _LORA_NAME,
     AdapterError,
+    adapter_modules,
     adapter_rank,
     check_adapter_config,
+    check_adapter_modules,
     fingerprint_sum,
 )
 from deltasync._serve import BUCKET_ENV
@@ -87,7 +91,7 @@ class LoraSyncMiddleware:
         if self._sync is None:
             self._sync = _AdapterSync(scope["app"].state, self.bucket, self.token)
         if path == STATUS_ROUTE:
-            await _answer(send, 200, self._sync.status())
+            await _answer(send, 200, await self._sync.full_status())
             return
         try:
             request = json.loads(body or b"{}")
@@ -113,6 +117,7 @@ class _AdapterSync:
 
     def __init__(self, state: Any, bucket: str | None, token: str | None) -> None:
         self.models = state.openai_serving_models
+        self.engine = state.engine_client
         self.vllm_config = state.vllm_config
         self.bucket = bucket
         self.token = token
@@ -127,20 +132,72 @@ class _AdapterSync:
         self.served_base: str | None = None
         self.last: dict[str, Any] | None = None
         self.last_error: dict[str, Any] | None = None
+        self.served: dict[str, Any] = {"fingerprint": None, "error": None}
+        """The newest loaded version's fingerprint as vLLM's workers hold it (see _served_fingerprint)."""
+        self.modules: tuple[list[str] | None, str | None] | None = None
+        """(adapter modules vLLM serves LoRA on, or None; why not), asked of the workers once."""
         self.lock = asyncio.Lock()
 
     def status(self) -> dict[str, Any]:
         receiver = self.receiver
         return {
             "version": None if receiver is None else receiver.version,
-            "fingerprint": None if receiver is None else receiver.fingerprint,
+            # What vLLM's workers hold for the newest loaded version, not this process's copy.
+            "fingerprint": self.served["fingerprint"],
+            "fingerprint_error": self.served["error"],
+            "bucket_fingerprint": None if receiver is None else receiver.fingerprint,
             "bucket": self.bucket,
             "auth": self.token is not None,
             "loaded": [self.loaded[v] for v in sorted(self.loaded)],
+            "lora_ids": {n: r.lora_int_id for n, r in self.models.lora_requests.items() if n in self.loaded.values()},
             "base_fingerprint": self.served_base,
             "last_update": self.last,
             "last_error": self.last_error,
         }
+
+    async def full_status(self) -> dict[str, Any]:
+        """:meth:`status` with the modules vLLM serves LoRA on, and the served fingerprint
+        recomputed from the workers' tensors now."""
+        modules, why = await self.lora_modules()
+        async with self.lock:
+            newest = None if self.receiver is None else self.loaded.get(self.receiver.version)  # type: ignore[arg-type]
+            if newest is not None:
+                self.served = await self._served_fingerprint(newest, sorted(self.receiver.state_dict()))  # type: ignore[union-attr]
+            return {**self.status(), "lora_modules": modules, "lora_modules_error": why}
+
+    async def lora_modules(self) -> tuple[list[str] | None, str | None]:
+        """The adapter modules whose LoRA this server's vLLM loads and applies (asked once)."""
+        if self.modules is None:
+            try:
+                answers = await self.engine.collective_rpc("deltasync_lora_modules")
+                self.modules = (sorted({m for a in answers for m in a["modules"]}), None)
+            except Exception as exc:  # noqa: BLE001  (reported: the workers lack the extension)
+                self.modules = (None, f"the workers cannot tell ({type(exc).__name__}: {exc}); start the server with "
+                                      "--worker-extension-cls vllm_ext.DeltaWorkerExtension")  # fmt: skip
+        return self.modules
+
+    async def _served_fingerprint(self, adapter: str, names: list[str]) -> dict[str, Any]:
+        """``adapter``'s fingerprint from the LoRA tensors every worker holds (they must agree)."""
+        request = self.models.lora_requests.get(adapter)
+        if request is None:
+            return {"fingerprint": None, "error": f"{adapter} is not loaded"}
+        try:
+            answers = await self.engine.collective_rpc(
+                "deltasync_lora_fingerprint", args=(request.lora_int_id, str(self.directory / adapter), names)
+            )
+        except Exception as exc:  # noqa: BLE001  (reported, with what to do)
+            return {"fingerprint": None, "error": f"the workers cannot hash {adapter} ({type(exc).__name__}: {exc}); "
+                                                  "start the server with --worker-extension-cls vllm_ext.DeltaWorkerExtension"}  # fmt: skip
+        for rank, answer in enumerate(answers):
+            if answer["fingerprint"] is None:
+                what = [f"{k}: {answer[k]}" for k in ("inexact", "missing", "unclaimed") if answer[k]]
+                return {"fingerprint": None, "mismatch": True,
+                        "error": f"worker {rank} does not hold {adapter} as loaded from the bucket "
+                                 f"({'; '.join(what)})"}  # fmt: skip
+        found = {a["fingerprint"] for a in answers}
+        if len(found) != 1:
+            return {"fingerprint": None, "error": f"the workers disagree on {adapter}: {sorted(found)}"}
+        return {"fingerprint": found.pop(), "error": None}
 
     async def update(self, request: dict[str, Any]) -> dict[str, Any]:
         from deltasync._client import _check_version
@@ -175,6 +232,9 @@ class _AdapterSync:
                     f"adapter version {version} has rank {rank}, above this server's --max-lora-rank "
                     f"{lora_config.max_lora_rank}: restart the server with a larger --max-lora-rank, or train a smaller r"
                 )
+            modules, _ = await self.lora_modules()
+            if modules is not None:  # else vLLM's own load-time check is what remains
+                check_adapter_modules(adapter_modules(state), modules, restricted=lora_config.target_modules)
             if self.served_base is None:
                 self.served_base = await asyncio.to_thread(self._served_base_fingerprint)
             if base != self.served_base:
@@ -187,7 +247,15 @@ class _AdapterSync:
             path = await asyncio.to_thread(self._materialise, adapter, state, config)
             t_load = time.perf_counter()
             await self._load(adapter, path)
+            served = await self._served_fingerprint(adapter, sorted(state))
+            if served.get("mismatch") or served["fingerprint"] not in (None, staged.fingerprint):
+                await self._unload(adapter)
+                raise AdapterError(
+                    f"vLLM's workers do not hold version {version} as its fingerprint {staged.fingerprint} says "
+                    f"({served['error'] or served['fingerprint']}): unloaded {adapter} again"
+                )
             staging.apply(staged)
+            self.served = served
             self.receiver = staging
             self.anchor_meta = anchor_meta
             self.loaded[version] = adapter
@@ -233,8 +301,12 @@ class _AdapterSync:
         if self.anchor_meta is not None and self.anchor_meta[0] == anchor:
             anchor_meta = self.anchor_meta
         else:
-            where = f"{receiver.store.url}/{anchor_path(anchor)}"
-            anchor_meta = (anchor, read_metadata(receiver.store.read_bytes(anchor_path(anchor)), where=where))
+            # A split anchor (several trainer processes, FSDP2) carries the metadata in every part.
+            path = anchor_path(anchor)
+            if not receiver.store.exists(path):
+                path = part_path("anchor", anchor, 0)
+            where = f"{receiver.store.url}/{path}"
+            anchor_meta = (anchor, read_metadata(receiver.store.read_bytes(path), where=where))
         meta = anchor_meta[1]
         if ADAPTER_CONFIG_KEY not in meta or BASE_FINGERPRINT_KEY not in meta:
             raise AdapterError(
@@ -296,6 +368,13 @@ class _AdapterSync:
         if isinstance(answer, ErrorResponse):
             await asyncio.to_thread(shutil.rmtree, path, True)
             raise AdapterError(f"vLLM refused adapter {adapter}: {answer.error.message}")
+
+    async def _unload(self, adapter: str) -> None:
+        from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+
+        if adapter in self.models.lora_requests:
+            await self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=adapter))
+        await asyncio.to_thread(shutil.rmtree, self.directory / adapter, True)
 
     async def _retire(self, newest_stale: int) -> list[str]:
         from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest

@@ -4,7 +4,8 @@ TRL's own async GRPO syncs a PEFT model adapter-only when the server runs ``--en
 and merged otherwise; it decides from the server's ``lora_config``. Delta sync decides the
 same way (``DeltaSyncConfig.peft_sync`` can force a mode) and checks what TRL checks before
 training starts: a plain LoRA adapter, its rank against ``--max-lora-rank``, ``--max-loras``
-against ``max_staleness``.
+against ``max_staleness``, and (beyond TRL) that every module the adapter puts LoRA on is one
+the server's vLLM serves LoRA on.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from .._lora import (
     adapter_publisher,
     check_adapter_config,
     check_server_lora,
+    lora_targets,
     merged_publisher,
     server_lora_config,
+    server_lora_modules,
 )
 from .._publisher import DeltaPublisher, PublishOptions
 
@@ -107,10 +110,17 @@ def _decide(trainer: AsyncGRPOTrainer, config: DeltaSyncConfig, model: Any) -> s
             f"peft_sync='adapter': {', '.join(data_parallel)} runs with --data-parallel-size > 1, where a loaded "
             "adapter reaches one replica only; use peft_sync='merged' or one replica per server"
         )
-    cfg = adapter_config(model.peft_config[model.active_adapters[0]])
+    adapter = model.active_adapters[0]
+    cfg = adapter_config(model.peft_config[adapter])
+    # The modules the adapter really carries LoRA on (what target_modules matched, a regex
+    # included), by the module's last name component as vLLM's loader matches it.
+    modules = lora_targets(model, adapter)
     for url, (lora, _) in probes.items():
         try:
-            check_server_lora(lora, cfg, max_staleness=trainer.args.max_staleness)
+            check_server_lora(
+                lora, cfg, max_staleness=trainer.args.max_staleness, modules=modules,
+                accepted=server_lora_modules(url, token, timeout=config.timeout),
+            )
         except AdapterError as exc:
             raise AdapterError(f"{url}: {exc}") from None
     return "adapter"

@@ -45,7 +45,7 @@ class Lab:
             "--no-enable-chunked-prefill",  # TRL seeds requests
             "--enable-log-requests",  # the log names the adapter of every request
         ]  # fmt: skip
-        env = server_env(DELTASYNC_BUCKET=str(self.bucket), DELTASYNC_TOKEN=TOKEN)
+        env = server_env(DELTASYNC_BUCKET=str(self.bucket), DELTASYNC_TOKEN=TOKEN, DELTASYNC_TEST_HOOKS="1")
         self.log = root / "server.log"
         self.server = VLLMServer(model_dir, env=env, extra_args=extra, log_file=self.log)
         self.client = AdapterRolloutClient([self.server.url], TOKEN, keep=2)
@@ -123,6 +123,59 @@ def refused(lab, publisher, match: str) -> None:
     assert match in after.workers[0]["last_error"]["error"]
 
 
+QWEN2_LORA = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+def test_status_reports_what_vllm_serves_lora_on_and_holds(lab) -> None:
+    status = lab.status().workers[0]
+    # asked of vLLM's workers: the Qwen2 projections, fused ones by their parts; no head or embeddings
+    assert status["lora_modules"] == QWEN2_LORA and status["lora_modules_error"] is None
+    assert status["fingerprint"] == status["bucket_fingerprint"] and status["fingerprint_error"] is None
+
+
+def test_served_fingerprint_is_hashed_from_the_workers_lora_tensors(lab) -> None:
+    before = lab.status()
+    newest = before.workers[0]["loaded"][-1]
+    lora_id = before.workers[0]["lora_ids"][newest]
+    name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+
+    def poke(factor: float) -> None:
+        response = requests.post(
+            f"{lab.url}/collective_rpc", headers={"Authorization": f"Bearer {TOKEN}"},
+            json={"method": "deltasync_test_poke_lora", "args": [lora_id, name, 3, factor]}, timeout=60,
+        )  # fmt: skip
+        response.raise_for_status()
+        assert response.json()["results"] == ["True"], response.text
+
+    poke(2.0)  # one element of vLLM's own copy (lora_B, scaling folded in) doubled
+    try:
+        changed = lab.status()
+        assert changed.version == before.version
+        # vLLM no longer holds the version: no fingerprint is vouched for, and the tensor is named.
+        assert changed.fingerprint is None
+        assert name in changed.workers[0]["fingerprint_error"] and "does not hold" in changed.workers[0]["fingerprint_error"]
+        assert changed.workers[0]["bucket_fingerprint"] == before.fingerprint  # the bucket's copy did not move
+    finally:
+        poke(0.5)  # back, exactly (powers of two)
+    assert lab.status().fingerprint == before.fingerprint
+
+
+def test_adapter_on_a_module_vllm_does_not_serve_is_refused(lab) -> None:
+    # The bucket claims q_proj and v_proj, but its tensors put LoRA on lm_head too: the server
+    # checks the tensors it would load against what its vLLM serves LoRA on.
+    from deltasync import DeltaPublisher
+    from deltasync._lora import BASE_FINGERPRINT_KEY, _adapter_parameters, _View, adapter_config, base_fingerprint
+
+    model = lora_model(lab.model_dir, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
+    publisher = DeltaPublisher(lab.bucket, _View(_adapter_parameters(model, "default")))
+    config = adapter_config(model.peft_config["default"])
+    publisher.anchor_metadata = {
+        ADAPTER_CONFIG_KEY: json.dumps({**config, "target_modules": ["q_proj", "v_proj"]}),
+        BASE_FINGERPRINT_KEY: base_fingerprint(model),
+    }
+    refused(lab, publisher, f"the adapter puts LoRA on lm_head, but this vLLM server serves LoRA only on {', '.join(QWEN2_LORA)}")
+
+
 def test_rank_above_max_lora_rank_is_refused(lab) -> None:
     model = lora_model(lab.model_dir, r=16, init_lora_weights=False)
     refused(lab, adapter_publisher(lab.bucket, model), "rank 16, above this server's --max-lora-rank 8")
@@ -194,6 +247,10 @@ def test_trl_trainer_checks_the_server_before_training(lab, tmp_path) -> None:
     config = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     with pytest.raises(AdapterError, match="rank 16, but the server was started with --max-lora-rank 8: restart it with --max-lora-rank 16"):
         make_trl_trainer(lab.model_dir, lab.bucket, lab.url, tmp_path, steps=1, peft_config=config)
+    # a regex that slips past the name check still puts LoRA on the embeddings, which vLLM does not serve
+    embed = LoraConfig(r=4, lora_alpha=8, target_modules=r".*\.(q_proj|embed_\w+)", lora_dropout=0.0)
+    with pytest.raises(AdapterError, match=f"puts LoRA on embed_tokens, but this vLLM server serves LoRA only on {', '.join(QWEN2_LORA)}"):
+        make_trl_trainer(lab.model_dir, lab.bucket, lab.url, tmp_path, steps=1, peft_config=embed)
     # a forced mode is not probed: merged weights even though the server has LoRA
     trainer = make_trl_trainer(lab.model_dir, lab.bucket, lab.url, tmp_path, steps=1, peft_config=config, peft_sync="merged")
     assert trainer._peft_sync == "merged" and trainer.rollout_worker._loop_kwargs["lora_name"] is None

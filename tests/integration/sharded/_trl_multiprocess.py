@@ -1,7 +1,8 @@
 """One rank of TRL's AsyncGRPOTrainer(delta_sync=...) on several CPU processes (run by torchrun).
 
 ``python -m torch.distributed.run --nproc_per_node 2 _trl_multiprocess.py MODEL BUCKET URL TOKEN OUT MODE STEPS``
-with ``ACCELERATE_USE_CPU=true``. MODE is "ddp" (accelerate's MULTI_CPU) or "fsdp2": accelerate
+with ``ACCELERATE_USE_CPU=true``. MODE is "ddp" (accelerate's MULTI_CPU), "ddp-lora" (the same with a
+LoRA ``peft_config``, merged mode: the server has no LoRA) or "fsdp2": accelerate
 drops FSDP on the CPU, so the trainer is switched to it after construction, the documented
 workaround (see the README's multi-GPU section). Rank 0 writes a JSON report and the final full
 bf16 weights (gathered here for the check only) to OUT.
@@ -42,12 +43,18 @@ def main(model_dir: str, bucket: str, url: str, token: str, out: str, mode: str,
         logging_steps=1,
         vllm_server_base_url=url,
     )
+    peft_config = None
+    if mode == "ddp-lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     trainer = AsyncGRPOTrainer(
         model=model_dir,
         reward_funcs=[reward_target_letter],
         args=config,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         delta_sync=DeltaSyncConfig(bucket=bucket, server_urls=[url], token=token),
+        peft_config=peft_config,
     )
     if mode == "fsdp2":
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -63,6 +70,12 @@ def main(model_dir: str, bucket: str, url: str, token: str, out: str, mode: str,
         checkpoint_name(name): (p.full_tensor() if isinstance(p, DTensor) else p.detach()).to(torch.bfloat16).contiguous()
         for name, p in model.named_parameters()
     }
+    if peft_config is not None:
+        import copy
+
+        # What the server must serve: PEFT's merge of the trained adapter, then bf16.
+        merged = copy.deepcopy(model).merge_and_unload()
+        full = {checkpoint_name(n): p.detach().to(torch.bfloat16).contiguous() for n, p in merged.named_parameters()}
     layout = trainer.delta_publisher.detector.layout
     if trainer.accelerator.is_main_process:
         status = RolloutClient([url], token=token).status()[url]
@@ -72,6 +85,7 @@ def main(model_dir: str, bucket: str, url: str, token: str, out: str, mode: str,
             "world": trainer.accelerator.num_processes,
             "sharded": sharded,
             "layout": None if layout is None else layout.description,
+            "peft_sync": trainer._peft_sync,
             "parts": [len(e.parts) for e in pointer.chain],
             "history": trainer.delta_history,
             "publisher_version": trainer.delta_publisher.version,

@@ -79,6 +79,13 @@ def test_ddp_trainer_two_processes(setup) -> None:
     assert set(report["parts"]) == {0}  # rank 0 alone writes: single files
 
 
+def test_ddp_trainer_two_processes_with_lora_in_merged_mode(setup) -> None:
+    # The server runs without --enable-lora: the PEFT model ships merged weights, rank 0 writing.
+    report = run_trainer(setup, "ddp-lora", steps=2)
+    assert report["peft_sync"] == "merged" and report["layout"] == "replicated (DDP), 2 ranks"
+    assert set(report["parts"]) == {0}
+
+
 def test_fsdp2_trainer_two_processes_and_the_server_is_exact(setup) -> None:
     report = run_trainer(setup, "fsdp2", steps=3)
     assert report["sharded"] and report["layout"] == "FSDP2, 2 shards"

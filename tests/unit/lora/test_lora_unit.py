@@ -21,8 +21,11 @@ from deltasync._lora import (  # noqa: E402
     adapter_config,
     adapter_publisher,
     adapter_state_dict,
+    adapter_modules,
     check_adapter_config,
+    check_adapter_modules,
     check_server_lora,
+    lora_targets,
     merged_publisher,
     merged_state_dict,
 )
@@ -144,6 +147,34 @@ def test_server_limits_are_checked_as_trl_does(trained) -> None:
         check_server_lora({"max_lora_rank": 8, "max_loras": 3}, config, max_staleness=4)
     with pytest.raises(AdapterError, match="--enable-lora"):
         check_server_lora(None, config, max_staleness=4)
+
+
+QWEN2_LORA = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+def test_target_modules_are_checked_against_what_the_server_serves(model_dir, trained) -> None:
+    # What the adapter really carries LoRA on: a regex that dodges the name check still shows.
+    model = lora_model(model_dir, target_modules=r".*\.(q_proj|embed_\w+)")
+    assert lora_targets(model) == ["embed_tokens", "q_proj"]
+    assert lora_targets(trained[0]) == TARGETS
+    assert adapter_modules(adapter_state_dict(trained[0])) == TARGETS
+    config = adapter_config(trained[0].peft_config["default"])
+    server = {"max_lora_rank": 8, "max_loras": 6, "target_modules": None}
+    check_server_lora(server, config, max_staleness=4, modules=TARGETS, accepted=QWEN2_LORA)
+    with pytest.raises(
+        AdapterError,
+        match=r"^the adapter puts LoRA on embed_tokens, but this vLLM server serves LoRA only on down_proj, gate_proj, "
+        r"k_proj, o_proj, q_proj, up_proj, v_proj: remove embed_tokens from target_modules, or use peft_sync='merged'$",
+    ):
+        check_server_lora(server, config, max_staleness=4, modules=lora_targets(model), accepted=QWEN2_LORA)
+    # a server whose --lora-target-modules leaves a module out (vLLM would skip its LoRA silently)
+    with pytest.raises(AdapterError, match=r"LoRA on v_proj, .* only on o_proj, q_proj \(its --lora-target-modules is "
+                       r"\['q_proj', 'o_proj'\]\): remove v_proj .* or restart the server with those modules"):
+        check_adapter_modules(TARGETS, ["o_proj", "q_proj"], restricted=["q_proj", "o_proj"])
+    with pytest.raises(AdapterError, match="--worker-extension-cls vllm_ext.DeltaWorkerExtension"):
+        check_adapter_modules(TARGETS, None)
+    with pytest.raises(AdapterError, match="'model.norm.weight' is not a LoRA tensor name"):
+        adapter_modules(["model.norm.weight"])
 
 
 def test_serve_adds_the_adapter_middleware_with_enable_lora(tmp_path) -> None:
