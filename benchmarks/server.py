@@ -248,6 +248,9 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         ax.bar(xs, [row["apply_s"] for row in r["rows"]], width * 0.6, label=f"{mode}: apply")
     ax.set_xticks([row["version"] for row in rows])
     ax.set_xticklabels([f"{'A' if row['kind'] == 'anchor' else 'd'}{row['version']}" for row in rows], fontsize=8)
+    floor = summary.get("floors", {}).get("scatter_s")
+    if floor is not None:  # what writing a delta's elements costs at least, on one thread here
+        ax.axhline(floor, color="k", linestyle=":", linewidth=1, label="write floor: one scatter_ of a delta's elements")
     ax.set_xlabel("version (A: anchor, d: delta)")
     ax.set_ylabel("seconds")
     ax.set_title(f"per update, {summary['density']:.0%} of elements changed per delta (prefetched)")
