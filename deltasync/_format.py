@@ -797,12 +797,16 @@ def encode_anchor(
         total=total,
         fingerprint=fingerprint,
     )
-    metadata = header.to_metadata()
-    for key, value in (extra_metadata or {}).items():
+    return _safetensors_bytes(tensors, with_extra_metadata(header.to_metadata(), extra_metadata, f"anchor {version}"))
+
+
+def with_extra_metadata(metadata: dict[str, str], extra: Mapping[str, str] | None, where: str) -> dict[str, str]:
+    """``metadata`` with the ``x-`` keys of ``extra`` added (anything else is a :class:`FormatError`)."""
+    for key, value in (extra or {}).items():
         if not key.startswith("x-") or not isinstance(value, str):
-            raise FormatError(f"anchor {version}: extra metadata key {key!r} must start with 'x-' and map to a string")
+            raise FormatError(f"{where}: extra metadata key {key!r} must start with 'x-' and map to a string")
         metadata[key] = value
-    return _safetensors_bytes(tensors, metadata)
+    return metadata
 
 
 def read_metadata(data: bytes, *, where: str) -> dict[str, str]:

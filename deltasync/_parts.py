@@ -29,6 +29,7 @@ from ._format import (
     decode_delta,
     read_header,
     sha256_hex,
+    with_extra_metadata,
 )
 from .stores import read_limited
 
@@ -111,12 +112,7 @@ def encode_anchor_part(
         parts=parts,
         slices=tuple((s.name, tuple(s.shape), s.begin, s.end) for s in ordered),
     )
-    metadata = header.to_metadata()
-    for key, value in (extra_metadata or {}).items():
-        if not key.startswith("x-") or not isinstance(value, str):
-            raise FormatError(f"anchor {version}: extra metadata key {key!r} must start with 'x-' and map to a string")
-        metadata[key] = value
-    return _safetensors_bytes(tensors, metadata)
+    return _safetensors_bytes(tensors, with_extra_metadata(header.to_metadata(), extra_metadata, f"anchor {version}"))
 
 
 def fetch_version(store: Store, entry: ChainEntry) -> list[bytes]:

@@ -32,16 +32,18 @@ _LORA_MIDDLEWARE = "vllm_ext.LoraSyncMiddleware"
 _OWN_FLAGS = ("--worker-extension-cls", "--weight-transfer-config")
 
 
-def extension_args(*, middleware: bool = False) -> list[str]:
+def extension_args(*, middleware: bool = False, update_route: bool = True) -> list[str]:
     """The vLLM flags that load deltasync into a server: the worker extension, the ``"delta"``
-    weight-transfer backend and the one-request update route, plus the token middleware when
-    ``middleware``.
+    weight-transfer backend and (``update_route``) the one-request update route, plus the token
+    middleware when ``middleware``. Without the route, clients use vLLM's five weight-update
+    routes.
 
     The one definition of these flags: ``deltasync serve``, the demo, the examples, the
     Spaces and the tests all take them from here.
     """
-    args = ["--worker-extension-cls", _EXTENSION, "--weight-transfer-config", json.dumps({"backend": "delta"}),
-            "--middleware", _UPDATE_MIDDLEWARE]  # fmt: skip
+    args = ["--worker-extension-cls", _EXTENSION, "--weight-transfer-config", json.dumps({"backend": "delta"})]
+    if update_route:
+        args += ["--middleware", _UPDATE_MIDDLEWARE]
     if middleware:
         args += ["--middleware", _MIDDLEWARE]
     return args

@@ -98,3 +98,33 @@ def greedy(url: str, prompts: Sequence[str | Sequence[int]] = PROMPTS, max_token
             token_ids = [int(t.rsplit(":", 1)[1]) for t in logprobs["tokens"]]
         results.append((tuple(token_ids), tuple(logprobs["token_logprobs"])))
     return results
+
+
+def fresh_greedy(
+    model: Any,
+    model_dir: pathlib.Path,
+    target: pathlib.Path,
+    prompt_sets: Sequence[Sequence[str | Sequence[int]]],
+    **server_kwargs: Any,
+) -> list[Greedy]:
+    """Greedy answers of a server started fresh (no extension) from ``model``'s bf16 weights.
+
+    Saves a bf16 copy of ``model`` in ``target`` with ``model_dir``'s tokenizer and other files,
+    checks that it holds exactly the trainer's bf16 state, and answers each set of prompts.
+    ``server_kwargs`` go to :func:`running_server` (``env``, ``extra_args``, ``log_file``).
+    """
+    import copy
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from deltasync import bf16_state_dict, fingerprint
+
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(target)
+    assert fingerprint(load_file(target / "model.safetensors")) == fingerprint(bf16_state_dict(model))
+    for item in model_dir.iterdir():
+        if not (target / item.name).exists():
+            shutil.copy(item, target / item.name)
+    with running_server(target, **server_kwargs) as ref:
+        return [greedy(ref.url, prompts) for prompts in prompt_sets]

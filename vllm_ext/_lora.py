@@ -80,12 +80,7 @@ class LoraSyncMiddleware:
         if path not in (UPDATE_ROUTE, STATUS_ROUTE):
             await self.app(scope, receive, send)
             return
-        if scope.get("method") != "POST":
-            await _answer(send, 405, _error(f"{path} takes POST", "MethodNotAllowed", 405))
-            return
-        if self.token is not None and not bearer_matches(self.token, _header(scope, b"authorization")):
-            why = f"{path} needs 'Authorization: Bearer <token>' with this server's {TOKEN_ENV}"
-            await _answer(send, 401, _error(why, "Unauthorized", 401))
+        if await refused(scope, send, path, self.token):
             return
         body = await _read_body(receive)
         if self._sync is None:
@@ -390,6 +385,19 @@ class _AdapterSync:
             self.retired.append(self.directory / adapter)
             unloaded.append(adapter)
         return unloaded
+
+
+async def refused(scope: Any, send: Any, route: str, token: str | None) -> bool:
+    """Answer a request for one of deltasync's own ``POST`` routes that is not a ``POST`` (405) or
+    lacks the server's bearer token (401); True when it was answered so."""
+    if scope.get("method") != "POST":
+        await _answer(send, 405, _error(f"{route} takes POST", "MethodNotAllowed", 405))
+        return True
+    if token is not None and not bearer_matches(token, _header(scope, b"authorization")):
+        why = f"{route} needs 'Authorization: Bearer <token>' with this server's {TOKEN_ENV}"
+        await _answer(send, 401, _error(why, "Unauthorized", 401))
+        return True
+    return False
 
 
 def _error(message: str, kind: str, status: int) -> dict[str, Any]:

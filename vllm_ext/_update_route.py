@@ -27,10 +27,10 @@ import os
 import time
 from typing import Any
 
-from deltasync._auth import TOKEN_ENV, bearer_matches
+from deltasync._auth import TOKEN_ENV
 from deltasync._client import UPDATE_ROUTE
 
-from ._lora import _answer, _error, _header, _read_body
+from ._lora import _answer, _error, _read_body, refused
 from ._middleware import route_path
 
 __all__ = ["UPDATE_ROUTE", "UpdateMiddleware"]
@@ -49,12 +49,7 @@ class UpdateMiddleware:
         if scope["type"] != "http" or route_path(scope) != UPDATE_ROUTE:
             await self.app(scope, receive, send)
             return
-        if scope.get("method") != "POST":
-            await _answer(send, 405, _error(f"{UPDATE_ROUTE} takes POST", "MethodNotAllowed", 405))
-            return
-        if self.token is not None and not bearer_matches(self.token, _header(scope, b"authorization")):
-            why = f"{UPDATE_ROUTE} needs 'Authorization: Bearer <token>' with this server's {TOKEN_ENV}"
-            await _answer(send, 401, _error(why, "Unauthorized", 401))
+        if await refused(scope, send, UPDATE_ROUTE, self.token):
             return
         try:
             request = json.loads(await _read_body(receive) or b"{}")

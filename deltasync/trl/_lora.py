@@ -117,10 +117,9 @@ def _decide(trainer: AsyncGRPOTrainer, config: DeltaSyncConfig, model: Any) -> s
     modules = lora_targets(model, adapter)
     for url, (lora, _) in probes.items():
         try:
-            check_server_lora(
-                lora, cfg, max_staleness=trainer.args.max_staleness, modules=modules,
-                accepted=server_lora_modules(url, token, timeout=config.timeout),
-            )
+            # A server without LoRA is refused for that first (its status route does not exist).
+            accepted = None if lora is None else server_lora_modules(url, token, timeout=config.timeout)
+            check_server_lora(lora, cfg, max_staleness=trainer.args.max_staleness, modules=modules, accepted=accepted)
         except AdapterError as exc:
             raise AdapterError(f"{url}: {exc}") from None
     return "adapter"

@@ -30,6 +30,8 @@ from deltasync._lora import (
     merged_state_dict,
 )
 
+from _sharded_workers import assert_exact  # this folder is on sys.path (the test puts it there)
+
 STEPS = 5
 
 
@@ -73,15 +75,6 @@ def reference(state: dict[str, torch.Tensor]) -> torch.nn.Module:
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all(m.endswith("lm_head.weight") for m in missing), (missing, unexpected)  # tied
     return model
-
-
-def assert_exact(receiver: DeltaReceiver, want: dict[str, torch.Tensor], where: str) -> None:
-    got = receiver.state_dict()
-    assert set(got) == set(want), (where, sorted(set(got) ^ set(want)))
-    for name, tensor in want.items():
-        assert got[name].shape == tensor.shape, (where, name)
-        assert torch.equal(got[name].view(torch.int16), tensor.view(torch.int16)), (where, name)
-    assert receiver.fingerprint == fingerprint(want), where
 
 
 def _fsdp(model: torch.nn.Module, world: int) -> torch.nn.Module:

@@ -253,7 +253,7 @@ def test_tampered_missing_and_uncommitted_versions_are_refused(world, server, cl
     flipped[len(good) // 2] ^= 0x01
     path.write_bytes(bytes(flipped))
     _assert_refused(client, server, version, outputs, served,
-                    rf"POST /update_weights: HTTP 500: .*update to version {version} refused \(IntegrityError\): .*"
+                    rf"POST /deltasync/update: HTTP 500: .*update to version {version} refused \(IntegrityError\): .*"
                     rf"SHA-256 .* \(corrupted or tampered\); still serving version {served}")  # fmt: skip
     path.write_bytes(good[: len(good) // 2])
     _assert_refused(client, server, version, outputs, served, r"bytes, the pointer says \d+ \(truncated or replaced\)")
@@ -269,10 +269,10 @@ def test_missing_and_wrong_tokens_are_refused(world, server, client):
     version = world.publisher.version
     outputs = greedy(server.url)
     _assert_refused(RolloutClient(server.url), server, version, outputs, served,
-                    r"^POST /pause: HTTP 401: /pause needs 'Authorization: Bearer <token>' with this server's "
+                    r"^POST /deltasync/update: HTTP 401: /deltasync/update needs 'Authorization: Bearer <token>' with this server's "
                     r"DELTASYNC_TOKEN; none was sent \(without it only the public inference and read-only routes answer\)$")  # fmt: skip
     _assert_refused(RolloutClient(server.url, "wrong"), server, version, outputs, served,
-                    r"^POST /pause: HTTP 401: /pause: the bearer token is wrong")
+                    r"^POST /deltasync/update: HTTP 401: /deltasync/update: the bearer token is wrong")
     # The right bearer token but a tag made with another token: the engine refuses it.
     forger = RolloutClient(server.url, TOKEN)
     forger._tag = lambda v: update_tag("another-token", v)  # type: ignore[method-assign]

@@ -3,7 +3,9 @@
 vLLM's multiprocess executor stops reading workers' answers at the first error; a
 refusal raised by every worker would leave the others' answers queued for the next call.
 This module checks that updates, refusals and later calls all work with two workers, and
-that the result equals a fresh two-worker server on the same weights.
+that the result equals a fresh two-worker server on the same weights. The server runs without
+``vllm_ext.UpdateMiddleware``, so the client drives vLLM's own five weight-update routes here
+(every other server test goes through the one-request route).
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ def test_two_workers_update_refuse_and_stay_exact(tiny_model_factory, tmp_path):
     assert publisher.publish().kind == "delta"
     want = fingerprint(bf16_state_dict(model))
 
-    extension = extension_args()
+    extension = extension_args(update_route=False)
     env = {**TP_ENV, "DELTASYNC_BUCKET": str(bucket)}
     with running_server(model_dir, env=env, extra_args=[*TP_ARGS, *extension], log_file=tmp_path / "tp.log") as server:
         client = RolloutClient(server.url)
         assert client.update(0).results[0].kind == "anchor"
+        log = (tmp_path / "tp.log").read_text()
+        assert '"POST /deltasync/update HTTP/1.1" 404' in log and '"POST /update_weights HTTP/1.1" 200' in log
         assert client.update(1).results[0].kind == "delta"
         status = client.status()[server.url]
         assert status.ok and (status.version, status.fingerprint) == (1, want)
@@ -60,6 +64,7 @@ def test_two_workers_update_refuse_and_stay_exact(tiny_model_factory, tmp_path):
 
         (refused,) = client.update(5).failed
         assert "version 5 is not committed" in refused.error and refused.version == 1
+        assert refused.error.startswith("POST /update_weights: HTTP 500: ")
         (refused,) = client.prefetch(9).values()
         assert not refused.ok and "prefetch of version 9 refused" in refused.error
         # Every later call still gets its own answers.

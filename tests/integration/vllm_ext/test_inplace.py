@@ -8,15 +8,12 @@ fresh from the same bf16 weights, the TP=2 server with one fresh TP=2 server at 
 
 from __future__ import annotations
 
-import copy
 import os
-import shutil
 
 import pytest
 import requests
 import torch
-from safetensors.torch import load_file
-from servers import PROMPTS, SERVER_START_TIMEOUT, greedy, requires_vllm, running_server
+from servers import PROMPTS, SERVER_START_TIMEOUT, fresh_greedy, greedy, requires_vllm, running_server
 
 from deltasync import DeltaPublisher, Pointer, RolloutClient, bf16_state_dict, fingerprint, open_store
 from deltasync._format import ChainEntry, Change, PartEntry, encode_delta, part_path, sha256_hex
@@ -75,14 +72,8 @@ class World:
     def reference(self, prompts) -> list:
         """Greedy answers of a server started fresh from the trainer's bf16 weights (no extension)."""
         target = self.root / f"reference-{self.publisher.version}"
-        copy.deepcopy(self.model).to(torch.bfloat16).save_pretrained(target)
-        assert fingerprint(load_file(target / "model.safetensors")) == self.fingerprint
-        for item in self.model_dir.iterdir():
-            if not (target / item.name).exists():
-                shutil.copy(item, target / item.name)
-        with running_server(target, env={**PLAIN, **self.env}, extra_args=self.args,
-                            log_file=self.root / f"{target.name}.log") as ref:  # fmt: skip
-            return [greedy(ref.url, p) for p in prompts]
+        return fresh_greedy(self.model, self.model_dir, target, prompts, env={**PLAIN, **self.env},
+                            extra_args=self.args, log_file=self.root / f"{target.name}.log")  # fmt: skip
 
 
 def _tp_params():

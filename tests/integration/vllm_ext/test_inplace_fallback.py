@@ -1,5 +1,6 @@
-"""Per-parameter fallback: a real vLLM-CPU server whose attention weights are patched in place
-while its MLP and embedding weights run on repacked CPU kernels and go through the layerwise reload.
+"""Per-parameter fallback: real vLLM-CPU servers (TP=1 and TP=2) whose attention weights are patched
+in place while their MLP and embedding weights run on repacked CPU kernels and go through the
+layerwise reload.
 
 ``DELTASYNC_CPU_PLAIN_GEMM="*.self_attn.*"`` keeps plain weights only in the attention layers;
 the MLP projections and the (tied) embedding keep vLLM-CPU's packed GEMM kernels, which no
@@ -11,14 +12,12 @@ fingerprint equals the trainer's.
 
 from __future__ import annotations
 
-import copy
-import shutil
+import os
 
 import pytest
 import requests
 import torch
-from safetensors.torch import load_file
-from servers import PROMPTS, SERVER_START_TIMEOUT, greedy, requires_vllm, running_server
+from servers import PROMPTS, SERVER_START_TIMEOUT, fresh_greedy, greedy, requires_vllm, running_server
 
 from deltasync import DeltaPublisher, RolloutClient, bf16_state_dict, fingerprint
 from deltasync._serve import extension_args
@@ -27,14 +26,16 @@ pytestmark = [pytest.mark.server, requires_vllm]
 
 MIXED = {"DELTASYNC_CPU_PLAIN_GEMM": "*.self_attn.*", "DELTASYNC_TEST_HOOKS": "1"}
 EAGER = ["--enforce-eager"]
+TP2 = (["--tensor-parallel-size", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
 LONG_PROMPT = list(range(3, 300))  # three 128-token KV blocks: a stale prefix cache shows
 
 
 class World:
-    def __init__(self, model_dir, root) -> None:
+    def __init__(self, model_dir, root, tp: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model_dir, self.root = model_dir, root
+        self.model_dir, self.root, self.tp = model_dir, root, tp
+        self.args, self.env = (EAGER, {}) if tp == 1 else ([*EAGER, *TP2[0]], TP2[1])
         self.bucket = root / "bucket"
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.publisher = DeltaPublisher(self.bucket, self.model, None, anchor_every=1000, anchor_bytes_ratio=0)
@@ -55,24 +56,24 @@ class World:
     def reference(self) -> list:
         """Greedy answers of a server started fresh from the trainer's bf16 weights."""
         target = self.root / f"reference-{self.publisher.version}"
-        copy.deepcopy(self.model).to(torch.bfloat16).save_pretrained(target)
-        assert fingerprint(load_file(target / "model.safetensors")) == self.fingerprint
-        for item in self.model_dir.iterdir():
-            if not (target / item.name).exists():
-                shutil.copy(item, target / item.name)
-        with running_server(target, extra_args=EAGER, log_file=self.root / f"{target.name}.log") as ref:
-            return [greedy(ref.url, p) for p in (PROMPTS, [LONG_PROMPT])]
+        return fresh_greedy(self.model, self.model_dir, target, (PROMPTS, [LONG_PROMPT]), env=self.env,
+                            extra_args=self.args, log_file=self.root / f"{target.name}.log")  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def world(tiny_model_factory, tmp_path_factory):
-    return World(tiny_model_factory(seed=0), tmp_path_factory.mktemp("inplace-fallback"))
+def _tp_params():
+    two = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU workers need two cores")
+    return [pytest.param(1, id="tp1"), pytest.param(2, id="tp2", marks=two)]
+
+
+@pytest.fixture(scope="module", params=_tp_params())
+def world(request, tiny_model_factory, tmp_path_factory):
+    return World(tiny_model_factory(seed=0), tmp_path_factory.mktemp(f"inplace-fallback-tp{request.param}"), request.param)
 
 
 @pytest.fixture(scope="module")
 def server(world):
-    env = {**MIXED, "DELTASYNC_BUCKET": str(world.bucket)}
-    with running_server(world.model_dir, env=env, extra_args=[*EAGER, *extension_args()],
+    env = {**MIXED, **world.env, "DELTASYNC_BUCKET": str(world.bucket)}
+    with running_server(world.model_dir, env=env, extra_args=[*world.args, *extension_args()],
                         log_file=world.root / "server.log", timeout=SERVER_START_TIMEOUT) as srv:  # fmt: skip
         yield srv
 
@@ -104,13 +105,14 @@ def _expected_fallback(world) -> list[str]:
 
 def test_parameters_on_repacked_kernels_fall_back_one_by_one(world, server):
     status = _status(server.url)
-    (worker,) = status.workers
-    # Found by discovery, not told: the packed MLP weights and the embedding (whose tied head
-    # runs a packed copy of it) fall back, each with its whole module; attention and norms map.
-    assert status.mode == "reload" and worker["fallback"] == _expected_fallback(world)
+    assert status.mode == "reload" and len(status.workers) == world.tp
     state = bf16_state_dict(world.model)
-    assert worker["host_copy_bytes"] == sum(state[n].nbytes for n in worker["fallback"])
-    assert worker["host_copy_bytes"] < sum(t.nbytes for t in state.values())
+    for worker in status.workers:
+        # Found by discovery, not told: the packed MLP weights and the embedding (whose tied head
+        # runs a packed copy of it) fall back, each with its whole module; attention and norms map.
+        assert worker["fallback"] == _expected_fallback(world)
+        assert worker["host_copy_bytes"] == sum(state[n].nbytes for n in worker["fallback"])
+        assert worker["host_copy_bytes"] < sum(t.nbytes for t in state.values())
 
 
 def test_deltas_on_both_sides_are_exact(world, server):
@@ -127,7 +129,7 @@ def test_deltas_on_both_sides_are_exact(world, server):
         assert report.ok, report.failed
         (result,) = report.results
         assert result.kind == "delta" and (result.version, result.fingerprint) == (version, world.fingerprint)
-        assert [v["ok"] for v in _rpc(server, "deltasync_verify")] == [True]
+        assert [v["ok"] for v in _rpc(server, "deltasync_verify")] == [True] * world.tp
     after, after_long = greedy(server.url), greedy(server.url, [LONG_PROMPT])
     assert [after, after_long] == world.reference()
     assert after != before  # the edits change the answers: the comparison can fail
@@ -139,7 +141,7 @@ def test_a_failure_after_the_write_restores_both_parts(world, server):
     outputs = greedy(server.url)
     version = world.edit(("model.layers.0.mlp.down_proj.weight", slice(0, 8)),
                          ("model.layers.1.self_attn.o_proj.weight", slice(0, 8)))  # fmt: skip
-    _rpc(server, "deltasync_test_fail_after_write", 0)
+    _rpc(server, "deltasync_test_fail_after_write", world.tp - 1)  # the last rank fails after writing
     report = client.update(version)
     assert not report.ok and "every rank put its previous values back" in report.failed[0].error
     status = _status(server.url)
@@ -151,6 +153,8 @@ def test_a_failure_after_the_write_restores_both_parts(world, server):
 
 
 def test_a_restarted_server_catches_up_from_the_anchor(world, server):
+    if world.tp != 1:
+        pytest.skip("one restart is enough (TP=1)")
     _current(world, server)
     expected = greedy(server.url)
     server.stop()
