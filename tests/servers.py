@@ -128,3 +128,14 @@ def fresh_greedy(
             shutil.copy(item, target / item.name)
     with running_server(target, **server_kwargs) as ref:
         return [greedy(ref.url, prompts) for prompts in prompt_sets]
+
+
+#: vLLM flags and environment for two tensor-parallel workers on CPU, one core each (vLLM-CPU
+#: cannot bind two workers to one NUMA node by itself).
+TP2 = (["--tensor-parallel-size", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+
+
+def tp_params() -> list[Any]:
+    """``pytest.param`` for TP=1 and TP=2 (ids ``tp1``, ``tp2``), TP=2 skipped below two cores."""
+    two = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU workers need two cores")
+    return [pytest.param(1, id="tp1"), pytest.param(2, id="tp2", marks=two)]

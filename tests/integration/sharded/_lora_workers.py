@@ -8,15 +8,10 @@ code under test.
 from __future__ import annotations
 
 import copy
-import datetime
 import json
-import os
-import shutil
-import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from deltasync import DeltaReceiver, fingerprint, open_store
 from deltasync._format import POINTER_PATH, Pointer, read_metadata
@@ -30,7 +25,7 @@ from deltasync._lora import (
     merged_state_dict,
 )
 
-from _sharded_workers import assert_exact  # this folder is on sys.path (the test puts it there)
+from _sharded_workers import assert_exact, process_group  # this folder is on sys.path (the test puts it there)
 
 STEPS = 5
 
@@ -162,11 +157,7 @@ def _refusals(rank: int, world: int) -> None:
 
 
 def run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180)
-    )
-    try:
+    with process_group(rank, world, init_file, root):
         report: dict[str, object] = {}
         _refusals(rank, world)
         for parallel in ("fsdp2", "ddp"):
@@ -174,10 +165,3 @@ def run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
                 _run(rank, world, Path(root), mode, parallel, report)
         if rank == 0:
             Path(out).write_text(json.dumps(report))
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
-        if rank == 0 and os.environ.get("DELTASYNC_KEEP_BUCKETS") is None:
-            shutil.rmtree(root, ignore_errors=True)

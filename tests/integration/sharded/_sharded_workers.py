@@ -6,10 +6,12 @@ only to check what the receiver holds, never by the code under test.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shutil
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -296,13 +298,28 @@ def _ddp_and_hsdp(rank: int, world: int, root: Path) -> None:
         hpub.close()
 
 
-def run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
+@contextlib.contextmanager
+def process_group(rank: int, world: int, init_file: str, root: str | None = None) -> Iterator[None]:
+    """Join the test's gloo group (one thread per rank); print a rank's failure, always leave the
+    group, and on rank 0 remove ``root`` afterwards unless ``DELTASYNC_KEEP_BUCKETS`` is set."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=180),
     )
     try:
+        yield
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+        if root is not None and rank == 0 and os.environ.get("DELTASYNC_KEEP_BUCKETS") is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
+    with process_group(rank, world, init_file, root):
         _refusals(rank, world)
         report = _fsdp_runs(rank, world, Path(root))
         _ddp_and_hsdp(rank, world, Path(root))
@@ -310,25 +327,13 @@ def run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
             import json
 
             Path(out).write_text(json.dumps(report))
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
-        if rank == 0 and os.environ.get("DELTASYNC_KEEP_BUCKETS") is None:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def run_hsdp(rank: int, world: int, init_file: str, root: str, out: str) -> None:
     """HSDP on 4 ranks, 2 replica groups x 2 shards: ranks 0 and 1 (replica 0) write 2 parts."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=180),
-    )
-    try:
+    with process_group(rank, world, init_file):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         net = _fsdp(Net(), mesh)
         opt = torch.optim.AdamW(net.parameters(), lr=3e-5)
@@ -356,8 +361,3 @@ def run_hsdp(rank: int, world: int, init_file: str, root: str, out: str) -> None
         if rank == 0:
             Path(out).write_text("ok")
         pub.close()
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()

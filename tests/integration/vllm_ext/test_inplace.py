@@ -8,12 +8,11 @@ fresh from the same bf16 weights, the TP=2 server with one fresh TP=2 server at 
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import requests
 import torch
-from servers import PROMPTS, SERVER_START_TIMEOUT, fresh_greedy, greedy, requires_vllm, running_server
+from servers import PROMPTS, SERVER_START_TIMEOUT, TP2, fresh_greedy, greedy, requires_vllm, running_server, tp_params
 
 from deltasync import DeltaPublisher, Pointer, RolloutClient, bf16_state_dict, fingerprint, open_store
 from deltasync._format import ChainEntry, Change, PartEntry, encode_delta, part_path, sha256_hex
@@ -23,7 +22,6 @@ pytestmark = [pytest.mark.server, requires_vllm]
 
 PLAIN = {"DELTASYNC_CPU_PLAIN_GEMM": "1", "DELTASYNC_TEST_HOOKS": "1"}
 EAGER = ["--enforce-eager"]
-TP2 = (["--tensor-parallel-size", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
 # Token ids, not text: 297 tokens span three 128-token KV blocks (a stale prefix cache shows).
 LONG_PROMPT = list(range(3, 300))
 # Each delta touches one kind of parameter; each maps differently onto the live weights.
@@ -76,12 +74,7 @@ class World:
                             extra_args=self.args, log_file=self.root / f"{target.name}.log")  # fmt: skip
 
 
-def _tp_params():
-    two = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU workers need two cores")
-    return [pytest.param(1, id="tp1"), pytest.param(2, id="tp2", marks=two)]
-
-
-@pytest.fixture(scope="module", params=_tp_params())
+@pytest.fixture(scope="module", params=tp_params())
 def world(request, tiny_model_factory, tmp_path_factory):
     return World(tiny_model_factory(seed=0), tmp_path_factory.mktemp(f"inplace-tp{request.param}"), request.param)
 
