@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from deltasync import DeltaReceiver, DeltaSyncError, VersionError
-from deltasync._auth import TOKEN_ENV, bearer_matches, check_update_tag
+from deltasync._auth import TOKEN_ENV, check_update_tag
 from deltasync._format import anchor_path, part_path, read_metadata
 from deltasync._lora import (
     ADAPTER_CONFIG_KEY,
@@ -56,6 +56,7 @@ from deltasync._lora import (
 )
 from deltasync._serve import BUCKET_ENV
 
+from ._asgi import answer, error_body, read_body, refused
 from ._checkpoint import resolve_model_dir
 
 __all__ = ["LoraSyncMiddleware"]
@@ -82,18 +83,18 @@ class LoraSyncMiddleware:
             return
         if await refused(scope, send, path, self.token):
             return
-        body = await _read_body(receive)
+        body = await read_body(receive)
         if self._sync is None:
             self._sync = _AdapterSync(scope["app"].state, self.bucket, self.token)
         if path == STATUS_ROUTE:
-            await _answer(send, 200, await self._sync.full_status())
+            await answer(send, 200, await self._sync.full_status())
             return
         try:
             request = json.loads(body or b"{}")
             if not isinstance(request, dict):
                 raise ValueError("the body must be a JSON object")
         except ValueError as exc:
-            await _answer(send, 400, _error(f"{path}: bad JSON body ({exc})", "BadRequest", 400))
+            await answer(send, 400, error_body(f"{path}: bad JSON body ({exc})", "BadRequest", 400))
             return
         try:
             result = await self._sync.update(request)
@@ -102,9 +103,9 @@ class LoraSyncMiddleware:
             message = f"deltasync: adapter version {request.get('version')} not loaded: {exc}"
             self._sync.last_error = {"version": request.get("version"), "error": message, "time": time.time()}
             logger.error("%s", message)
-            await _answer(send, status, _error(message, type(exc).__name__, status))
+            await answer(send, status, error_body(message, type(exc).__name__, status))
             return
-        await _answer(send, 200, result)
+        await answer(send, 200, result)
 
 
 class _AdapterSync:
@@ -183,9 +184,9 @@ class _AdapterSync:
         except Exception as exc:  # noqa: BLE001  (reported, with what to do)
             return {"fingerprint": None, "error": f"the workers cannot hash {adapter} ({type(exc).__name__}: {exc}); "
                                                   "start the server with --worker-extension-cls vllm_ext.DeltaWorkerExtension"}  # fmt: skip
-        for rank, answer in enumerate(answers):
-            if answer["fingerprint"] is None:
-                what = [f"{k}: {answer[k]}" for k in ("inexact", "missing", "unclaimed") if answer[k]]
+        for rank, reply in enumerate(answers):
+            if reply["fingerprint"] is None:
+                what = [f"{k}: {reply[k]}" for k in ("inexact", "missing", "unclaimed") if reply[k]]
                 return {"fingerprint": None, "mismatch": True,
                         "error": f"worker {rank} does not hold {adapter} as loaded from the bucket "
                                  f"({'; '.join(what)})"}  # fmt: skip
@@ -385,46 +386,3 @@ class _AdapterSync:
             self.retired.append(self.directory / adapter)
             unloaded.append(adapter)
         return unloaded
-
-
-async def refused(scope: Any, send: Any, route: str, token: str | None) -> bool:
-    """Answer a request for one of deltasync's own ``POST`` routes that is not a ``POST`` (405) or
-    lacks the server's bearer token (401); True when it was answered so."""
-    if scope.get("method") != "POST":
-        await _answer(send, 405, _error(f"{route} takes POST", "MethodNotAllowed", 405))
-        return True
-    if token is not None and not bearer_matches(token, _header(scope, b"authorization")):
-        why = f"{route} needs 'Authorization: Bearer <token>' with this server's {TOKEN_ENV}"
-        await _answer(send, 401, _error(why, "Unauthorized", 401))
-        return True
-    return False
-
-
-def _error(message: str, kind: str, status: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "code": status}}
-
-
-def _header(scope: Any, name: bytes) -> str | None:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
-
-
-async def _read_body(receive: Any) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            break
-    return b"".join(chunks)
-
-
-async def _answer(send: Any, status: int, payload: dict[str, Any]) -> None:
-    body = json.dumps(payload).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

@@ -30,6 +30,8 @@ from typing import Any
 from deltasync._auth import TOKEN_ENV, bearer_matches
 from deltasync._errors import ConfigError
 
+from ._asgi import header
+
 __all__ = ["PUBLIC_ROUTES", "PUBLIC_ROUTES_ENV", "TokenMiddleware", "public_routes", "route_path"]
 
 logger = logging.getLogger(__name__)
@@ -160,12 +162,12 @@ class TokenMiddleware:
         if path in self.public or _cors_preflight(scope):
             await self.app(scope, receive, send)
             return
-        header = _header(scope, b"authorization")
+        given = header(scope, b"authorization")
         assert self.token is not None
-        if bearer_matches(self.token, header):
+        if bearer_matches(self.token, given):
             await self.app(scope, receive, send)
             return
-        if header is None:
+        if given is None:
             why = (
                 f"{path} needs 'Authorization: Bearer <token>' with this server's {TOKEN_ENV}; none was sent "
                 "(without it only the public inference and read-only routes answer)"
@@ -191,16 +193,9 @@ def _cors_preflight(scope: Scope) -> bool:
     return (
         scope["type"] == "http"
         and scope.get("method") == "OPTIONS"
-        and _header(scope, b"origin") is not None
-        and _header(scope, b"access-control-request-method") is not None
+        and header(scope, b"origin") is not None
+        and header(scope, b"access-control-request-method") is not None
     )
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
 
 
 async def _deny(scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:

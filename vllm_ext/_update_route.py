@@ -30,7 +30,7 @@ from typing import Any
 from deltasync._auth import TOKEN_ENV
 from deltasync._client import UPDATE_ROUTE
 
-from ._lora import _answer, _error, _read_body, refused
+from ._asgi import answer, error_body, read_body, refused
 from ._middleware import route_path
 
 __all__ = ["UPDATE_ROUTE", "UpdateMiddleware"]
@@ -52,14 +52,14 @@ class UpdateMiddleware:
         if await refused(scope, send, UPDATE_ROUTE, self.token):
             return
         try:
-            request = json.loads(await _read_body(receive) or b"{}")
+            request = json.loads(await read_body(receive) or b"{}")
             if not isinstance(request, dict) or set(request) - {"version", "auth"}:
                 raise ValueError('the body must be a JSON object {"version": N, "auth": TAG}')
         except ValueError as exc:
-            await _answer(send, 400, _error(f"{UPDATE_ROUTE}: bad body ({exc})", "BadRequest", 400))
+            await answer(send, 400, error_body(f"{UPDATE_ROUTE}: bad body ({exc})", "BadRequest", 400))
             return
         status, payload = await _update(scope["app"].state.engine_client, request.get("version"), request.get("auth"))
-        await _answer(send, status, payload)
+        await answer(send, status, payload)
 
 
 async def _update(engine: Any, version: object, auth: object) -> tuple[int, dict[str, Any]]:
@@ -76,13 +76,13 @@ async def _update(engine: Any, version: object, auth: object) -> tuple[int, dict
     except Exception as exc:  # noqa: BLE001  (the worker's own message names what was wrong)
         status = 500 if paused else 503
         message = str(exc) if paused else f"pausing the server failed ({type(exc).__name__}: {exc})"
-        return status, _error(message, type(exc).__name__, status)
+        return status, error_body(message, type(exc).__name__, status)
     finally:
         if paused:
             await engine.resume_generation()
         paused_s = time.perf_counter() - start
     if failed:  # a worker reported an error without raising (not the last rank): never a success
-        return 500, _error(str(failed[0]["error"]), "UpdateError", 500)
+        return 500, error_body(str(failed[0]["error"]), "UpdateError", 500)
     return 200, {"results": results, "paused_s": paused_s}
 
 
