@@ -47,10 +47,14 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
 
     steps = summary["steps"]
     assert [s["step"] for s in steps] == [1, 2]
+    # TRL logs a rollout's structure in the window its game finished in, and a step's window may
+    # hold none (they ran ahead, during the step before): at least one window has them.
+    assert any("rollout/turns_mean" in step for step in steps), steps
     for step in steps:
         # Whole games through the environment server: a random model's six guesses are all invalid.
-        assert step["rollout/turns_mean"] > 1
-        assert step["tools/call_frequency"] == step["rollout/turns_mean"]
+        assert step["tools/call_frequency"] > 1
+        if "rollout/turns_mean" in step:
+            assert step["rollout/turns_mean"] == step["tools/call_frequency"]
         for name in ("reward_win", "reward_greens", "reward_yellows", "penalty_invalid", "penalty_repetition",
                      "reward_format"):
             assert f"rewards/{name}" in step
