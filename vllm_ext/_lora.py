@@ -58,6 +58,7 @@ from deltasync._serve import BUCKET_ENV
 
 from ._asgi import answer, error_body, read_body, refused
 from ._checkpoint import resolve_model_dir
+from ._middleware import route_path
 
 __all__ = ["LoraSyncMiddleware"]
 
@@ -76,8 +77,7 @@ class LoraSyncMiddleware:
         self._sync: _AdapterSync | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        path = scope.get("path", "") if scope["type"] == "http" else ""
-        path = path.removeprefix(scope.get("root_path", "") or "").rstrip("/")
+        path = route_path(scope) if scope["type"] == "http" else ""
         if path not in (UPDATE_ROUTE, STATUS_ROUTE):
             await self.app(scope, receive, send)
             return

@@ -11,6 +11,7 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+import pytest
 from servers import requires_vllm
 
 pytestmark = requires_vllm
@@ -123,3 +124,41 @@ def test_other_routes_pass_through():
         status, _, passed = _post(engine, {"version": 1}, path=path)
         assert status == 200 and passed == [path]
     assert engine.calls == []
+
+
+def _route(middleware_name: str, path: str, root_path: str = "") -> tuple[int, list[str]]:
+    """What ``middleware_name`` does with a POST without a token to ``path``: the status sent,
+    and the paths passed on to the app."""
+    import vllm_ext
+
+    passed: list[str] = []
+
+    async def app(scope, receive, send):
+        passed.append(scope["path"])
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": root_path, "headers": [],
+             "app": SimpleNamespace(state=SimpleNamespace())}  # fmt: skip
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(getattr(vllm_ext, middleware_name)(app, token=TOKEN)(scope, receive, send))
+    return sent[0]["status"], passed
+
+
+@pytest.mark.parametrize("middleware, route", [("UpdateMiddleware", "/deltasync/update"),
+                                               ("LoraSyncMiddleware", "/deltasync/lora/update"),
+                                               ("LoraSyncMiddleware", "/deltasync/lora/status")])  # fmt: skip
+def test_routes_match_as_starlettes_router_does(middleware, route):
+    # Served under --root-path, the route is matched after the prefix; a trailing slash or a
+    # longer path is not the route (Starlette would not route it either) and goes to the app.
+    assert _route(middleware, route) == (401, [])
+    assert _route(middleware, "/rollout" + route, root_path="/rollout") == (401, [])
+    for other in (route + "/", route + "x", "/rollout" + route):
+        assert _route(middleware, other) == (404, [other])
