@@ -156,8 +156,9 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
         status = client.status()[server.url]
         assert status.mode == mode, (status.mode, status.workers[0].get("fallback", [])[:3])
         rows: list[dict[str, Any]] = []
+        sweep_rows: list[dict[str, Any]] = []
 
-        def follow(versions: list[dict[str, Any]]) -> None:
+        def follow(versions: list[dict[str, Any]], into: list[dict[str, Any]]) -> None:
             for v in versions:
                 version = v["version"]
                 (pre,) = client.prefetch(version).values()
@@ -169,7 +170,7 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
                 assert r.fingerprint == v["fingerprint"], \
                     f"{mode}: version {version} serves {r.fingerprint}, the bucket says {v['fingerprint']}"  # fmt: skip
                 last = client.status()[server.url].workers[0]["last_update"]
-                rows.append({"version": version, "kind": r.kind, "paused_s": r.paused_s, "apply_s": r.apply_s,
+                into.append({"version": version, "kind": r.kind, "paused_s": r.paused_s, "apply_s": r.apply_s,
                              "stage_s": r.stage_s, "load_s": last.get("load_s"),
                              "prefetched": last.get("prefetched"), "changed": v["changed"],
                              "density": v["density"]})  # fmt: skip
@@ -178,7 +179,7 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
         for round_ in range(args.rounds):
             versions = trainer.publish_round()  # while the server idles: not in any figure
             published += versions
-            follow(versions)
+            follow(versions, rows)
             if round_ == 0:
                 time.sleep(2)
                 rss_round = tree_rss(server.pid)  # type: ignore[arg-type]
@@ -199,23 +200,20 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
         time.sleep(2)
         rss_end = tree_rss(server.pid)  # type: ignore[arg-type]
         # The density sweep, after everything else: a fresh anchor, then deltas of each density.
-        main_rows = len(rows)
         if sweep:
             versions = trainer.publish([None] + [d for d in sweep for _ in range(args.sweep_updates)])
             published += versions
-            follow(versions)
-        sweep_rows, rows = rows[main_rows:], rows[:main_rows]
+            follow(versions, sweep_rows)
     finally:
         server.stop()
     deltas = [row for row in rows if row["kind"] == "delta"]
     anchors = [row for row in rows if row["kind"] == "anchor"]
-    by_density = [
-        {"density": d, "changed": int(statistics.median(r["changed"] for r in group)),
-         "delta_apply_s": statistics.median(r["apply_s"] for r in group),
-         "delta_paused_s": statistics.median(r["paused_s"] for r in group)}
-        for d in sweep
-        for group in [[r for r in sweep_rows if r["kind"] == "delta" and r["density"] == d]]
-    ]  # fmt: skip
+    by_density = []
+    for d in sweep:
+        group = [r for r in sweep_rows if r["density"] == d]  # the sweep's anchor has density None
+        by_density.append({"density": d, "changed": int(statistics.median(r["changed"] for r in group)),
+                           "delta_apply_s": statistics.median(r["apply_s"] for r in group),
+                           "delta_paused_s": statistics.median(r["paused_s"] for r in group)})  # fmt: skip
     return {
         "mode": mode,
         "rows": rows,
@@ -340,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="write a figure of the results (PNG)")
     parser.add_argument("--workdir", type=Path)
     args = parser.parse_args(argv)
+    if not 0 < args.density <= 1 or not all(0 < d <= 1 for d in args.sweep):
+        parser.error(f"densities must be in (0, 1]: --density {args.density}, --sweep {args.sweep}")
+    if args.updates < 1 or args.rounds < 1 or args.sweep_updates < 1:
+        parser.error(f"--updates, --rounds and --sweep-updates must be >= 1, got {args.updates}, {args.rounds}, "
+                     f"{args.sweep_updates}")  # fmt: skip
     root = args.workdir or Path(tempfile.mkdtemp(prefix="deltasync-server-bench-"))
     model_dir = build_tiny_model(root / "model", **SHAPE)
     bf16_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
