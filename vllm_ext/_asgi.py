@@ -7,7 +7,7 @@ from typing import Any
 
 from deltasync._auth import TOKEN_ENV, bearer_matches
 
-__all__ = ["answer", "error_body", "header", "read_body", "refused"]
+__all__ = ["answer", "error_body", "header", "read_body", "refused", "unauthorized"]
 
 
 async def refused(scope: Any, send: Any, route: str, token: str | None) -> bool:
@@ -16,11 +16,18 @@ async def refused(scope: Any, send: Any, route: str, token: str | None) -> bool:
     if scope.get("method") != "POST":
         await answer(send, 405, error_body(f"{route} takes POST", "MethodNotAllowed", 405))
         return True
-    if token is not None and not bearer_matches(token, header(scope, b"authorization")):
-        why = f"{route} needs 'Authorization: Bearer <token>' with this server's {TOKEN_ENV}"
-        await answer(send, 401, error_body(why, "Unauthorized", 401))
+    given = header(scope, b"authorization")
+    if token is not None and not bearer_matches(token, given):
+        await answer(send, 401, error_body(unauthorized(route, given), "Unauthorized", 401))
         return True
     return False
+
+
+def unauthorized(route: str, given: str | None) -> str:
+    """Why a request for ``route`` with the ``Authorization`` header ``given`` is refused."""
+    if given is None:
+        return f"{route} needs 'Authorization: Bearer <token>' with this server's {TOKEN_ENV}; none was sent"
+    return f"{route}: the bearer token is wrong (it must equal this server's {TOKEN_ENV})"
 
 
 def error_body(message: str, kind: str, status: int) -> dict[str, Any]:

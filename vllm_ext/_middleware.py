@@ -30,7 +30,7 @@ from typing import Any
 from deltasync._auth import TOKEN_ENV, bearer_matches
 from deltasync._errors import ConfigError
 
-from ._asgi import header
+from ._asgi import header, unauthorized
 
 __all__ = ["PUBLIC_ROUTES", "PUBLIC_ROUTES_ENV", "TokenMiddleware", "public_routes", "route_path"]
 
@@ -167,13 +167,9 @@ class TokenMiddleware:
         if bearer_matches(self.token, given):
             await self.app(scope, receive, send)
             return
+        why = unauthorized(path, given)
         if given is None:
-            why = (
-                f"{path} needs 'Authorization: Bearer <token>' with this server's {TOKEN_ENV}; none was sent "
-                "(without it only the public inference and read-only routes answer)"
-            )
-        else:
-            why = f"{path}: the bearer token is wrong (it must equal this server's {TOKEN_ENV})"
+            why += " (without it only the public inference and read-only routes answer)"
         await _deny(scope, receive, send, 401, why)
 
     async def _refuse_to_run(self, scope: Scope, receive: Receive, send: Send) -> None:

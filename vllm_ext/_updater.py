@@ -167,9 +167,7 @@ class WorkerUpdater:
                 raise VersionError(
                     f"version {version} is not committed in {receiver.store.url} (the newest is {latest})"
                 )
-            served = self._served_state()[0]
-            if served is not None and version < served:
-                raise VersionError(f"version {version} is older than the served version {served}")
+            self._check_not_older(version)
         except DeltaSyncError as exc:
             return self._fail(version, f"deltasync: prefetch of version {version} refused: {exc}")
         job = self._prefetch
@@ -206,6 +204,7 @@ class WorkerUpdater:
             version = _check_version(version)
             check_update_tag(self.config.token, version, auth)
             receiver = self._open_receiver()
+            self._check_not_older(version)
             staged = self._take_prefetched(version)  # type: ignore[assignment]
             prefetched = staged is not None
             if staged is None:
@@ -314,8 +313,7 @@ class WorkerUpdater:
         pointer = receiver.pointer()
         if version > pointer.version:
             raise VersionError(f"version {version} is not committed in {receiver.store.url} (the newest is {pointer.version})")
-        if live.version is not None and version < live.version:
-            raise VersionError(f"version {version} is older than the served version {live.version}")
+        self._check_not_older(version)
         own = (
             not dense
             and live.tainted is None
@@ -583,6 +581,11 @@ class WorkerUpdater:
             logger.exception("deltasync: restoring the previous weights failed")
             return "restoring the previous weights failed too: restart this server"
         return f"the weights were restored: still serving {self._served()}"
+
+    def _check_not_older(self, version: int) -> None:
+        served = self._served_state()[0]
+        if served is not None and version < served:
+            raise VersionError(f"version {version} is older than the served version {served}")
 
     def _served(self) -> str:
         version = self._served_state()[0]

