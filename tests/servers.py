@@ -139,3 +139,48 @@ def tp_params() -> list[Any]:
     """``pytest.param`` for TP=1 and TP=2 (ids ``tp1``, ``tp2``), TP=2 skipped below two cores."""
     two = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU workers need two cores")
     return [pytest.param(1, id="tp1"), pytest.param(2, id="tp2", marks=two)]
+
+
+class Trainer:
+    """The trainer side of a server test: an fp32 model and a publisher writing deltas (anchors
+    only when asked: no size rule) into ``root / "bucket"``; nothing is published yet."""
+
+    def __init__(self, model_dir: str | os.PathLike[str], root: pathlib.Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from deltasync import DeltaPublisher
+
+        self.model_dir, self.root = pathlib.Path(model_dir), root
+        self.bucket = root / "bucket"
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.publisher = DeltaPublisher(self.bucket, self.model, None, anchor_every=1000, anchor_bytes_ratio=0)
+
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the trainer's bf16 weights."""
+        from deltasync import bf16_state_dict, fingerprint
+
+        return fingerprint(bf16_state_dict(self.model))
+
+    def edit(self, name: str, rows: slice, amount: float = 0.05) -> int:
+        """Add ``amount`` to ``rows`` of parameter ``name`` and publish the delta; its version."""
+        return self.edit_many((name, rows), amount=amount)
+
+    def edit_many(self, *edits: tuple[str, slice], amount: float = 0.05) -> int:
+        import torch
+
+        with torch.no_grad():
+            for name, rows in edits:
+                self.model.get_parameter(name)[rows] += amount
+        result = self.publisher.publish()
+        assert result.kind == "delta"
+        return result.version
+
+    def reference(self, prompt_sets: Sequence[Sequence[str | Sequence[int]]], model: Any = None, **server_kwargs: Any) -> list[Greedy]:
+        """Greedy answers of a server started fresh (no extension) from the bf16 weights of
+        ``model`` (default: the trainer's current weights); see :func:`fresh_greedy`."""
+        current = model is None
+        target = self.root / (f"reference-{self.publisher.version}" if current else "reference-other")
+        return fresh_greedy(self.model if current else model, self.model_dir, target, prompt_sets,
+                            log_file=self.root / f"{target.name}.log", **server_kwargs)  # fmt: skip

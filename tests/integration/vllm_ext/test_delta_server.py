@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
 import sys
 import threading
 import time
@@ -20,17 +19,17 @@ import time
 import pytest
 import requests
 import torch
-from safetensors.torch import load_file
 from servers import (
     PROMPTS,
     SERVER_START_TIMEOUT,
+    Trainer,
     greedy,
     requires_vllm,
     running_server,
     server_env,
 )
 
-from deltasync import DeltaPublisher, RolloutClient, bf16_state_dict, fingerprint
+from deltasync import RolloutClient
 from deltasync._auth import update_tag
 from deltasync._serve import extension_args
 from deltasync._server import VLLMServer
@@ -45,18 +44,12 @@ LONG_PROMPT = list(range(3, 300))
 TIMINGS: list[dict] = []
 
 
-class World:
+class World(Trainer):
     """The trainer side: an fp32 model, a publisher, and reference servers on demand."""
 
     def __init__(self, model_dir, root) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model_dir = model_dir
-        self.root = root
-        self.bucket = root / "bucket"
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         # Deltas only (no size rule), so that small edits and full AdamW steps both travel as deltas.
-        self.publisher = DeltaPublisher(self.bucket, self.model, None, anchor_every=1000, anchor_bytes_ratio=0)
+        super().__init__(model_dir, root)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.steps = 0
         # The anchor is not the checkpoint the servers start from, so loading it shows.
@@ -65,17 +58,6 @@ class World:
         self.publisher.publish()
         self.anchor_fingerprint = self.fingerprint  # version 0, what a fresh server serves
         self.anchor_model = copy.deepcopy(self.model)  # for the anchor's reference, whatever ran since
-
-    @property
-    def fingerprint(self) -> str:
-        return fingerprint(bf16_state_dict(self.model))
-
-    def edit(self, name: str, rows: slice, amount: float = 0.05) -> int:
-        with torch.no_grad():
-            self.model.get_parameter(name)[rows] += amount
-        result = self.publisher.publish()
-        assert result.kind == "delta"
-        return result.version
 
     def adamw_step(self) -> int:
         gen = torch.Generator().manual_seed(self.steps)
@@ -87,20 +69,6 @@ class World:
         result = self.publisher.publish()
         assert result.kind == "delta" and result.changed > result.total // 2
         return result.version
-
-    def reference(self, prompts, model=None) -> list:
-        """Greedy answers of a server started fresh from the bf16 weights of ``model`` (default:
-        the trainer's current weights)."""
-        current = model is None
-        model = self.model if current else model
-        target = self.root / (f"reference-{self.publisher.version}" if current else "reference-anchor")
-        copy.deepcopy(model).to(torch.bfloat16).save_pretrained(target)
-        assert fingerprint(load_file(target / "model.safetensors")) == fingerprint(bf16_state_dict(model))
-        for item in self.model_dir.iterdir():  # tokenizer, chat template, generation config
-            if not (target / item.name).exists():
-                shutil.copy(item, target / item.name)
-        with running_server(target, log_file=self.root / f"{target.name}.log") as ref:
-            return [greedy(ref.url, p) for p in prompts]
 
 
 @pytest.fixture(scope="module")

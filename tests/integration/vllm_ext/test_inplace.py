@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import requests
 import torch
-from servers import PROMPTS, SERVER_START_TIMEOUT, TP2, fresh_greedy, greedy, requires_vllm, running_server, tp_params
+from servers import PROMPTS, SERVER_START_TIMEOUT, TP2, Trainer, greedy, requires_vllm, running_server, tp_params
 
-from deltasync import DeltaPublisher, Pointer, RolloutClient, bf16_state_dict, fingerprint, open_store
+from deltasync import Pointer, RolloutClient, bf16_state_dict, fingerprint, open_store
 from deltasync._format import ChainEntry, Change, PartEntry, encode_delta, part_path, sha256_hex
 from deltasync._serve import extension_args
 
@@ -34,30 +34,15 @@ EDITS = {
 }
 
 
-class World:
-    """The trainer side: an fp32 model publishing into a bucket, and the server following it."""
+class World(Trainer):
+    """The trainer side, publishing into the bucket that the server follows."""
 
     def __init__(self, model_dir, root, tp: int) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model_dir, self.root, self.tp = model_dir, root, tp
-        self.bucket = root / "bucket"
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.publisher = DeltaPublisher(self.bucket, self.model, None, anchor_every=1000, anchor_bytes_ratio=0)
+        super().__init__(model_dir, root)
+        self.tp = tp
         self.publisher.publish()
         self.start_fingerprint = self.fingerprint  # the checkpoint's, which version 0 also holds
         self.args, self.env = (EAGER, {}) if tp == 1 else ([*EAGER, *TP2[0]], TP2[1])
-
-    @property
-    def fingerprint(self) -> str:
-        return fingerprint(bf16_state_dict(self.model))
-
-    def edit(self, name: str, rows: slice, amount: float = 0.05) -> int:
-        with torch.no_grad():
-            self.model.get_parameter(name)[rows] += amount
-        result = self.publisher.publish()
-        assert result.kind == "delta"
-        return result.version
 
     def server(self, name: str, **env: str):
         return running_server(
@@ -69,9 +54,7 @@ class World:
 
     def reference(self, prompts) -> list:
         """Greedy answers of a server started fresh from the trainer's bf16 weights (no extension)."""
-        target = self.root / f"reference-{self.publisher.version}"
-        return fresh_greedy(self.model, self.model_dir, target, prompts, env={**PLAIN, **self.env},
-                            extra_args=self.args, log_file=self.root / f"{target.name}.log")  # fmt: skip
+        return super().reference(prompts, env={**PLAIN, **self.env}, extra_args=self.args)
 
 
 @pytest.fixture(scope="module", params=tp_params())

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import pytest
 import requests
-import torch
-from servers import PROMPTS, SERVER_START_TIMEOUT, TP2, fresh_greedy, greedy, requires_vllm, running_server, tp_params
+from servers import PROMPTS, SERVER_START_TIMEOUT, TP2, Trainer, greedy, requires_vllm, running_server, tp_params
 
-from deltasync import DeltaPublisher, RolloutClient, bf16_state_dict, fingerprint
+from deltasync import RolloutClient, bf16_state_dict
 from deltasync._serve import extension_args
 
 pytestmark = [pytest.mark.server, requires_vllm]
@@ -28,34 +27,16 @@ EAGER = ["--enforce-eager"]
 LONG_PROMPT = list(range(3, 300))  # three 128-token KV blocks: a stale prefix cache shows
 
 
-class World:
+class World(Trainer):
     def __init__(self, model_dir, root, tp: int) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model_dir, self.root, self.tp = model_dir, root, tp
+        super().__init__(model_dir, root)
+        self.tp = tp
         self.args, self.env = (EAGER, {}) if tp == 1 else ([*EAGER, *TP2[0]], TP2[1])
-        self.bucket = root / "bucket"
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.publisher = DeltaPublisher(self.bucket, self.model, None, anchor_every=1000, anchor_bytes_ratio=0)
         self.publisher.publish()
-
-    @property
-    def fingerprint(self) -> str:
-        return fingerprint(bf16_state_dict(self.model))
-
-    def edit(self, *edits: tuple[str, slice], amount: float = 0.05) -> int:
-        with torch.no_grad():
-            for name, rows in edits:
-                self.model.get_parameter(name)[rows] += amount
-        result = self.publisher.publish()
-        assert result.kind == "delta"
-        return result.version
 
     def reference(self) -> list:
         """Greedy answers of a server started fresh from the trainer's bf16 weights."""
-        target = self.root / f"reference-{self.publisher.version}"
-        return fresh_greedy(self.model, self.model_dir, target, (PROMPTS, [LONG_PROMPT]), env=self.env,
-                            extra_args=self.args, log_file=self.root / f"{target.name}.log")  # fmt: skip
+        return super().reference((PROMPTS, [LONG_PROMPT]), env=self.env, extra_args=self.args)
 
 
 @pytest.fixture(scope="module", params=tp_params())
@@ -117,7 +98,7 @@ def test_deltas_on_both_sides_are_exact(world, server):
     ]
     before = greedy(server.url)
     for edit in edits:
-        version = world.edit(*edit)
+        version = world.edit_many(*edit)
         report = client.update(version)
         assert report.ok, report.failed
         (result,) = report.results
@@ -132,8 +113,8 @@ def test_a_failure_after_the_write_restores_both_parts(world, server):
     client = _current(world, server)
     served = _status(server.url)
     outputs = greedy(server.url)
-    version = world.edit(("model.layers.0.mlp.down_proj.weight", slice(0, 8)),
-                         ("model.layers.1.self_attn.o_proj.weight", slice(0, 8)))  # fmt: skip
+    version = world.edit_many(("model.layers.0.mlp.down_proj.weight", slice(0, 8)),
+                              ("model.layers.1.self_attn.o_proj.weight", slice(0, 8)))  # fmt: skip
     _rpc(server, "deltasync_test_fail_after_write", world.tp - 1)  # the last rank fails after writing
     report = client.update(version)
     assert not report.ok and "every rank put its previous values back" in report.failed[0].error
