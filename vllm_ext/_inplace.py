@@ -35,7 +35,7 @@ from deltasync._parts import decode_version
 
 from ._weight_map import Piece, WeightMap
 
-__all__ = ["InPlaceState", "LiveStaged", "release_freed_memory", "release_later"]
+__all__ = ["InPlaceState", "LiveStaged", "release_freed_memory", "release_later", "wait_for_device"]
 
 _MASK = (1 << 64) - 1
 # Parameter names of the host copy in ``InPlaceState.flat`` (never a vLLM parameter's name).
@@ -66,6 +66,18 @@ def release_later(*objects: Any) -> None:
         release_freed_memory()
 
     threading.Thread(target=run, name="deltasync-release", daemon=True).start()
+
+
+def wait_for_device(tensors: Any) -> None:
+    """Wait until the kernels queued on the accelerator holding any of ``tensors`` have run.
+
+    CUDA kernels run asynchronously: without this, an update would return (and its time be
+    taken, and the engine resume on whatever stream it uses) while its writes were still
+    queued, and buffers staged in another thread could be read before they are filled. A no-op
+    for CPU tensors."""
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -350,6 +362,7 @@ class InPlaceState:
             write.dst, order = torch.sort(write.dst.to(flat.device))
             write.bits = write.bits[order].to(flat.device)
             write.old = flat.gather(0, write.dst)  # the undo log, read now rather than in the pause
+        wait_for_device(w.old for w in staged.writes.values())  # filled before another thread uses them
         staged.seconds = time.perf_counter() - start
         return staged
 
@@ -398,6 +411,7 @@ class InPlaceState:
                 old = w.old if w.old is not None else flat.gather(0, w.dst)
                 undo.append((param, w.dst, old))
                 flat.scatter_(0, w.dst, w.bits)
+            wait_for_device(self.flat[param] for param, _, _ in undo)
             self._reload_host([param for param, _, _ in undo])
         except Exception as exc:
             exc.undo = undo  # type: ignore[attr-defined]
@@ -409,6 +423,7 @@ class InPlaceState:
         from the restored values."""
         for param, dst, old in reversed(undo):
             self.flat[param].scatter_(0, dst, old)
+        wait_for_device(self.flat[param] for param, _, _ in undo)
         self._reload_host([param for param, _, _ in undo])
 
     def _reload_host(self, params: list[str]) -> None:
@@ -435,6 +450,7 @@ class InPlaceState:
                     yield name, tensor
 
         self.load_dense(live_part())
+        wait_for_device(self.flat.values())
         if host:
             self.load_host(list(host))
 
@@ -462,5 +478,6 @@ class InPlaceState:
                 signed = bits - 0x10000 if bits >= 0x8000 else bits
                 flat = self.flat[piece.param]
                 flat.index_put_((dst.to(flat.device),), torch.tensor([signed], dtype=torch.int16, device=flat.device))
+                wait_for_device([flat])
                 done = True
         return done

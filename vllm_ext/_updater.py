@@ -35,7 +35,7 @@ from deltasync._auth import TOKEN_ENV, check_update_tag
 from deltasync._errors import UpdateError
 
 from ._checkpoint import read_checkpoint_shapes, resolve_model_dir
-from ._inplace import InPlaceState, LiveStaged, release_freed_memory, release_later
+from ._inplace import InPlaceState, LiveStaged, release_freed_memory, release_later, wait_for_device
 from ._plain_gemm import PLAIN_GEMM_ENV, plain_gemm_enabled
 from ._reload import reload_groups, reload_weights
 from ._weight_map import discover
@@ -235,6 +235,7 @@ class WorkerUpdater:
             start = time.perf_counter()
             try:
                 result.update(self._reload(staged))
+                wait_for_device(self.model.parameters())  # queued CUDA kernels count in apply_s
             except Exception as exc:  # noqa: BLE001
                 error = f"loading version {staged.version} into the model failed ({type(exc).__name__}: {exc})"
             error = _agree(error)

@@ -201,3 +201,20 @@ def test_parameters_that_fall_back_are_kept_on_the_host_and_rebuilt_through_the_
     for name, param in model.named_parameters():
         assert torch.equal(param.data.view(torch.int16), before[name].view(torch.int16)), name
     assert state.verify()["ok"]
+
+
+def test_writes_wait_for_the_accelerator_and_not_for_the_cpu(monkeypatch):
+    # CUDA kernels run asynchronously: an update must not return (nor its time be taken) while
+    # its writes are queued. This build has no CUDA, so a stand-in tensor names a CUDA device.
+    from vllm_ext._inplace import wait_for_device
+
+    class OnDevice:
+        def __init__(self, device: str) -> None:
+            self.device = torch.device(device)
+
+    waited: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", waited.append)
+    wait_for_device([torch.zeros(3), torch.zeros(2)])
+    assert waited == []
+    wait_for_device(iter([torch.zeros(3), OnDevice("cuda:1"), OnDevice("cuda:1"), OnDevice("cuda:0")]))
+    assert sorted(waited, key=str) == [torch.device("cuda:0"), torch.device("cuda:1")]
