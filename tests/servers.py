@@ -168,6 +168,7 @@ class Trainer:
         return self.edit_many((name, rows), amount=amount)
 
     def edit_many(self, *edits: tuple[str, slice], amount: float = 0.05) -> int:
+        """Add ``amount`` to each ``(name, rows)`` of ``edits`` and publish one delta; its version."""
         import torch
 
         with torch.no_grad():

@@ -46,6 +46,14 @@ class Bucket:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.publisher = DeltaPublisher(root, self.model, None, anchor_every=1000, anchor_bytes_ratio=0)
         self.publisher.publish()
+        self.before = bf16_state_dict(self.model)  # the state the newest version was published on
+
+    def step(self, *, anchor: bool = False) -> int:
+        """Change a few elements and publish them (as an anchor if asked); the new version."""
+        self.before = bf16_state_dict(self.model)
+        with torch.no_grad():
+            self.model.model.norm.weight[:8] += 0.25
+        return self.publisher.publish(anchor=anchor).version
 
     def pointer(self) -> Pointer:
         return Pointer.from_bytes((self.root / F.POINTER_PATH).read_bytes())
@@ -238,10 +246,7 @@ def test_hostile_versions_are_refused_and_the_old_weights_stay_served(bucket, se
     served = _served(server, client)
     outputs = greedy(server.url)
     for name, (forge, kind, pattern) in HOSTILE.items():
-        bucket.before = bf16_state_dict(bucket.model)
-        with torch.no_grad():
-            bucket.model.model.norm.weight[:8] += 0.25
-        version = bucket.publisher.publish(anchor=kind == "anchor").version
+        version = bucket.step(anchor=kind == "anchor")
         honest = bucket.snapshot()
         forge(bucket, version)
         report = client.update(version)
@@ -260,18 +265,13 @@ def test_hostile_versions_are_refused_and_the_old_weights_stay_served(bucket, se
 
 
 def test_wrong_versions_and_requests_without_the_token_are_refused(bucket, server, client):
-    def publish() -> int:
-        with torch.no_grad():
-            bucket.model.model.norm.weight[:8] += 0.25
-        return bucket.publisher.publish().version
-
-    older = publish()
-    newest = publish()
+    older = bucket.step()
+    newest = bucket.step()
     report = client.update(newest)
     assert report.ok, report.failed
     served = _served(server, client)
     outputs = greedy(server.url)
-    newer = publish()
+    newer = bucket.step()
     refusals = {
         "not committed": (client, newer + 5, rf"version {newer + 5} is not committed in .* \(the newest is {newer}\)"),
         "older": (client, older, rf"version {older} is older than the served version {newest}"),
