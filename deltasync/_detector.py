@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -12,6 +13,10 @@ from ._format import Change
 from ._sharded import OwnedSlice, ShardLayout, check_not_zero3, shard_layout
 
 __all__ = ["BF16ChangeDetector", "checkpoint_name", "named_parameters", "bf16_state_dict"]
+
+CHUNK = 1 << 22
+"""Elements compared (and streamed into an anchor) at a time: the detector's scratch buffers
+hold at most this many, whatever the largest parameter."""
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
@@ -128,12 +133,21 @@ class BF16ChangeDetector:
         if self.layout is not None:
             # Only what this rank owns is compared here; other ranks own the rest.
             self._tracked = {n: p for n, p in self._tracked.items() if self._slices[n].end > self._slices[n].begin}
+        self._by_id = {id(p): n for n, p in self._tracked.items()}
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """State shared by every detector variant; takes the first snapshot."""
         self._step = 0
         self._captured_at = 0
         self._pending_at = 0
-        self._by_id = {id(p): n for n, p in self._tracked.items()}
         self._snapshot: dict[str, torch.Tensor] = {}
-        self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # Guards the marks (the optimizer hook runs in the training thread, commits may run in
+        # a publisher's background thread) and the snapshot against a pin's end.
+        self._lock = threading.RLock()
+        self._pins = 0
+        self._overlay: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.reset()
 
     @property
@@ -147,13 +161,14 @@ class BF16ChangeDetector:
         return self._step - self._captured_at
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        self._step += 1
-        assert self._marks is not None
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                name = self._by_id.get(id(p))
-                if name is not None and p.grad is not None:
-                    self._marks[name] = self._step
+        with self._lock:
+            self._step += 1
+            assert self._marks is not None
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    name = self._by_id.get(id(p))
+                    if name is not None and p.grad is not None:
+                        self._marks[name] = self._step
 
     @property
     def snapshot_bytes(self) -> int:
@@ -169,27 +184,42 @@ class BF16ChangeDetector:
     def _offset(self, name: str) -> int:
         return 0 if self.layout is None else self._slices[name].begin
 
-    def _current(self, param: torch.Tensor, name: str | None = None) -> torch.Tensor:
-        flat = param.detach().reshape(-1) if name is None else self._flat(name, param)
-        device = flat.device if self._snapshot_device is None else self._snapshot_device
-        return flat.to(device=device, dtype=torch.bfloat16)
-
-    def _scratch(self, device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reused bf16 and bool buffers: allocating (and page-faulting) fresh ones for every
-        parameter at every publish costs more than the conversion and comparison themselves."""
+    def _scratch(self, device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Reused bf16, bf16 and bool buffers of at most :data:`CHUNK` elements: allocating (and
+        page-faulting) fresh ones for every parameter at every publish costs more than the
+        conversion and comparison themselves, and none may scale with the largest tensor."""
         bufs = self._buffers.get(device)
         if bufs is None or bufs[0].numel() < numel:
-            size = max(numel, max(t.numel() for t in self._snapshot.values()))
-            bufs = (torch.empty(size, dtype=torch.bfloat16, device=device), torch.empty(size, dtype=torch.bool, device=device))
+            size = max(numel, min(CHUNK, max((t.numel() for t in self._snapshot.values()), default=0)))
+            bufs = (
+                torch.empty(size, dtype=torch.bfloat16, device=device),
+                torch.empty(size, dtype=torch.bfloat16, device=device),
+                torch.empty(size, dtype=torch.bool, device=device),
+            )
             self._buffers[device] = bufs
-        return bufs[0][:numel], bufs[1][:numel]
+        return bufs[0][:numel], bufs[1][:numel], bufs[2][:numel]
 
     def reset(self) -> None:
-        """Take the current bf16 values as the published state (after an anchor)."""
-        self._snapshot = {name: self._current(p, name).clone() for name, p in self._tracked.items()}
-        if self._marks is not None:
-            self._marks.clear()
-        self._captured_at = self._pending_at = self._step
+        """Take the current bf16 values as the published state (a version without a delta).
+
+        The snapshot is overwritten in place, chunk by chunk: no second copy of it exists at
+        any time. Must not be called while an anchor streams from the snapshot (:meth:`pin`).
+        """
+        with self._lock:
+            if self._pins:
+                raise RuntimeError("reset() while an anchor streams from the snapshot")
+            self._overlay.clear()
+            for name, param in self._tracked.items():
+                flat = self._flat(name, param)
+                snap = self._snapshot.get(name)
+                if snap is None or snap.numel() != flat.numel():
+                    device = flat.device if self._snapshot_device is None else self._snapshot_device
+                    snap = self._snapshot[name] = torch.empty(flat.numel(), dtype=torch.bfloat16, device=device)
+                for lo in range(0, flat.numel(), CHUNK):
+                    snap[lo : lo + CHUNK].copy_(flat[lo : lo + CHUNK])  # rounds to nearest even
+            if self._marks is not None:
+                self._marks.clear()
+            self._captured_at = self._pending_at = self._step
 
     def changes(self) -> dict[str, Change]:
         """Changed elements per tracked parameter since the last publish; nothing is updated.
@@ -198,44 +228,116 @@ class BF16ChangeDetector:
         and ``old`` are the bf16 values now and at the last publish. Optimizer steps after this
         call are kept for the next publish even if :meth:`commit` comes after them.
         """
-        self._pending_at = self._step
-        marks = self._marks
-        names = list(self._tracked) if marks is None else [n for n in self._tracked if n in marks]
-        out: dict[str, Change] = {}
-        for name in names:
-            param = self._tracked[name]
-            snap = self._snapshot[name]
-            current, diff = self._scratch(snap.device, snap.numel())
-            current.copy_(self._flat(name, param))  # rounds to nearest even, like Tensor.to
-            torch.ne(current.view(torch.int16), snap.view(torch.int16), out=diff)
+        with self._lock:
+            self._pending_at = self._step
+            marks = self._marks
+            names = list(self._tracked) if marks is None else [n for n in self._tracked if n in marks]
+            out: dict[str, Change] = {}
+            for name in names:
+                change = self._compare(name)
+                if change is not None:
+                    out[name] = change
+            return out
+
+    def _compare(self, name: str) -> Change | None:
+        """One parameter against its published state, :data:`CHUNK` elements at a time."""
+        snap = self._snapshot[name]
+        flat = self._flat(name, self._tracked[name])
+        overlay = self._overlay.get(name)
+        indices, news, olds = [], [], []
+        for lo in range(0, snap.numel(), CHUNK):
+            hi = min(lo + CHUNK, snap.numel())
+            current, base, diff = self._scratch(snap.device, hi - lo)
+            current.copy_(flat[lo:hi])  # rounds to nearest even, like Tensor.to
+            if overlay is None:
+                base = snap[lo:hi]
+            else:
+                base.copy_(snap[lo:hi])
+                first, last = torch.searchsorted(overlay[0], torch.tensor([lo, hi])).tolist()
+                if last > first:
+                    base.view(torch.int16)[overlay[0][first:last].to(base.device) - lo] = overlay[1][first:last].to(base.device)
+            torch.ne(current.view(torch.int16), base.view(torch.int16), out=diff)
             if diff.device.type == "cpu":
                 index = torch.from_numpy(np.flatnonzero(diff.numpy()))  # several times faster here
             else:
                 index = diff.nonzero().reshape(-1)
             if index.numel():
-                offset = self._offset(name)
-                out[name] = Change(
-                    index=index.cpu() + offset if offset else index.cpu(),
-                    new=current[index].cpu(),
-                    old=snap[index].cpu(),
-                )
-        return out
+                indices.append(index.cpu() + lo)
+                news.append(current[index].cpu())
+                olds.append(base[index].cpu())
+        if not indices:
+            return None
+        offset = self._offset(name)
+        index = indices[0] if len(indices) == 1 else torch.cat(indices)
+        return Change(
+            index=index + offset if offset else index,
+            new=news[0] if len(news) == 1 else torch.cat(news),
+            old=olds[0] if len(olds) == 1 else torch.cat(olds),
+        )
 
     def commit(self, changes: dict[str, Change]) -> None:
-        """Record that ``changes`` were published: the snapshot now holds their new values."""
-        for name, change in changes.items():
-            snap = self._snapshot[name]
-            offset = self._offset(name)
-            index = change.index - offset if offset else change.index
-            snap[index.to(snap.device)] = change.new.to(snap.device)
-        captured = self._pending_at
-        if self._marks is not None:
-            for name in [n for n, step in self._marks.items() if step <= captured]:
-                del self._marks[name]
-        self._captured_at = captured
+        """Record that ``changes`` were published: the snapshot now holds their new values.
+
+        While an anchor streams from the snapshot (:meth:`pin`), the new values are kept aside
+        (they are few) and compared as if written; the pin's end writes them.
+        """
+        with self._lock:
+            for name, change in changes.items():
+                offset = self._offset(name)
+                index = change.index - offset if offset else change.index
+                if self._pins:
+                    self._overlay[name] = _merge(self._overlay.get(name), index, change.new.view(torch.int16))
+                else:
+                    snap = self._snapshot[name]
+                    snap[index.to(snap.device)] = change.new.to(snap.device)
+            captured = self._pending_at
+            if self._marks is not None:
+                for name in [n for n, step in self._marks.items() if step <= captured]:
+                    del self._marks[name]
+            self._captured_at = captured
+
+    def pin(self) -> None:
+        """Freeze the snapshot for an anchor that streams from it: until :meth:`unpin`, commits
+        are kept aside and the snapshot's bytes stay the published state of this moment."""
+        with self._lock:
+            self._pins += 1
+
+    def unpin(self) -> None:
+        """End a :meth:`pin`: the commits kept aside are written into the snapshot."""
+        with self._lock:
+            self._pins -= 1
+            if self._pins:
+                return
+            for name, (index, bits) in self._overlay.items():
+                snap = self._snapshot[name]
+                snap.view(torch.int16)[index.to(snap.device)] = bits.to(snap.device)
+            self._overlay.clear()
+
+    def is_tracked(self, name: str) -> bool:
+        """Whether ``name`` is compared (its published state is in the snapshot)."""
+        return name in self._snapshot
+
+    def snapshot_chunks(self, name: str) -> Iterator[torch.Tensor]:
+        """The published bf16 values of a tracked parameter (this rank's elements), in chunks
+        of :data:`CHUNK` elements, read from the snapshot itself (no copy)."""
+        snap = self._snapshot[name]
+        for lo in range(0, snap.numel(), CHUNK):
+            yield snap[lo : lo + CHUNK]
 
     def close(self) -> None:
         """Remove the optimizer hook."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def _merge(old: tuple[torch.Tensor, torch.Tensor] | None, index: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted unique indices and int16 bits of ``old`` with ``(index, bits)`` laid over it."""
+    if old is None:
+        return index.clone(), bits.clone()
+    all_index, all_bits = torch.cat([old[0], index]), torch.cat([old[1], bits])
+    order = torch.sort(all_index, stable=True).indices
+    all_index, all_bits = all_index[order], all_bits[order]
+    keep = torch.ones_like(all_index, dtype=torch.bool)
+    keep[:-1] = all_index[1:] != all_index[:-1]  # the last of each run came last
+    return all_index[keep], all_bits[keep]

@@ -18,7 +18,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "PARTS_FORMAT_VERSION",
+    "CHAIN_FORMAT_VERSION",
     "READABLE_FORMAT_VERSIONS",
     "POINTER_PATH",
     "HISTORY_PATH",
@@ -58,7 +59,12 @@ FORMAT_NAME = "deltasync"
 FORMAT_VERSION = 1
 PARTS_FORMAT_VERSION = 2
 """The format version of a version split into several part files (one per sharded writer)."""
-READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, PARTS_FORMAT_VERSION)
+CHAIN_FORMAT_VERSION = 3
+"""The pointer's format version since anchors are written beside deltas (files keep 1 and 2)."""
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, PARTS_FORMAT_VERSION, CHAIN_FORMAT_VERSION)
+"""Pointer format versions a reader implements."""
+READABLE_FILE_FORMAT_VERSIONS = (FORMAT_VERSION, PARTS_FORMAT_VERSION)
+"""File format versions a reader implements (the files of format 3 buckets are 1 and 2)."""
 POINTER_PATH = "latest.json"
 HISTORY_PATH = "history.jsonl"
 CODECS = ("raw", "zstd")
@@ -210,43 +216,61 @@ def _check_hex(value: object, pattern: re.Pattern[str], *, where: str, field: st
 
 def _check_pointer_body(body: dict[str, Any], where: str) -> None:
     """Types and ranges of the pointer's fields, before anything is built from them."""
-    for key in ("format_version", "version", "anchor", "total"):
+    for key in ("format_version", "version", "anchor", "total", "root", "base"):
         if key in body:
             check_int(body[key], where=where, field=key)
-    if "fingerprint" in body:
-        _check_hex(body["fingerprint"], _FINGERPRINT_RE, where=where, field="fingerprint")
+    for key in ("fingerprint", "base_fingerprint"):
+        if key in body:
+            _check_hex(body[key], _FINGERPRINT_RE, where=where, field=key)
     chain = body.get("chain")
     if not isinstance(chain, list):
         raise FormatError(f"{where}: chain must be a list, got {type(chain).__name__}")
-    version, anchor = body.get("version"), body.get("anchor")
-    if isinstance(version, int) and isinstance(anchor, int) and len(chain) != version - anchor + 1:
-        # Checked before anything is built from version - anchor (which may be 10**15).
+    lists = [("chain", chain)]
+    version = body.get("version")
+    if body.get("format_version") == CHAIN_FORMAT_VERSION:
+        anchors = body.get("anchors")
+        if not isinstance(anchors, list) or not anchors or len(anchors) > MAX_ANCHORS:
+            shown = f"a list of {len(anchors)}" if isinstance(anchors, list) else type(anchors).__name__
+            raise FormatError(f"{where}: anchors must be a list of 1 to {MAX_ANCHORS} entries, got {shown}")
+        lists.append(("anchors", anchors))
+        first = body.get("base")
+    else:
+        first = body.get("anchor")
+        if isinstance(first, int):
+            first -= 1  # a format 1/2 chain starts with the anchor itself
+    if isinstance(version, int) and isinstance(first, int) and len(chain) != version - first:
+        # Checked before anything is built from version - base (which may be 10**15).
         got = [item.get("version") if isinstance(item, dict) else None for item in chain[:20]]
         raise FormatError(
-            f"{where}: the chain must list versions {anchor}..{version} in order, got {got}"
+            f"{where}: the chain must list versions {first + 1}..{version} in order, got {got}"
             + (f" and {len(chain) - 20} more" if len(chain) > 20 else "")
         )
-    for i, item in enumerate(chain):
-        field = f"chain[{i}]"
-        if not isinstance(item, dict):
-            raise FormatError(f"{where}: {field} must be an object, got {type(item).__name__}")
-        for key in ("version", "nbytes", "changed"):
-            if key in item:
-                check_int(item[key], where=where, field=f"{field}.{key}")
-        for key in ("kind", "path"):
-            if key in item and (not isinstance(item[key], str) or not item[key].isascii()):
-                raise FormatError(f"{where}: {field}.{key} must be an ASCII string, got {item[key]!r:.60}")
-        if "sha256" in item:
-            _check_hex(item["sha256"], _SHA256_RE, where=where, field=f"{field}.sha256")
-        if "fingerprint" in item:
-            _check_hex(item["fingerprint"], _FINGERPRINT_RE, where=where, field=f"{field}.fingerprint")
-        if "parts" in item:
-            _check_part_items(item["parts"], where=where, field=field, version=item.get("version"))
-        path, v = item.get("path"), item.get("version")
-        if isinstance(path, str) and isinstance(v, int):
-            digits = re.match(r"(?:anchors|deltas)/([0-9]{8,16})[.]", path, re.ASCII)
-            if digits is None or int(digits.group(1)) != v:
-                raise FormatError(f"{where}: version {v} names an invalid path {path[:80]!r}")
+    for label, items in lists:
+        for i, item in enumerate(items):
+            field = f"{label}[{i}]"
+            if not isinstance(item, dict):
+                raise FormatError(f"{where}: {field} must be an object, got {type(item).__name__}")
+            for key in ("version", "nbytes", "changed"):
+                if key in item:
+                    check_int(item[key], where=where, field=f"{field}.{key}")
+            for key in ("kind", "path"):
+                if key in item and (not isinstance(item[key], str) or not item[key].isascii()):
+                    raise FormatError(f"{where}: {field}.{key} must be an ASCII string, got {item[key]!r:.60}")
+            if "sha256" in item:
+                _check_hex(item["sha256"], _SHA256_RE, where=where, field=f"{field}.sha256")
+            if "fingerprint" in item:
+                _check_hex(item["fingerprint"], _FINGERPRINT_RE, where=where, field=f"{field}.fingerprint")
+            if "parts" in item:
+                _check_part_items(item["parts"], where=where, field=field, version=item.get("version"))
+            path, v = item.get("path"), item.get("version")
+            if isinstance(path, str) and isinstance(v, int):
+                digits = re.match(r"(?:anchors|deltas)/([0-9]{8,16})[.]", path, re.ASCII)
+                if digits is None or int(digits.group(1)) != v:
+                    raise FormatError(f"{where}: version {v} names an invalid path {path[:80]!r}")
+
+
+#: At most this many anchors in a pointer (``keep_anchors`` is bounded by it).
+MAX_ANCHORS = 1024
 
 
 #: At most this many parts per version (one per trainer rank that writes).
@@ -416,30 +440,111 @@ class ChainEntry:
 
 @dataclass(frozen=True, kw_only=True)
 class Pointer:
-    """The commit point: the newest committed version and the chain from its anchor."""
+    """The commit point: the newest committed version, the deltas that lead to it, and the
+    complete anchors a reader without a usable state starts from.
+
+    ``chain`` holds the deltas of versions ``base + 1 .. version``; a reader whose state is at
+    one of the versions ``base .. version`` with that version's fingerprint replays deltas
+    only. ``anchors`` are the complete anchors kept (ascending, each at a version in
+    ``base .. version``); a reader without a usable state loads the newest one at or below its
+    target and replays the deltas after it. ``root`` is the version the chain grew from (the
+    first version a writer published: it has an anchor and no delta), which every delta names
+    as its ``anchor`` in its metadata.
+    """
 
     version: int
-    anchor: int
     fingerprint: str
     total: int
     """Elements in the full state."""
+    root: int
+    base: int
+    base_fingerprint: str
+    """Fingerprint of the state at ``base``."""
+    anchors: tuple[ChainEntry, ...]
     chain: tuple[ChainEntry, ...] = field(default_factory=tuple)
+    """Delta entries of versions ``base + 1 .. version``."""
 
-    def entry(self, version: int) -> ChainEntry:
-        for item in self.chain:
-            if item.version == version:
-                return item
+    @property
+    def anchor(self) -> int:
+        """The newest complete anchor's version."""
+        return self.anchors[-1].version
+
+    def delta(self, version: int) -> ChainEntry:
+        """The delta entry of ``version`` (``KeyError`` if the chain does not hold it)."""
+        index = version - self.base - 1
+        if 0 <= index < len(self.chain):
+            return self.chain[index]
         raise KeyError(version)
 
+    def entry(self, version: int) -> ChainEntry:
+        """The delta of ``version`` if the chain holds it, else its anchor (``KeyError`` if neither)."""
+        try:
+            return self.delta(version)
+        except KeyError:
+            for item in self.anchors:
+                if item.version == version:
+                    return item
+            raise
+
+    def fingerprint_at(self, version: int) -> str | None:
+        """The fingerprint of the state at ``version``, if the pointer knows it (``base .. version``)."""
+        if version == self.base:
+            return self.base_fingerprint
+        try:
+            return self.delta(version).fingerprint
+        except KeyError:
+            return None
+
+    def replays_from(self, version: int | None, fingerprint: str | None) -> bool:
+        """Whether a state at ``version`` with ``fingerprint`` reaches every newer version by deltas."""
+        return version is not None and fingerprint is not None and self.fingerprint_at(version) == fingerprint
+
+    def anchor_for(self, target: int) -> ChainEntry | None:
+        """The newest complete anchor at or below ``target``, or None."""
+        found = None
+        for item in self.anchors:
+            if item.version <= target:
+                found = item
+        return found
+
+    @classmethod
+    def from_chain(
+        cls, *, version: int, anchor: int, fingerprint: str, total: int, chain: Sequence[ChainEntry],
+        where: str = POINTER_PATH,
+    ) -> Pointer:
+        """A pointer as formats 1 and 2 lay it out: one chain, the anchor first, then the deltas."""
+        if not chain or chain[0].version != anchor:
+            raise FormatError(
+                f"{where}: the chain must list versions {anchor}..{version} in order, "
+                f"got {[item.version for item in chain[:20]]}"
+            )
+        if chain[0].kind != "anchor":
+            raise FormatError(f"{where}: version {anchor} should be a anchor, not {chain[0].kind!r}")
+        return cls(
+            version=version, fingerprint=fingerprint, total=total, root=anchor, base=anchor,
+            base_fingerprint=chain[0].fingerprint, anchors=tuple(chain[:1]), chain=tuple(chain[1:]),
+        )
+
+    @classmethod
+    def start(cls, anchor: ChainEntry, *, total: int) -> Pointer:
+        """The pointer of a chain's first version, which has an anchor and no delta."""
+        return cls(
+            version=anchor.version, fingerprint=anchor.fingerprint, total=total, root=anchor.version,
+            base=anchor.version, base_fingerprint=anchor.fingerprint, anchors=(anchor,),
+        )
+
     def to_bytes(self) -> bytes:
-        multi = any(item.parts for item in self.chain)
         body = {
             "format": FORMAT_NAME,
-            "format_version": PARTS_FORMAT_VERSION if multi else FORMAT_VERSION,
+            "format_version": CHAIN_FORMAT_VERSION,
             "version": self.version,
-            "anchor": self.anchor,
             "fingerprint": self.fingerprint,
             "total": self.total,
+            "root": self.root,
+            "base": self.base,
+            "base_fingerprint": self.base_fingerprint,
+            "anchor": self.anchor,
+            "anchors": [item.to_json() for item in self.anchors],
             "chain": [item.to_json() for item in self.chain],
         }
         return (json.dumps(body, sort_keys=True, indent=1) + "\n").encode()
@@ -461,53 +566,77 @@ class Pointer:
             )
         _check_pointer_body(body, where)
         try:
-            chain = tuple(
-                _multi_part_entry(item)
-                if isinstance(item, dict) and "parts" in item
-                else ChainEntry(
-                    version=int(item["version"]),
-                    kind=str(item["kind"]),
-                    path=str(item["path"]),
-                    nbytes=int(item["nbytes"]),
-                    sha256=str(item["sha256"]),
-                    fingerprint=str(item["fingerprint"]),
-                    changed=int(item["changed"]),
+            chain = tuple(_chain_entry(item) for item in body["chain"])
+            if body["format_version"] == CHAIN_FORMAT_VERSION:
+                pointer = cls(
+                    version=int(body["version"]),
+                    fingerprint=str(body["fingerprint"]),
+                    total=int(body["total"]),
+                    root=int(body["root"]),
+                    base=int(body["base"]),
+                    base_fingerprint=str(body["base_fingerprint"]),
+                    anchors=tuple(_chain_entry(item) for item in body["anchors"]),
+                    chain=chain,
                 )
-                for item in body["chain"]
-            )
-            pointer = cls(
-                version=int(body["version"]),
-                anchor=int(body["anchor"]),
-                fingerprint=str(body["fingerprint"]),
-                total=int(body["total"]),
-                chain=chain,
-            )
+                if int(body["anchor"]) != pointer.anchor:
+                    raise FormatError(f"{where}: anchor {body['anchor']} is not the newest of its anchors ({pointer.anchor})")
+            else:
+                pointer = cls.from_chain(
+                    version=int(body["version"]),
+                    anchor=int(body["anchor"]),
+                    fingerprint=str(body["fingerprint"]),
+                    total=int(body["total"]),
+                    chain=chain,
+                    where=where,
+                )
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"{where}: malformed pointer ({exc!r})") from exc
         pointer._check(where)
-        if body["format_version"] == FORMAT_VERSION and any(item.parts for item in pointer.chain):
+        if body["format_version"] == FORMAT_VERSION and any(item.parts for item in (*pointer.anchors, *pointer.chain)):
             raise FormatError(f"{where}: a format_version 1 pointer cannot list part files (that needs version 2)")
         return pointer
 
     def _check(self, where: str) -> None:
-        if self.version < self.anchor or self.anchor < 0:
-            raise FormatError(f"{where}: version {self.version} precedes its anchor {self.anchor}")
-        expected = list(range(self.anchor, self.version + 1))
+        if not self.root <= self.base <= self.version:
+            raise FormatError(f"{where}: root {self.root}, base {self.base} and version {self.version} are out of order")
+        expected = list(range(self.base + 1, self.version + 1))
         if [item.version for item in self.chain] != expected:
             raise FormatError(
-                f"{where}: the chain must list versions {self.anchor}..{self.version} in order, "
-                f"got {[item.version for item in self.chain]}"
+                f"{where}: the chain must list versions {self.base + 1}..{self.version} in order, "
+                f"got {[item.version for item in self.chain][:20]}"
             )
-        for item in self.chain:
-            kind = "anchor" if item.version == self.anchor else "delta"
-            if item.kind != kind:
-                raise FormatError(f"{where}: version {item.version} should be a {kind}, not {item.kind!r}")
-            if item.parts:
-                _check_parts(item, where)
-            elif not _PATH_RE.match(item.path) or not item.path.startswith(kind + "s/"):
-                raise FormatError(f"{where}: version {item.version} names an invalid path {item.path!r}")
-        if self.chain and self.chain[-1].fingerprint != self.fingerprint:
+        versions = [item.version for item in self.anchors]
+        if not versions or versions != sorted(set(versions)) or versions[0] < self.base or versions[-1] > self.version:
+            raise FormatError(
+                f"{where}: anchors must be distinct ascending versions within {self.base}..{self.version}, got {versions[:20]}"
+            )
+        for kind, items in (("anchor", self.anchors), ("delta", self.chain)):
+            for item in items:
+                if item.kind != kind:
+                    raise FormatError(f"{where}: version {item.version} should be a {kind}, not {item.kind!r}")
+                if item.parts:
+                    _check_parts(item, where)
+                elif not _PATH_RE.match(item.path) or not item.path.startswith(kind + "s/"):
+                    raise FormatError(f"{where}: version {item.version} names an invalid path {item.path!r}")
+        for item in self.anchors:
+            if self.fingerprint_at(item.version) not in (None, item.fingerprint):
+                raise FormatError(f"{where}: the anchor of version {item.version} disagrees with the chain's fingerprint")
+        if self.fingerprint_at(self.version) != self.fingerprint:
             raise FormatError(f"{where}: the pointer's fingerprint disagrees with its last chain entry")
+
+
+def _chain_entry(item: dict[str, Any]) -> ChainEntry:
+    if isinstance(item, dict) and "parts" in item:
+        return _multi_part_entry(item)
+    return ChainEntry(
+        version=int(item["version"]),
+        kind=str(item["kind"]),
+        path=str(item["path"]),
+        nbytes=int(item["nbytes"]),
+        sha256=str(item["sha256"]),
+        fingerprint=str(item["fingerprint"]),
+        changed=int(item["changed"]),
+    )
 
 
 def _multi_part_entry(item: dict[str, Any]) -> ChainEntry:
@@ -610,10 +739,10 @@ class FileHeader:
     def from_metadata(cls, meta: Mapping[str, str] | None, *, where: str) -> FileHeader:
         if not meta or meta.get("format") != FORMAT_NAME:
             raise FormatError(f"{where}: not a deltasync file (its metadata has no format={FORMAT_NAME!r})")
-        if meta.get("format_version") not in {str(v) for v in READABLE_FORMAT_VERSIONS}:
+        if meta.get("format_version") not in {str(v) for v in READABLE_FILE_FORMAT_VERSIONS}:
             raise FormatError(
                 f"{where}: format_version {meta.get('format_version')!r} is not supported "
-                f"(this deltasync reads {', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade deltasync"
+                f"(this deltasync reads files of {', '.join(map(str, READABLE_FILE_FORMAT_VERSIONS))}); upgrade deltasync"
             )
         _check_metadata(meta, where)
         split = meta["format_version"] == str(PARTS_FORMAT_VERSION)
@@ -712,23 +841,55 @@ _DTYPES = {
 
 def _safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
     """Serialize like ``safetensors.torch.save``, with metadata keys sorted (deterministic)."""
-    order = sorted(tensors, key=lambda name: (-_DTYPES[tensors[name].dtype][1], name))
+    items = [
+        TensorChunks(name, t.dtype, tuple(t.shape), lambda t=t: (t.detach().reshape(-1),)) for name, t in tensors.items()
+    ]
+    return b"".join(safetensors_stream(items, metadata))
+
+
+@dataclass(frozen=True)
+class TensorChunks:
+    """A tensor to serialize, given by its flat values in consecutive chunks (so that no
+    serializer ever needs the whole tensor, or the whole file, in memory at once)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: Callable[[], Iterable[torch.Tensor]]
+    """Yields 1-D tensors of ``dtype`` that together hold the flat values, in order."""
+
+
+def safetensors_stream(tensors: Sequence[TensorChunks], metadata: Mapping[str, str]) -> Iterator[memoryview]:
+    """The bytes of a safetensors file, header first, then each tensor's data chunk by chunk.
+
+    The layout is the safetensors library's (tensors ordered by alignment, then name; the
+    header padded with spaces to 8 bytes), with metadata keys sorted. A chunk may be a view of
+    the caller's memory: it is valid until the next one is asked for.
+    """
+    order = sorted(tensors, key=lambda t: (-_DTYPES[t.dtype][1], t.name))
     header: dict[str, Any] = {"__metadata__": {key: metadata[key] for key in sorted(metadata)}}
-    chunks: list[bytes] = []
     offset = 0
-    for name in order:
-        tensor = tensors[name].detach().cpu().contiguous()
-        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-        header[name] = {
-            "dtype": _DTYPES[tensor.dtype][0],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        chunks.append(data)
-        offset += len(data)
+    for item in order:
+        nbytes = math.prod(item.shape) * _DTYPES[item.dtype][1]
+        header[item.name] = {"dtype": _DTYPES[item.dtype][0], "shape": list(item.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + b"".join(chunks)
+    yield memoryview(struct.pack("<Q", len(text)) + text)
+    for item in order:
+        expected, written = header[item.name]["data_offsets"][1] - header[item.name]["data_offsets"][0], 0
+        for chunk in item.chunks():
+            if chunk.dtype != item.dtype:
+                raise FormatError(f"{item.name!r}: a chunk of {chunk.dtype} in a {item.dtype} tensor")
+            if not chunk.numel():
+                continue
+            data = chunk.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
+            written += data.nbytes
+            if written > expected:
+                break
+            yield memoryview(data)
+        if written != expected:
+            raise FormatError(f"{item.name!r}: its chunks hold {written} bytes, its shape {list(item.shape)} needs {expected}")
 
 
 def read_header(data: bytes, *, where: str) -> FileHeader:
@@ -759,9 +920,51 @@ def read_header(data: bytes, *, where: str) -> FileHeader:
 
 def _load(data: bytes, *, where: str) -> dict[str, torch.Tensor]:
     try:
-        return _st_load(data)
+        return _st_load(bytes(data))
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise FormatError(f"{where}: not a readable safetensors file ({exc})") from exc
+
+
+_TORCH_DTYPES = {code: dtype for dtype, (code, _) in _DTYPES.items()}
+
+
+def load_tensors(data: bytes | bytearray, *, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of a file whose header :func:`read_header` accepted.
+
+    From a ``bytearray`` they are views of it (no copy); the buffer must then be left alone.
+    From ``bytes`` the safetensors library copies them out.
+    """
+    if not isinstance(data, bytearray):
+        return _load(data, where=where)
+    (length,) = struct.unpack("<Q", data[:8])
+    start = 8 + length
+    table = json.loads(bytes(data[8:start]))
+    out: dict[str, torch.Tensor] = {}
+    spans = []
+    for name, info in table.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        dtype = _TORCH_DTYPES[info["dtype"]]
+        if (start + begin) % _DTYPES[dtype][1]:
+            return _load(data, where=where)  # misaligned: let the library copy it
+        spans.append((begin, end, name))
+        if end > begin:
+            flat = torch.frombuffer(data, dtype=dtype, count=(end - begin) // _DTYPES[dtype][1], offset=start + begin)
+            out[name] = flat.view(info["shape"])
+        else:
+            out[name] = torch.empty(info["shape"], dtype=dtype)
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            raise FormatError(
+                f"{where}: not a readable safetensors file (tensor {name[:80]!r} starts at data byte {begin}, "
+                f"the tensors before it end at {position}: overlapping or with gaps)"
+            )
+        position = end
+    if position != len(data) - start:
+        raise FormatError(f"{where}: not a readable safetensors file ({len(data) - start - position} bytes after the last tensor)")
+    return out
 
 
 # --------------------------------------------------------------------------- anchors
@@ -779,25 +982,66 @@ def encode_anchor(
     ``extra_metadata``: further metadata keys, each starting with ``x-`` (e.g. the PEFT
     adapter config of an adapter bucket, see :mod:`deltasync._lora`); readers that do not
     know a key ignore it."""
-    tensors = {}
-    total = 0
     for name, tensor in state.items():
         if tensor.dtype != torch.bfloat16:
             raise FormatError(f"anchor {version}: parameter {name!r} is {tensor.dtype}, anchors hold bfloat16")
-        tensors[name] = tensor
-        total += tensor.numel()
+    sources = [
+        AnchorSource(name, tuple(t.shape), 0, t.numel(), lambda t=t: (t.detach().reshape(-1),)) for name, t in state.items()
+    ]
+    total = sum(t.numel() for t in state.values())
+    return b"".join(anchor_stream(sources, version=version, fingerprint=fingerprint, total=total, extra_metadata=extra_metadata))
+
+
+@dataclass(frozen=True)
+class AnchorSource:
+    """Flat elements ``begin .. end - 1`` of parameter ``name`` (full shape ``shape``), given
+    as consecutive bf16 chunks, for :func:`anchor_stream`."""
+
+    name: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    chunks: Callable[[], Iterable[torch.Tensor]]
+
+
+def anchor_stream(
+    sources: Sequence[AnchorSource],
+    *,
+    version: int,
+    fingerprint: str,
+    total: int,
+    part: int | None = None,
+    parts: int | None = None,
+    extra_metadata: Mapping[str, str] | None = None,
+) -> Iterator[memoryview]:
+    """The bytes of an anchor (or of part ``part`` of ``parts`` of a split anchor), chunk by chunk.
+
+    A single-file anchor holds every parameter whole, in its shape; a part holds a 1-D slice
+    of each parameter (format version 2). The bytes are those :func:`encode_anchor` and
+    :func:`~deltasync._parts.encode_anchor_part` give, without the whole file in memory.
+    """
+    ordered = sorted(sources, key=lambda s: s.name)
+    if parts is None and any(s.begin != 0 or s.end != math.prod(s.shape) for s in ordered):
+        raise FormatError(f"anchor {version}: a single-file anchor holds every parameter whole")
     header = FileHeader(
         kind="anchor",
         version=version,
         base=None,
         anchor=version,
         codec="raw",
-        params=len(tensors),
-        changed=total,
+        params=len(ordered),
+        changed=sum(s.end - s.begin for s in ordered),
         total=total,
         fingerprint=fingerprint,
+        part=part,
+        parts=parts,
+        slices=None if parts is None else tuple((s.name, tuple(s.shape), s.begin, s.end) for s in ordered),
     )
-    return _safetensors_bytes(tensors, with_extra_metadata(header.to_metadata(), extra_metadata, f"anchor {version}"))
+    meta = with_extra_metadata(header.to_metadata(), extra_metadata, f"anchor {version}")
+    tensors = [
+        TensorChunks(s.name, torch.bfloat16, s.shape if parts is None else (s.end - s.begin,), s.chunks) for s in ordered
+    ]
+    return safetensors_stream(tensors, meta)
 
 
 def with_extra_metadata(metadata: dict[str, str], extra: Mapping[str, str] | None, where: str) -> dict[str, str]:
@@ -816,11 +1060,13 @@ def read_metadata(data: bytes, *, where: str) -> dict[str, str]:
     return dict(json.loads(data[8 : 8 + length].decode())["__metadata__"])
 
 
-def decode_anchor(data: bytes, *, where: str) -> tuple[FileHeader, dict[str, torch.Tensor]]:
+def decode_anchor(data: bytes | bytearray, *, where: str) -> tuple[FileHeader, dict[str, torch.Tensor]]:
+    """An anchor's header and tensors. From a ``bytearray`` (what stores' ``read_buffer``
+    gives) the tensors are views of it: the file and its tensors are never both in memory."""
     header = read_header(data, where=where)
     if header.kind != "anchor":
         raise FormatError(f"{where}: expected an anchor, found a {header.kind}")
-    tensors = _load(data, where=where)
+    tensors = load_tensors(data, where=where)
     total = 0
     for name, tensor in tensors.items():
         if tensor.dtype != torch.bfloat16:

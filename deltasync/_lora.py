@@ -481,12 +481,7 @@ class MergedChangeDetector(BF16ChangeDetector):
         else:
             self._hook = None
             self._marks = None
-        self._step = 0
-        self._captured_at = 0
-        self._pending_at = 0
-        self._snapshot: dict[str, torch.Tensor] = {}
-        self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.reset()
+        self._init_state()
 
     def reset(self) -> None:
         self._model.prepare()  # type: ignore[attr-defined]

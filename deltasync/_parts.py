@@ -19,19 +19,19 @@ import torch
 
 from ._errors import FormatError, IntegrityError
 from ._format import (
+    AnchorSource,
     BaseLookup,
     ChainEntry,
     Change,
     FileHeader,
-    _load,
-    _safetensors_bytes,
+    load_tensors,
+    anchor_stream,
     decode_anchor,
     decode_delta,
     read_header,
     sha256_hex,
-    with_extra_metadata,
 )
-from .stores import read_limited
+from .stores import read_buffer, read_limited
 
 if TYPE_CHECKING:
     from .stores import Store
@@ -92,27 +92,14 @@ def encode_anchor_part(
 
     ``extra_metadata``: ``x-`` keys as :func:`~deltasync._format.encode_anchor` takes them
     (every part carries them, so a reader needs only part 0)."""
-    ordered = sorted(slices, key=lambda s: s.name)
-    tensors = {}
-    for item in ordered:
+    for item in slices:
         if item.values.dtype != torch.bfloat16 or item.values.numel() != item.end - item.begin:
             raise FormatError(f"anchor {version} part {part}: slice of {item.name!r} is not {item.end - item.begin} bf16 values")
-        tensors[item.name] = item.values.reshape(-1)
-    header = FileHeader(
-        kind="anchor",
-        version=version,
-        base=None,
-        anchor=version,
-        codec="raw",
-        params=len(ordered),
-        changed=sum(s.end - s.begin for s in ordered),
-        total=total,
-        fingerprint=fingerprint,
-        part=part,
-        parts=parts,
-        slices=tuple((s.name, tuple(s.shape), s.begin, s.end) for s in ordered),
+    sources = [AnchorSource(s.name, s.shape, s.begin, s.end, lambda s=s: (s.values.reshape(-1),)) for s in slices]
+    stream = anchor_stream(
+        sources, version=version, fingerprint=fingerprint, total=total, part=part, parts=parts, extra_metadata=extra_metadata
     )
-    return _safetensors_bytes(tensors, with_extra_metadata(header.to_metadata(), extra_metadata, f"anchor {version}"))
+    return b"".join(stream)
 
 
 def fetch_version(store: Store, entry: ChainEntry) -> list[bytes]:
@@ -121,22 +108,47 @@ def fetch_version(store: Store, entry: ChainEntry) -> list[bytes]:
     A missing file raises :class:`~deltasync.NotFoundError` (from the store); a file of another
     size or digest raises :class:`~deltasync.IntegrityError` naming the part.
     """
-    out = []
-    for number, item in enumerate(entry.files):
-        label = f"part {number} of version {entry.version}" if entry.parts else f"version {entry.version}"
-        where = f"{store.url}/{item.path} ({label})"
-        data = read_limited(store, item.path, item.nbytes)  # at most nbytes + 1, whatever the file holds
-        if len(data) != item.nbytes:
-            got = f"more than {item.nbytes}" if len(data) > item.nbytes else str(len(data))
-            raise IntegrityError(f"{where}: {got} bytes, the pointer says {item.nbytes} (truncated or replaced)")
-        digest = sha256_hex(data)
-        if digest != item.sha256:
-            raise IntegrityError(
-                f"{where}: SHA-256 {digest[:16]}... does not match the pointer's {item.sha256[:16]}... "
-                "(corrupted or tampered)"
-            )
-        out.append(data)
-    return out
+    return [fetch_file(store, entry, number) for number in range(len(entry.files))]
+
+
+class LazyFiles(Sequence[bytearray]):
+    """The files of a version, each fetched and checked (as :func:`fetch_file`) only when it is
+    reached, into a writable buffer: decoding an anchor part by part never holds every part."""
+
+    def __init__(self, store: Store, entry: ChainEntry) -> None:
+        self.store, self.entry = store, entry
+        self.nbytes = 0
+        """Bytes fetched so far."""
+
+    def __len__(self) -> int:
+        return len(self.entry.files)
+
+    def __getitem__(self, number: int) -> bytearray:  # type: ignore[override]
+        if not 0 <= number < len(self):
+            raise IndexError(number)
+        data = fetch_file(self.store, self.entry, number, buffer=True)
+        self.nbytes += len(data)
+        return data  # type: ignore[return-value]
+
+
+def fetch_file(store: Store, entry: ChainEntry, number: int, *, buffer: bool = False) -> bytes | bytearray:
+    """File ``number`` of ``entry``, checked against the pointer's size and SHA-256; with
+    ``buffer``, read into a writable ``bytearray`` (see :func:`~deltasync.stores.read_buffer`)."""
+    item = entry.files[number]
+    label = f"part {number} of version {entry.version}" if entry.parts else f"version {entry.version}"
+    where = f"{store.url}/{item.path} ({label})"
+    # At most nbytes + 1, whatever the file holds.
+    data = read_buffer(store, item.path, item.nbytes) if buffer else read_limited(store, item.path, item.nbytes)
+    if len(data) != item.nbytes:
+        got = f"more than {item.nbytes}" if len(data) > item.nbytes else str(len(data))
+        raise IntegrityError(f"{where}: {got} bytes, the pointer says {item.nbytes} (truncated or replaced)")
+    digest = sha256_hex(data)
+    if digest != item.sha256:
+        raise IntegrityError(
+            f"{where}: SHA-256 {digest[:16]}... does not match the pointer's {item.sha256[:16]}... "
+            "(corrupted or tampered)"
+        )
+    return data
 
 
 def _where(url: str, entry: ChainEntry, number: int) -> str:
@@ -178,8 +190,9 @@ def iter_anchor_parts(files: Sequence[bytes], entry: ChainEntry, *, url: str) ->
     """
     if not entry.parts:
         where = _where(url, entry, 0)
-        _check_part(read_header(files[0], where=where), None, entry, 0, where)
-        header, tensors = decode_anchor(files[0], where=where)
+        data = files[0]
+        _check_part(read_header(data, where=where), None, entry, 0, where)
+        header, tensors = decode_anchor(data, where=where)
         slices = tuple(
             AnchorSlice(name, tuple(t.shape), 0, t.numel(), t.reshape(-1)) for name, t in tensors.items()
         )
@@ -195,7 +208,7 @@ def iter_anchor_parts(files: Sequence[bytes], entry: ChainEntry, *, url: str) ->
             raise FormatError(f"{where}: expected an anchor, found a {header.kind}")
         _check_part(header, first, entry, number, where)
         assert header.slices is not None
-        tensors = _load(data, where=where)
+        tensors = load_tensors(data, where=where)
         names = [s[0] for s in header.slices]
         if len(set(names)) != len(names) or set(tensors) != set(names):
             raise FormatError(f"{where}: its tensors {sorted(tensors)} are not the parameters its 'slices' lists")

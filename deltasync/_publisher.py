@@ -5,43 +5,48 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._detector import BF16ChangeDetector, bf16_state_dict, named_parameters
-from ._errors import ConfigError, DeltaSyncError, NotFoundError
-from ._fingerprint import fingerprint, fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
+from ._detector import CHUNK, BF16ChangeDetector, named_parameters
+from ._errors import ConfigError, DeltaSyncError, IntegrityError, NotFoundError, PublishError
+from ._fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
 from ._format import (
     CODECS,
     HISTORY_PATH,
+    MAX_ANCHORS,
     MAX_HISTORY_BYTES,
     MAX_POINTER_BYTES,
     POINTER_PATH,
+    AnchorSource,
     ChainEntry,
     Change,
     PartEntry,
     Pointer,
     anchor_path,
-    delta_path,
-    encode_anchor,
-    encode_delta,
+    anchor_stream,
     check_int,
+    delta_path,
+    encode_delta,
     parse_json,
     part_path,
     sha256_hex,
 )
-from ._parts import AnchorSlice, encode_anchor_part
-from .stores import open_store, read_limited
+from ._sharded import ShardLayout, solo_layout
+from .stores import open_store, read_limited, write_stream
 
 if TYPE_CHECKING:
     import os
 
     from .stores import Store
 
-__all__ = ["PublishOptions", "PublishResult", "DeltaPublisher"]
+__all__ = ["PublishOptions", "PublishResult", "PublishFuture", "DeltaPublisher"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +59,21 @@ class PublishOptions:
     """How a :class:`DeltaPublisher` writes versions."""
 
     anchor_every: int = 10
-    """Write a full anchor at least every this many versions (1 = anchors only)."""
+    """Write a full anchor, beside that version's delta, at least every this many versions
+    (1 = beside every version). Anchors are written in the background and only serve readers
+    that join late or lost their state; followers read deltas only."""
     anchor_bytes_ratio: float = 0.5
-    """Also write an anchor when the deltas since the last anchor would add up to more than this
-    fraction of an anchor's size: a late joiner then never downloads more than (1 + ratio)
-    anchors' worth. 0 disables the rule."""
+    """Also write an anchor when the deltas since the last anchor add up to more than this
+    fraction of an anchor's size: a late joiner then never downloads more than about
+    (1 + ratio) anchors' worth. 0 disables the rule."""
     codec: str = "zstd"
     """Delta codec: "zstd" (compact, the default) or "raw" (readable with safe_open alone)."""
     zstd_level: int = 3
     """zstd level for the "zstd" codec: higher is smaller and slower to encode."""
     keep_anchors: int = 1
-    """Anchor chains to keep in the bucket; older files are deleted after a new anchor commits."""
+    """Complete anchors to keep in the bucket. The deltas are kept one anchor further back, so
+    that a follower up to an anchor interval behind still catches up with deltas alone; older
+    files are deleted after a new anchor commits."""
     snapshot_device: str | None = "cpu"
     """Where the detector keeps the last published bf16 state: "cpu", or None for each
     parameter's own device."""
@@ -83,23 +92,23 @@ class PublishOptions:
             raise ConfigError(f"zstd_level must be in 1..22, got {self.zstd_level}")
         if self.codec != "zstd" and self.zstd_level != 3:
             raise ConfigError(f"zstd_level={self.zstd_level} is set but codec is {self.codec!r}; drop one of them")
-        if self.keep_anchors < 1:
-            raise ConfigError(f"keep_anchors must be >= 1 (the newest chain is always kept), got {self.keep_anchors}")
+        if not 1 <= self.keep_anchors <= MAX_ANCHORS:
+            raise ConfigError(f"keep_anchors must be in 1..{MAX_ANCHORS} (the newest anchor is always kept), got {self.keep_anchors}")
         if not self.stale_temp_seconds > 0:
             raise ConfigError(f"stale_temp_seconds must be > 0, got {self.stale_temp_seconds}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class PublishResult:
-    """What one :meth:`DeltaPublisher.publish` committed."""
+    """What one published version committed."""
 
     version: int
     kind: str
-    """"anchor" or "delta"."""
+    """"delta", or "anchor" for a version without a delta (the first a publisher writes)."""
     path: str
-    """The data file in the bucket."""
+    """The data file in the bucket (the first part of a split version)."""
     nbytes: int
-    """Bytes written for this version (the data file)."""
+    """Bytes written for this version's delta (or anchor, for kind "anchor")."""
     changed: int
     """Elements that changed since the previous version (an anchor counts every element)."""
     total: int
@@ -107,26 +116,79 @@ class PublishResult:
     fingerprint: str
     """Fingerprint of the full bf16 state at this version."""
     seconds: float
-    """Wall time of the publish: detect, encode, write, commit."""
+    """Wall time from the capture to the commit."""
+    blocked_s: float = 0.0
+    """Seconds the caller of :meth:`DeltaPublisher.submit` was held: waiting for the version
+    before it, and capturing this one."""
+    anchor_scheduled: bool = False
+    """An anchor of this version is being written beside its delta, in the background."""
     warnings: tuple[str, ...] = ()
-    """Problems after the commit that did not undo it (a retention delete that failed); also logged."""
+    """Problems that did not undo the commit (a failed retention delete, a failed background
+    anchor); also logged."""
 
     @property
     def changed_fraction(self) -> float:
         return self.changed / self.total if self.total else 0.0
 
 
-class DeltaPublisher:
-    """Publishes a model's bf16 weights into a bucket as anchors and sparse deltas.
+class PublishFuture(Future):  # type: ignore[type-arg]
+    """A :class:`concurrent.futures.Future` of a :class:`PublishResult` that remembers whether
+    anyone looked at its outcome: a failure nobody saw is raised by the next publish."""
 
-    The first publish is an anchor holding every parameter (version 0 in an empty bucket;
-    the version after the newest committed one in a bucket that already holds versions, so a
-    restarted trainer never rewrites what servers may have applied). Each later publish writes
-    the elements that changed since the previous one, or an anchor when
-    ``anchor_every`` versions have passed or deltas since the last anchor grow too large
-    (see :class:`PublishOptions`). The data file is written first, the pointer last: a reader
-    sees a version only once it is complete. A publish that fails leaves the version counter
-    and the detector as they were, so the next publish carries its changes.
+    observed = False
+
+    def result(self, timeout: float | None = None) -> PublishResult:
+        self.observed = True
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self.observed = True
+        return super().exception(timeout)
+
+
+@dataclass
+class _Chain:
+    """What every rank knows of the committed chain (rank 0 also holds the whole pointer)."""
+
+    version: int
+    fingerprint: str
+    total: int
+    root: int
+    anchor_nbytes: int
+    """Size of the newest complete anchor (for ``anchor_bytes_ratio``)."""
+    since_anchor: int
+    """Delta bytes committed since the last anchor was started."""
+    anchor_started: int
+    """The version of the newest anchor started (complete, or being written)."""
+
+
+@dataclass
+class _Capture:
+    version: int
+    changes: dict[str, Change]
+    fingerprint: str
+    forced_anchor: bool
+    started: float
+    blocked_s: float
+
+
+class DeltaPublisher:
+    """Publishes a model's bf16 weights into a bucket as sparse deltas, with full anchors beside them.
+
+    :meth:`submit` captures the next version (the changed indices and values are copied out,
+    so the caller may step the optimizer again) and returns a :class:`PublishFuture`; encoding,
+    writing and the commit run in a background thread, one version at a time. Every version
+    after the first has a delta. An anchor of a version (the full state) is written in addition
+    when the schedule says so (:class:`PublishOptions`), by a second background thread that
+    streams it from the detector's snapshot while later deltas go on committing; the pointer
+    names it once it is complete. Followers read deltas only; anchors serve late joiners.
+
+    The first version a publisher writes has an anchor and no delta: version 0 in an empty
+    bucket, or the version after the newest committed one in a bucket that already holds
+    versions (a restarted trainer never rewrites what servers may have applied). Data files
+    are written first and the pointer last: a reader sees a version only once it is complete.
+    A version that fails leaves the version counter and the detector as they were, so the next
+    one carries its changes.
 
     Args:
         bucket: a path, URL (``file://``, ``hf://buckets/ns/name``, ``s3://``, ``memory://``)
@@ -154,27 +216,53 @@ class DeltaPublisher:
         self.detector = detector or BF16ChangeDetector(
             model, optimizer, snapshot_device=self.options.snapshot_device
         )
-        if self.detector.layout is None:
-            self._pointer: Pointer | None = self._read_pointer()
-            self._history: dict[int, dict[str, object]] = self._read_history()
-        else:
-            self._init_collective()
-        self._need_anchor = True
+        named = list(named_parameters(model))
+        self._layout: ShardLayout = self.detector.layout or solo_layout(named)
+        self._numels = {name: s.numel for name, s in self._layout.slices.items()}
+        layout = self._layout
+        # Rank 0 alone reads, so that every rank starts from the same pointer.
+        found = layout.agree("reading the pointer", lambda: (None, self._read_pointer() if layout.rank == 0 else None))
+        pointer: Pointer | None = found[1][0]
+        self._pointer = pointer if layout.rank == 0 else None
+        self._history = self._read_history(pointer) if layout.rank == 0 else {}
+        self._chain: _Chain | None = None
+        self._next = 0 if pointer is None else pointer.version + 1
+        # Background threads coordinate ranks over groups of their own, never the training one.
+        self._delta_group = layout.new_group()
+        self._anchor_group = layout.new_group()
+        self._jobs = ThreadPoolExecutor(1, thread_name_prefix="deltasync-publish")
+        self._anchors = ThreadPoolExecutor(1, thread_name_prefix="deltasync-anchor")
+        self._inflight: PublishFuture | None = None
+        self._anchor_inflight: Future[None] | None = None
+        self._commit_lock = threading.Lock()
+        self._late_warnings: list[str] = []
+        self._closed = False
         self.anchor_metadata: dict[str, str] = {}
         """Extra ``x-`` metadata written into every anchor (an adapter bucket's PEFT config)."""
-        if self.detector.layout is None or self.detector.layout.rank == 0:
+        if layout.rank == 0:
             self._clean_temp()
 
     # ------------------------------------------------------------------ state
 
     @property
     def version(self) -> int | None:
-        """The newest committed version in the bucket, or None."""
-        return None if self._pointer is None else self._pointer.version
+        """The newest version this publisher committed (or found committed), or None."""
+        if self._chain is not None:
+            return self._chain.version
+        return None if self._next == 0 else self._next - 1
 
     @property
     def fingerprint(self) -> str | None:
+        """The fingerprint of :attr:`version` (None before this publisher's first commit, on
+        ranks other than 0)."""
+        if self._chain is not None:
+            return self._chain.fingerprint
         return None if self._pointer is None else self._pointer.fingerprint
+
+    @property
+    def pointer(self) -> Pointer | None:
+        """The pointer last committed (rank 0; None on other ranks and in an empty bucket)."""
+        return self._pointer
 
     def _read_pointer(self) -> Pointer | None:
         try:
@@ -183,7 +271,7 @@ class DeltaPublisher:
             return None
         return Pointer.from_bytes(data, where=f"{self.store.url}/{POINTER_PATH}")
 
-    def _read_history(self) -> dict[int, dict[str, object]]:
+    def _read_history(self, pointer: Pointer | None) -> dict[int, dict[str, object]]:
         where = f"{self.store.url}/{HISTORY_PATH}"
         try:
             data = read_limited(self.store, HISTORY_PATH, MAX_HISTORY_BYTES)
@@ -205,242 +293,68 @@ class DeltaPublisher:
                 history[check_int(record.get("version"), where=f"{where} line {number}", field="version")] = record
             except DeltaSyncError as exc:
                 logger.warning("skipping a corrupt history line: %s", exc)
-        if self._pointer is not None:
-            history = {v: r for v, r in history.items() if v <= self._pointer.version}
+        if pointer is not None:
+            history = {v: r for v, r in history.items() if v <= pointer.version}
         return history
 
     # ------------------------------------------------------------------ publish
 
     def publish(self, *, anchor: bool = False) -> PublishResult:
-        """Write the next version and commit it. ``anchor=True`` forces a full anchor.
+        """Write the next version and wait for its commit: ``submit(anchor=anchor).result()``."""
+        return self.submit(anchor=anchor).result()
+
+    def submit(self, *, anchor: bool = False) -> PublishFuture:
+        """Capture the next version and publish it in the background.
+
+        Returns once the changes are captured (the caller may step the optimizer again). If
+        the version before is still in flight, waits for it first; if it failed and nobody
+        looked at its future, raises its error here (its changes go into this call's next
+        retry). ``anchor=True`` writes an anchor of this version beside its delta.
 
         With several processes (FSDP2, HSDP, DDP) this is collective: every rank of the default
-        process group calls it, each writer rank writes its own part, rank 0 commits, and every
-        rank returns the same result or raises :class:`~deltasync.PublishError`.
+        process group calls it; each writer rank writes its own part in its own background
+        thread, and rank 0 commits once every part is written. Every rank's future gives the
+        same result or raises :class:`~deltasync.PublishError`.
         """
-        if self.detector.layout is not None:
-            return self._publish_collective(anchor)
+        if self._closed:
+            raise PublishError("this publisher is closed")
         start = time.perf_counter()
-        version = 0 if self._pointer is None else self._pointer.version + 1
-        pointer = self._pointer
-        changes: dict[str, Change] | None = None
-        data = b""
-        if not (anchor or self._need_anchor or pointer is None or self._anchor_due(pointer, version)):
-            changes = self.detector.changes()
-            new_fp = pointer.fingerprint
-            for name, change in changes.items():
-                new_fp = fingerprint_update(new_fp, name, change.index, change.old, change.new)
-            data = encode_delta(
-                changes,
-                version=version,
-                anchor=pointer.anchor,
-                codec=self.options.codec,
-                total=pointer.total,
-                fingerprint=new_fp,
-                base_fingerprint=pointer.fingerprint,
-                level=self.options.zstd_level,
-                numels={name: p.numel() for name, p in named_parameters(self.model)},
-            )
-            if self._too_big(pointer, len(data)):
-                changes = None
-        if changes is None:
-            state = bf16_state_dict(self.model)
-            new_fp = fingerprint(state)
-            data = encode_anchor(state, version=version, fingerprint=new_fp, extra_metadata=self.anchor_metadata)
-            total = sum(t.numel() for t in state.values())
-            entry = ChainEntry(
-                version=version,
-                kind="anchor",
-                path=anchor_path(version),
-                nbytes=len(data),
-                sha256=sha256_hex(data),
-                fingerprint=new_fp,
-                changed=total,
-            )
-            new_pointer = Pointer(version=version, anchor=version, fingerprint=new_fp, total=total, chain=(entry,))
-            del state
-        else:
-            assert pointer is not None
-            entry = ChainEntry(
-                version=version,
-                kind="delta",
-                path=delta_path(version),
-                nbytes=len(data),
-                sha256=sha256_hex(data),
-                fingerprint=new_fp,
-                changed=sum(c.index.numel() for c in changes.values()),
-            )
-            new_pointer = Pointer(
-                version=version,
-                anchor=pointer.anchor,
-                fingerprint=new_fp,
-                total=pointer.total,
-                chain=(*pointer.chain, entry),
-            )
-        self.store.write_bytes(entry.path, data)
-        result = PublishResult(
-            version=version,
-            kind=entry.kind,
-            path=entry.path,
-            nbytes=entry.nbytes,
-            changed=entry.changed,
-            total=new_pointer.total,
-            fingerprint=new_fp,
-            seconds=0.0,
-        )
-        self._history[version] = {**asdict(result), "time": time.time()}
-        del self._history[version]["warnings"]
-        self._write_history()
-        self.store.write_bytes(POINTER_PATH, new_pointer.to_bytes())  # the commit point
-        self._pointer = new_pointer
-        # Committed: from here on nothing may raise, or a caller would retry a published version.
-        warnings: list[str] = []
-        if changes is None:
+        self._wait_inflight()
+        capture = self._capture(anchor, start)
+        future = PublishFuture()
+        future.set_running_or_notify_cancel()
+        self._inflight = future
+        self._jobs.submit(self._run, future, capture)
+        return future
+
+    def flush(self) -> None:
+        """Wait for the version and the anchor in flight (raising a failure nobody looked at)."""
+        self._wait_inflight()
+        anchor = self._anchor_inflight
+        if anchor is not None:
+            anchor.result()
+
+    def _wait_inflight(self) -> None:
+        previous = self._inflight
+        if previous is None:
+            return
+        error = Future.exception(previous)  # waits; does not count as looking
+        if error is not None and not previous.observed:
+            previous.observed = True
+            raise error
+
+    def _capture(self, anchor: bool, start: float) -> _Capture:
+        """The next version's changes, copied out of the live weights (collective)."""
+        layout = self._layout
+        version = self._next if self._chain is None else self._chain.version + 1
+        if self._chain is None:
+            # A new chain: its first version has an anchor and no delta.
             self.detector.reset()
-            self._need_anchor = False
-            warnings = self._housekeep(version)
-        else:
-            self.detector.commit(changes)
-        seconds = time.perf_counter() - start
-        self._history[version]["seconds"] = seconds
-        return replace(result, seconds=seconds, warnings=tuple(warnings))
-
-    # ------------------------------------------------------------------ several processes
-
-    def _init_collective(self) -> None:
-        layout = self.detector.layout
-        assert layout is not None
-        # Rank 0 alone reads, so that every rank starts from the same pointer.
-        found = layout.agree("reading the pointer", lambda: (None, self._read_pointer() if layout.rank == 0 else None))
-        pointer = found[1][0]
-        self._pointer = pointer
-        self._history = self._read_history() if layout.rank == 0 else {}
-
-    def _publish_collective(self, anchor: bool) -> PublishResult:
-        start = time.perf_counter()
-        layout = self.detector.layout
-        assert layout is not None
-        pointer = self._pointer
-        version = 0 if pointer is None else pointer.version + 1
-        kind = "anchor" if anchor or self._need_anchor or pointer is None or self._anchor_due(pointer, version) else "delta"
-        numels = {name: s.numel for name, s in layout.slices.items()}
-        split = layout.parts > 1
-        changes: dict[str, Change] = {}
-        while True:
-            if kind == "delta":
-                assert pointer is not None
-                changes, shares = layout.agree(f"detecting the changes of version {version}", self._local_changes)
-                new_fp = format_fingerprint(parse_fingerprint(pointer.fingerprint) + sum(shares))
-                data, sizes = layout.agree(
-                    f"encoding delta {version}",
-                    lambda: self._encode_part(encode_delta(
-                        changes,
-                        version=version,
-                        anchor=pointer.anchor,
-                        codec=self.options.codec,
-                        total=pointer.total,
-                        fingerprint=new_fp,
-                        base_fingerprint=pointer.fingerprint,
-                        level=self.options.zstd_level,
-                        numels=numels,
-                        part=(layout.part, layout.parts) if split else None,
-                    )),
-                )
-                if not self._too_big(pointer, sum(sizes)):
-                    break
-                kind = "anchor"
-            slices, shares = layout.agree(f"reading the weights of anchor {version}", self._local_anchor)
-            new_fp = format_fingerprint(sum(shares))
-            total = sum(numels.values())
-            data, _ = layout.agree(
-                f"encoding anchor {version}",
-                lambda: self._encode_part(
-                    encode_anchor_part(
-                        slices, version=version, fingerprint=new_fp, total=total, part=layout.part, parts=layout.parts,
-                        extra_metadata=self.anchor_metadata,
-                    )
-                    if split
-                    else encode_anchor(
-                        {s.name: s.values.view(s.shape) for s in slices}, version=version, fingerprint=new_fp,
-                        extra_metadata=self.anchor_metadata,
-                    )
-                ),
-            )
-            break
-        path = (part_path(kind, version, layout.part) if split else (anchor_path if kind == "anchor" else delta_path)(version))
-        changed = sum(c.index.numel() for c in changes.values()) if kind == "delta" else sum(s.end - s.begin for s in slices)
-
-        def write() -> tuple[None, PartEntry | None]:
-            if not layout.writer:
-                return None, None
-            self.store.write_bytes(path, data)
-            return None, PartEntry(path=path, nbytes=len(data), sha256=sha256_hex(data), changed=changed)
-
-        _, written = layout.agree(f"writing {kind} {version}", write)
-        files = [item for item in written if item is not None]
-        if split:
-            files.sort(key=lambda item: int(item.path.rsplit(".part", 1)[1].split(".")[0]))
-            entry = ChainEntry(
-                version=version,
-                kind=kind,
-                path="",
-                nbytes=sum(f.nbytes for f in files),
-                sha256="",
-                fingerprint=new_fp,
-                changed=sum(f.changed for f in files),
-                parts=tuple(files),
-            )
-        else:
-            (only,) = files
-            entry = ChainEntry(
-                version=version, kind=kind, path=only.path, nbytes=only.nbytes, sha256=only.sha256,
-                fingerprint=new_fp, changed=only.changed,
-            )
-        if kind == "anchor":
-            new_pointer = Pointer(version=version, anchor=version, fingerprint=new_fp, total=sum(numels.values()), chain=(entry,))
-        else:
-            assert pointer is not None
-            new_pointer = Pointer(
-                version=version, anchor=pointer.anchor, fingerprint=new_fp, total=pointer.total, chain=(*pointer.chain, entry)
-            )
-        result = PublishResult(
-            version=version,
-            kind=kind,
-            path=entry.path or entry.parts[0].path,
-            nbytes=entry.nbytes,
-            changed=entry.changed,
-            total=new_pointer.total,
-            fingerprint=new_fp,
-            seconds=0.0,
-        )
-
-        def commit() -> tuple[None, None]:
-            if layout.rank == 0:
-                self._history[version] = {**asdict(result), "time": time.time()}
-                del self._history[version]["warnings"]
-                try:
-                    self._write_history()
-                    self.store.write_bytes(POINTER_PATH, new_pointer.to_bytes())  # the commit point
-                except BaseException:
-                    del self._history[version]
-                    raise
-            return None, None
-
-        layout.agree(f"committing version {version}", commit)
-        self._pointer = new_pointer
-        # Committed: from here on nothing may raise, or a caller would retry a published version.
-        warnings: list[str] = []
-        if kind == "anchor":
-            self.detector.reset()
-            self._need_anchor = False
-            if layout.rank == 0:
-                warnings = self._housekeep(version)
-        else:
-            self.detector.commit(changes)
-        seconds = time.perf_counter() - start
-        if layout.rank == 0:
-            self._history[version]["seconds"] = seconds
-        return replace(result, seconds=seconds, warnings=tuple(warnings))
+            return _Capture(version, {}, "", True, start, time.perf_counter() - start)
+        chain = self._chain
+        changes, shares = layout.agree(f"detecting the changes of version {version}", self._local_changes)
+        fp = format_fingerprint(parse_fingerprint(chain.fingerprint) + sum(shares))
+        return _Capture(version, changes, fp, anchor, start, time.perf_counter() - start)
 
     def _local_changes(self) -> tuple[dict[str, Change], int]:
         """This rank's changes and its share of the fingerprint's move (0 on ranks that own nothing)."""
@@ -450,64 +364,300 @@ class DeltaPublisher:
             share += parse_fingerprint(fingerprint_update(format_fingerprint(0), name, change.index, change.old, change.new))
         return changes, share
 
-    def _local_anchor(self) -> tuple[list[AnchorSlice], int]:
-        """This rank's slice of every parameter in bf16, and its share of the fingerprint."""
-        layout = self.detector.layout
-        assert layout is not None
-        slices, share = [], 0
-        for name, param in named_parameters(self.model):
-            owned = layout.slices[name]
-            values = owned.local(param).to(device="cpu", dtype=torch.bfloat16, copy=True) if layout.writer else None
-            if values is None:
-                continue
-            slices.append(AnchorSlice(name, owned.shape, owned.begin, owned.end, values))
-            share += fingerprint_slice_share(name, values, owned.begin)
-        return slices, share
+    def _run(self, future: PublishFuture, capture: _Capture) -> None:
+        try:
+            result = self._publish_root(capture) if self._chain is None else self._publish_delta(capture)
+        except BaseException as exc:  # noqa: BLE001 - handed to the future
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
 
-    def _encode_part(self, data: bytes) -> tuple[bytes, int]:
-        layout = self.detector.layout
-        assert layout is not None
-        return (data, len(data)) if layout.writer else (b"", 0)
+    # ------------------------------------------------------------------ background: deltas
 
-    def _anchor_due(self, pointer: Pointer, version: int) -> bool:
-        return version - pointer.anchor >= self.options.anchor_every
+    def _publish_delta(self, capture: _Capture) -> PublishResult:
+        layout, chain, version = self._layout, self._chain, capture.version
+        assert chain is not None
+        split = layout.parts > 1
+        path = part_path("delta", version, layout.part) if split else delta_path(version)
+        changes = capture.changes
 
-    def _too_big(self, pointer: Pointer, nbytes: int) -> bool:
-        ratio = self.options.anchor_bytes_ratio
-        if ratio <= 0:
+        def write() -> tuple[None, PartEntry | None]:
+            if not layout.writer:
+                return None, None
+            data = encode_delta(
+                changes,
+                version=version,
+                anchor=chain.root,
+                codec=self.options.codec,
+                total=chain.total,
+                fingerprint=capture.fingerprint,
+                base_fingerprint=chain.fingerprint,
+                level=self.options.zstd_level,
+                numels=self._numels,
+                part=(layout.part, layout.parts) if split else None,
+            )
+            self.store.write_bytes(path, data)
+            changed = sum(c.index.numel() for c in changes.values())
+            return None, PartEntry(path=path, nbytes=len(data), sha256=sha256_hex(data), changed=changed)
+
+        _, written = layout.agree(f"writing delta {version}", write, self._delta_group)
+        entry = _entry("delta", version, capture.fingerprint, [w for w in written if w is not None], split)
+
+        def commit() -> tuple[None, None]:
+            if layout.rank == 0:
+                with self._commit_lock:
+                    pointer = self._pointer
+                    assert pointer is not None
+                    new = replace(pointer, version=version, fingerprint=capture.fingerprint, chain=(*pointer.chain, entry))
+                    self._commit(new, version, self._record("delta", entry, chain.total))
+            return None, None
+
+        layout.agree(f"committing version {version}", commit, self._delta_group)
+        # Committed: from here on nothing may raise, or a caller would retry a published version.
+        self.detector.commit(changes)
+        chain.version, chain.fingerprint = version, capture.fingerprint
+        chain.since_anchor += entry.nbytes
+        scheduled = self._schedule_anchor(version, capture.fingerprint, capture.forced_anchor)
+        return self._result(capture, entry, chain.total, scheduled)
+
+    def _schedule_anchor(self, version: int, fp: str, forced: bool) -> bool:
+        """Start an anchor of ``version`` beside its delta if it is due (collective; never raises)."""
+        layout, chain = self._layout, self._chain
+        assert chain is not None
+        busy = self._anchor_inflight is not None and not self._anchor_inflight.done()
+        try:
+            _, views = layout.agree(
+                f"scheduling the anchor of version {version}",
+                lambda: (None, (busy, forced or self._anchor_due(chain, version))),
+                self._delta_group,
+            )
+        except Exception as exc:  # noqa: BLE001 - the delta is committed; an anchor can wait
+            self._warn(f"cannot schedule an anchor of version {version}: {exc}")
             return False
-        anchor_bytes = pointer.chain[0].nbytes
-        since = sum(item.nbytes for item in pointer.chain[1:]) + nbytes
-        return since > ratio * anchor_bytes
+        due = views[0][1]  # rank 0's view decides: ranks may see anchors end at other times
+        if not due:
+            return False
+        if any(b for b, _ in views):
+            if not forced:
+                return False
+            # Forced: the anchor in flight ends first, on every rank alike (its last step is
+            # collective), so this one then starts everywhere.
+            assert self._anchor_inflight is not None or not busy
+            if self._anchor_inflight is not None:
+                Future.exception(self._anchor_inflight)
+        self.detector.pin()
+        chain.anchor_started, chain.since_anchor = version, 0
+        self._anchor_inflight = self._anchors.submit(self._background_anchor, version, fp)
+        return True
 
-    def _write_history(self) -> None:
-        lines = [json.dumps(self._history[v], sort_keys=True) for v in sorted(self._history)]
+    def _anchor_due(self, chain: _Chain, version: int) -> bool:
+        if version - chain.anchor_started >= self.options.anchor_every:
+            return True
+        ratio = self.options.anchor_bytes_ratio
+        return ratio > 0 and chain.since_anchor > ratio * chain.anchor_nbytes
+
+    # ------------------------------------------------------------------ background: anchors
+
+    def _publish_root(self, capture: _Capture) -> PublishResult:
+        """The first version of a chain: an anchor and no delta, committed as a new pointer."""
+        self.detector.pin()
+        try:
+            entry, fp = self._write_anchor(capture.version, None, self._delta_group)
+            total = sum(self._numels.values())
+
+            def commit() -> tuple[None, None]:
+                if self._layout.rank == 0:
+                    with self._commit_lock:
+                        self._commit(Pointer.start(entry, total=total), capture.version, self._record("anchor", entry, total))
+                return None, None
+
+            self._layout.agree(f"committing version {capture.version}", commit, self._delta_group)
+        finally:
+            self.detector.unpin()
+        # Committed.
+        self._chain = _Chain(
+            version=capture.version, fingerprint=fp, total=total, root=capture.version,
+            anchor_nbytes=entry.nbytes, since_anchor=0, anchor_started=capture.version,
+        )
+        warnings = self._housekeep(capture.version) if self._layout.rank == 0 else []
+        result = self._result(replace(capture, fingerprint=fp), entry, total, False)
+        return replace(result, kind="anchor", warnings=(*result.warnings, *warnings))
+
+    def _background_anchor(self, version: int, fp: str) -> None:
+        """An anchor of a committed version, streamed from the pinned snapshot; then committed
+        into the pointer beside the deltas. A failure is reported, never raised to the trainer:
+        the deltas carry on, and the next anchor is due at once."""
+        layout, chain = self._layout, self._chain
+        assert chain is not None
+        try:
+            try:
+                entry, _ = self._write_anchor(version, fp, self._anchor_group)
+            finally:
+                self.detector.unpin()
+
+            def commit() -> tuple[None, None]:
+                if layout.rank == 0:
+                    with self._commit_lock:
+                        self._commit(self._with_anchor(entry), None, None)
+                return None, None
+
+            layout.agree(f"committing the anchor of version {version}", commit, self._anchor_group)
+        except Exception as exc:  # noqa: BLE001 - reported with the next result, and logged
+            chain.anchor_started = -(1 << 62)  # due again at the next version
+            self._warn(f"the anchor of version {version} was not committed (the deltas are): {exc}")
+            return
+        chain.anchor_nbytes = entry.nbytes
+        if layout.rank == 0:
+            for warning in self._housekeep(version):
+                self._late_warnings.append(warning)
+
+    def _write_anchor(self, version: int, expected: str | None, group: Any) -> tuple[ChainEntry, str]:
+        """Stream this rank's part of the anchor of ``version`` from the snapshot (pinned by the
+        caller) and the untracked parameters; return the version's entry and fingerprint.
+
+        With ``expected`` (the chain's fingerprint of that version) the streamed values are
+        hashed on the way and must add up to it; without, they are hashed first.
+        """
+        layout = self._layout
+        split = layout.parts > 1
+        params = dict(named_parameters(self.model))
+        shares: list[int] = [0]
+
+        def chunks(name: str) -> Callable[[], Iterator[torch.Tensor]]:
+            owned = layout.slices[name]
+
+            def gen() -> Iterator[torch.Tensor]:
+                if owned.end == owned.begin:
+                    return
+                if self.detector.is_tracked(name):
+                    source: Iterator[torch.Tensor] = self.detector.snapshot_chunks(name)
+                else:  # not trained: its live value is its value at every version
+                    flat = owned.local(params[name])
+                    source = (flat[lo : lo + CHUNK].to(torch.bfloat16) for lo in range(0, flat.numel(), CHUNK))
+                offset = owned.begin
+                for values in source:
+                    shares[0] += fingerprint_slice_share(name, values.cpu(), offset)
+                    offset += values.numel()
+                    yield values
+
+            return gen
+
+        sources = [
+            AnchorSource(name, owned.shape, owned.begin if split else 0, owned.end if split else owned.numel, chunks(name))
+            for name, owned in layout.slices.items()
+            if split or layout.writer
+        ]
+        if expected is None:
+            for source in sources:
+                for _ in source.chunks():
+                    pass
+            _, all_shares = layout.agree(f"hashing the anchor of version {version}", lambda: (None, shares[0]), group)
+            expected, shares[0] = format_fingerprint(sum(all_shares)), 0
+        total = sum(self._numels.values())
+        path = part_path("anchor", version, layout.part) if split else anchor_path(version)
+
+        def write() -> tuple[None, tuple[PartEntry | None, int]]:
+            if not layout.writer:
+                return None, (None, 0)
+            stream = anchor_stream(
+                sources, version=version, fingerprint=expected, total=total,
+                part=layout.part if split else None, parts=layout.parts if split else None,
+                extra_metadata=self.anchor_metadata,
+            )
+            nbytes, digest = write_stream(self.store, path, stream)
+            changed = sum(s.end - s.begin for s in sources)
+            return None, (PartEntry(path=path, nbytes=nbytes, sha256=digest, changed=changed), shares[0])
+
+        _, written = layout.agree(f"writing the anchor of version {version}", write, group)
+        got = format_fingerprint(sum(share for _, share in written))
+        if got != expected:
+            raise IntegrityError(
+                f"the anchor of version {version} hashes to {got}, the chain says {expected} (a parameter "
+                "that is not trained changed, or the snapshot is not the published state)"
+            )
+        return _entry("anchor", version, expected, [w for w, _ in written if w is not None], split), expected
+
+    def _with_anchor(self, entry: ChainEntry) -> Pointer:
+        """The pointer with a newly complete anchor, and the window of what it keeps (rank 0,
+        under the commit lock)."""
+        pointer = self._pointer
+        assert pointer is not None
+        anchors = (*pointer.anchors, entry)
+        keep = anchors[-self.options.keep_anchors :]
+        base = pointer.base
+        if len(anchors) > len(keep):
+            # Deltas are kept from the anchor before the kept ones: a follower up to one anchor
+            # interval behind still catches up with deltas alone.
+            base = max(base, anchors[-len(keep) - 1].version)
+        fp = pointer.fingerprint_at(base)
+        assert fp is not None
+        chain = tuple(item for item in pointer.chain if item.version > base)
+        return replace(pointer, anchors=keep, base=base, base_fingerprint=fp, chain=chain)
+
+    # ------------------------------------------------------------------ commit (rank 0)
+
+    def _commit(self, pointer: Pointer, version: int | None, record: dict[str, object] | None) -> None:
+        """History, then the pointer: the commit point (rank 0, under the commit lock). A
+        failure leaves the history as it was."""
+        history = dict(self._history)
+        if record is not None:
+            assert version is not None
+            history[version] = record
+        for item in pointer.anchors:
+            if item.version in history and "anchor_nbytes" not in history[item.version]:
+                history[item.version] = {**history[item.version], "anchor_nbytes": item.nbytes}
+        lines = [json.dumps(history[v], sort_keys=True) for v in sorted(history)]
         self.store.write_bytes(HISTORY_PATH, ("\n".join(lines) + "\n").encode())
+        self.store.write_bytes(POINTER_PATH, pointer.to_bytes())  # the commit point
+        self._history, self._pointer = history, pointer
+
+    @staticmethod
+    def _record(kind: str, entry: ChainEntry, total: int) -> dict[str, object]:
+        return {
+            "version": entry.version, "kind": kind, "path": entry.path or entry.parts[0].path, "nbytes": entry.nbytes,
+            "changed": entry.changed, "total": total, "fingerprint": entry.fingerprint, "seconds": 0.0,
+            "time": time.time(),
+        }
+
+    def _result(self, capture: _Capture, entry: ChainEntry, total: int, scheduled: bool) -> PublishResult:
+        seconds = time.perf_counter() - capture.started
+        if self._layout.rank == 0 and capture.version in self._history:
+            self._history[capture.version]["seconds"] = seconds
+        warnings, self._late_warnings = tuple(self._late_warnings), []
+        return PublishResult(
+            version=capture.version, kind="delta", path=entry.path or entry.parts[0].path, nbytes=entry.nbytes,
+            changed=entry.changed, total=total, fingerprint=capture.fingerprint, seconds=seconds,
+            blocked_s=capture.blocked_s, anchor_scheduled=scheduled, warnings=warnings,
+        )
+
+    def _warn(self, message: str) -> None:
+        logger.warning("deltasync: %s", message)
+        self._late_warnings.append(message)
 
     def _housekeep(self, version: int) -> list[str]:
-        """Retention and temp-file cleaning after anchor ``version`` was committed: never raises;
-        returns the warnings for the publish result (also logged)."""
+        """Retention and temp-file cleaning after the anchor of ``version`` was committed:
+        never raises; returns the warnings (also logged)."""
         warnings: list[str] = []
         try:
-            self._retain(version)
+            self._retain()
         except Exception as exc:  # noqa: BLE001  (reported, not raised: the version is committed)
-            warnings.append(f"retention after version {version} failed, old files are left: {exc}")
+            warnings.append(f"retention after the anchor of version {version} failed, old files are left: {exc}")
             logger.warning("deltasync: %s", warnings[-1])
         self._clean_temp()
         return warnings
 
-    def _retain(self, newest_anchor: int) -> None:
-        """Delete files older than the ``keep_anchors`` newest anchor chains."""
-        anchors = sorted(
-            {v for v in (_version_of(p) for p in self.store.list("anchors/")) if v is not None and v <= newest_anchor}
-        )
-        if len(anchors) < self.options.keep_anchors:
-            return
-        keep_from = anchors[-self.options.keep_anchors]
+    def _retain(self) -> None:
+        """Delete the data files the pointer no longer needs: anchors older than its oldest
+        anchor, and deltas at or below its base. Nothing else is ever deleted."""
+        with self._commit_lock:
+            pointer = self._pointer
+        assert pointer is not None
+        oldest = pointer.anchors[0].version
         stale = [
             path
             for path in (*self.store.list("anchors/"), *self.store.list("deltas/"))
-            if (v := _version_of(path)) is not None and v < keep_from
+            if (found := _version_of(path)) is not None
+            and (found < oldest if path.startswith("anchors/") else found <= pointer.base)
         ]
         if stale:
             self.store.delete(stale)
@@ -526,14 +676,39 @@ class DeltaPublisher:
             logger.info("deltasync: removed %d stale temporary file(s) in %s", len(removed), self.store.url)
 
     def close(self) -> None:
-        """Detach from the optimizer."""
-        self.detector.close()
+        """Wait for the version and the anchor in flight, then detach from the optimizer.
+
+        Raises the failure of a version nobody looked at."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.flush()
+        finally:
+            self._jobs.shutdown(wait=True)
+            self._anchors.shutdown(wait=True)
+            self.detector.close()
 
     def __enter__(self) -> DeltaPublisher:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _entry(kind: str, version: int, fp: str, files: list[PartEntry], split: bool) -> ChainEntry:
+    """The chain entry of a version from its written files (one, or one per part)."""
+    if split:
+        files.sort(key=lambda item: int(item.path.rsplit(".part", 1)[1].split(".")[0]))
+        return ChainEntry(
+            version=version, kind=kind, path="", nbytes=sum(f.nbytes for f in files), sha256="", fingerprint=fp,
+            changed=sum(f.changed for f in files), parts=tuple(files),
+        )
+    (only,) = files
+    return ChainEntry(
+        version=version, kind=kind, path=only.path, nbytes=only.nbytes, sha256=only.sha256, fingerprint=fp,
+        changed=only.changed,
+    )
 
 
 def _publish_options(options: PublishOptions | None, overrides: dict[str, Any]) -> PublishOptions:
@@ -552,4 +727,3 @@ def _version_of(path: str) -> int | None:
     """The version of a data file this publisher writes; None for any other name."""
     match = _OWNED_RE.fullmatch(path)
     return None if match is None else int(match.group(1))
-

@@ -19,7 +19,7 @@ from ._format import (
     Change,
     Pointer,
 )
-from ._parts import decode_version, fetch_version
+from ._parts import LazyFiles, decode_version, fetch_version
 from .stores import open_store, read_limited
 
 if TYPE_CHECKING:
@@ -243,7 +243,7 @@ class DeltaReceiver:
                     pointer = newer
             raise AssertionError("unreachable")
         except IntegrityError:
-            if self._version is None or self._version < pointer.anchor:
+            if not pointer.replays_from(self._version, self._fingerprint):
                 raise
             # Replaying on our own state failed a fingerprint check: the file may be fine and
             # our copy wrong. Rebuild from the anchor; if that fails too, the bucket is at fault.
@@ -284,10 +284,13 @@ class DeltaReceiver:
             raise VersionError(
                 f"version {target} is older than the receiver's version {self._version}; versions only move forward"
             )
-        if target < pointer.anchor:
+        own = not from_anchor and pointer.replays_from(self._version, self._fingerprint)
+        anchor = None if own else pointer.anchor_for(target)
+        if not own and anchor is None:
+            oldest = pointer.anchors[0].version
             raise VersionError(
-                f"version {target} is older than the newest anchor ({pointer.anchor}) in {url} and may be "
-                f"gone; sync to a version in {pointer.anchor}..{pointer.version}"
+                f"version {target} is older than every anchor in {url} (the oldest is {oldest}) and "
+                f"the receiver cannot reach it by deltas; sync to a version in {oldest}..{pointer.version}"
             )
         if self._manifest is not None:
             elements = sum(math.prod(shape) for shape in self._manifest.values())
@@ -296,9 +299,6 @@ class DeltaReceiver:
                     f"{url}/{POINTER_PATH}: the bucket's state has {pointer.total} elements, the receiver "
                     f"serves {elements} (another model's weights, or a rewritten pointer)"
                 )
-        own = not from_anchor and self._version is not None and self._version >= pointer.anchor
-        if own and pointer.entry(self._version).fingerprint != self._fingerprint:  # type: ignore[arg-type]
-            own = False  # our state is not the bucket's: start again from the anchor
         staged = StagedUpdate(
             from_version=self._version,
             from_fingerprint=self._fingerprint,
@@ -313,11 +313,13 @@ class DeltaReceiver:
             staged._base = self._state
             first = self._version + 1  # type: ignore[operator]
         else:
-            entry = pointer.entry(pointer.anchor)
-            files = self._read_version(entry)
-            where = self._where(entry)
-            header, tensors = decode_version(files, entry, url=url)  # type: ignore[assignment]
-            self._check_header(header, entry, pointer, where)
+            assert anchor is not None
+            # Fetched part by part into buffers the tensors are views of: the encoded file
+            # and the decoded tensors are never both in memory.
+            files = LazyFiles(self.store, anchor)
+            where = self._where(anchor)
+            header, tensors = decode_version(files, anchor, url=url)  # type: ignore[assignment]
+            self._check_header(header, anchor, pointer, where)
             got = fingerprint(tensors)
             if got != header.fingerprint:
                 raise IntegrityError(
@@ -327,12 +329,12 @@ class DeltaReceiver:
             self._check_manifest(tensors, where)
             staged._base = tensors
             staged.fingerprint = got
-            staged.versions.append(entry.version)
-            staged.nbytes += sum(map(len, files))
-            first = pointer.anchor + 1
+            staged.versions.append(anchor.version)
+            staged.nbytes += files.nbytes
+            first = anchor.version + 1
         numels = {name: t.numel() for name, t in staged._base.items()}
         for v in range(first, target + 1):
-            entry = pointer.entry(v)
+            entry = pointer.delta(v)
             files = self._read_version(entry)
             where = self._where(entry)
             header, changes = decode_version(  # type: ignore[assignment]
@@ -396,8 +398,9 @@ class DeltaReceiver:
             raise VersionError(f"{where}: the file is version {header.version}, the pointer lists it as {entry.version}")
         if header.kind != entry.kind:
             raise FormatError(f"{where}: the file is a(n) {header.kind}, the pointer lists a(n) {entry.kind}")
-        if header.anchor != pointer.anchor:
-            raise VersionError(f"{where}: descends from anchor {header.anchor}, the pointer's anchor is {pointer.anchor}")
+        root = entry.version if entry.kind == "anchor" else pointer.root
+        if header.anchor != root:
+            raise VersionError(f"{where}: descends from anchor {header.anchor}, the pointer's chain grew from {root}")
         if header.fingerprint != entry.fingerprint:
             raise IntegrityError(
                 f"{where}: fingerprint {header.fingerprint} in the file, {entry.fingerprint} in the pointer"

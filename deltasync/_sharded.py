@@ -25,7 +25,7 @@ import torch
 
 from ._errors import ConfigError, PublishError
 
-__all__ = ["ShardLayout", "OwnedSlice", "shard_layout", "check_not_zero3"]
+__all__ = ["ShardLayout", "OwnedSlice", "shard_layout", "solo_layout", "check_not_zero3"]
 
 T = TypeVar("T")
 
@@ -73,32 +73,42 @@ class ShardLayout:
 
     # -------------------------------------------------------------- collectives
 
-    def all_gather(self, value: T) -> list[T]:
+    def all_gather(self, value: T, group: Any = None) -> list[T]:
+        """Every rank's ``value`` (over ``group``, default the default process group)."""
+        if self.world == 1:
+            return [value]
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, value)
+        dist.all_gather_object(out, value, group=group)
         return out
 
     def from_rank0(self, value: T) -> T:
+        if self.world == 1:
+            return value
         import torch.distributed as dist
 
         box: list[Any] = [value]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def agree(self, what: str, step: Callable[[], T]) -> tuple[T, list[Any]]:
+    def agree(self, what: str, step: Callable[[], T], group: Any = None) -> tuple[T, list[Any]]:
         """Run ``step`` on this rank and learn every rank's outcome; if any failed, all raise.
 
         Returns this rank's result and every rank's second tuple element (``step`` returns
-        ``(result, shared)``; ``shared`` must be small and picklable).
+        ``(result, shared)``; ``shared`` must be small and picklable). ``group``: the process
+        group to agree over (a background thread needs one of its own); in a world of one
+        nothing is exchanged and a failure raises as it is.
         """
+        if self.world == 1:
+            result, shared = step()  # type: ignore[misc]
+            return result, [shared]
         try:
             result, shared = step()  # type: ignore[misc]
             error = None
         except Exception as exc:  # noqa: BLE001 - every rank must learn about any failure
             result, shared, error, caught = None, None, f"{type(exc).__name__}: {exc}", exc
-        outcomes = self.all_gather((error, shared))
+        outcomes = self.all_gather((error, shared), group)
         failed = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
         if failed:
             detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
@@ -107,6 +117,21 @@ class ShardLayout:
                 raise PublishError(message) from caught
             raise PublishError(message)
         return result, [s for _, s in outcomes]  # type: ignore[return-value]
+
+    def new_group(self) -> Any:
+        """A process group of its own for a background thread's collectives (collective: every
+        rank calls it, in the same order); None in a world of one."""
+        if self.world == 1:
+            return None
+        import torch.distributed as dist
+
+        return dist.new_group(backend="gloo")
+
+
+def solo_layout(named: Sequence[tuple[str, torch.Tensor]]) -> ShardLayout:
+    """The layout of a single process: a world of one that owns and writes everything."""
+    slices = {n: OwnedSlice(tuple(p.shape), 0, p.numel(), False) for n, p in named}
+    return ShardLayout(rank=0, world=1, writer=True, part=0, parts=1, description="one process", slices=slices)
 
 
 def _local_tensor(param: torch.Tensor) -> torch.Tensor:

@@ -117,8 +117,11 @@ def _verify(args: argparse.Namespace) -> int:
 
     receiver = DeltaReceiver(args.bucket)
     pointer = receiver.pointer()
-    print(f"{receiver.store.url}: versions {pointer.anchor}..{pointer.version} (anchor {pointer.anchor})")
-    for entry in pointer.chain:
+    first = pointer.anchors[0]
+    anchors = ", ".join(str(a.version) for a in pointer.anchors)
+    print(f"{receiver.store.url}: versions {first.version}..{pointer.version} (anchors {anchors})")
+    entries = [first, *(e for e in pointer.chain if e.version > first.version)]
+    for entry in entries:
         try:
             staged = receiver.stage(entry.version)
         except DeltaSyncError as exc:
@@ -132,7 +135,16 @@ def _verify(args: argparse.Namespace) -> int:
             f"version {entry.version}: ok  {entry.kind:6s} {_human(entry.nbytes):>10s}  "
             f"fingerprint {receiver.fingerprint}{parts}"
         )
-    print(f"ok: {len(pointer.chain)} versions verified, state fingerprint {receiver.fingerprint}")
+    for entry in pointer.anchors[1:]:  # every other anchor must give the state of its version
+        late = DeltaReceiver(args.bucket)
+        try:
+            late.apply(late.stage(entry.version))
+        except DeltaSyncError as exc:
+            print(f"anchor {entry.version}: BAD: {exc}")
+            print(f"error: the anchor of version {entry.version} is bad ({', '.join(f.path for f in entry.files)})", file=sys.stderr)
+            return 1
+        print(f"anchor {entry.version}: ok  {_human(entry.nbytes):>10s}  fingerprint {late.fingerprint}")
+    print(f"ok: {len(entries) + len(pointer.anchors) - 1} files verified, state fingerprint {receiver.fingerprint}")
     return 0
 
 
@@ -162,6 +174,12 @@ def _history(bucket: str) -> tuple[Pointer, list[dict]]:
         records[entry.version].update(
             kind=entry.kind, nbytes=entry.nbytes, changed=entry.changed, total=pointer.total, files=len(entry.files)
         )
+    for entry in pointer.anchors:
+        record = records.setdefault(entry.version, {"version": entry.version, "kind": "anchor", "nbytes": 0,
+                                                    "changed": entry.changed, "total": pointer.total})  # fmt: skip
+        record["anchor_nbytes"] = entry.nbytes
+        if record.get("kind") == "anchor":
+            record.update(nbytes=entry.nbytes, files=len(entry.files))
     return pointer, [records[v] for v in sorted(records) if v <= pointer.version]
 
 
@@ -173,10 +191,12 @@ def _stats(args: argparse.Namespace) -> int:
     for r in records:
         frac = r["changed"] / r["total"] if r.get("total") else 0.0
         seconds = r.get("seconds")
-        rows.append([str(r["version"]), r["kind"], _human(r["nbytes"]), f"{100 * frac:.3f}%",
+        beside = _human(r["anchor_nbytes"]) if "anchor_nbytes" in r and r["kind"] != "anchor" else "-"
+        rows.append([str(r["version"]), r["kind"], _human(r["nbytes"]), beside, f"{100 * frac:.3f}%",
                      "-" if seconds is None else f"{seconds:.2f}"] + ([str(r.get("files", "-"))] if split else []))
-    print(_table(rows, ["version", "kind", "bytes", "changed", "publish s"] + (["files"] if split else [])))
-    anchors = [r["nbytes"] for r in records if r["kind"] == "anchor"]
+    headers = ["version", "kind", "bytes", "anchor beside", "changed", "publish s"]
+    print(_table(rows, headers + (["files"] if split else [])))
+    anchors = [r["anchor_nbytes"] for r in records if "anchor_nbytes" in r]
     shipped = sum(r["nbytes"] for r in records)
     if anchors:
         full = anchors[-1] * len(records)

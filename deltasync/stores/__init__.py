@@ -6,10 +6,20 @@ conformance suite (``tests/stores/test_conformance.py``).
 
 from __future__ import annotations
 
-from ._base import Store, read_limited
+from ._base import Store, StreamingStore, read_buffer, read_limited, write_stream
 from ._fsspec import FsspecStore
 from ._hf import HfBucketStore
 from ._local import LocalStore
 from ._open import open_store
 
-__all__ = ["FsspecStore", "HfBucketStore", "LocalStore", "Store", "open_store", "read_limited"]
+__all__ = [
+    "FsspecStore",
+    "HfBucketStore",
+    "LocalStore",
+    "Store",
+    "StreamingStore",
+    "open_store",
+    "read_buffer",
+    "read_limited",
+    "write_stream",
+]

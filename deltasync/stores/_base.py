@@ -8,13 +8,14 @@ this small is what lets one conformance suite prove every backend equivalent.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from .._errors import ConfigError
 
-__all__ = ["Store", "check_path", "check_prefix", "read_limited"]
+__all__ = ["Store", "StreamingStore", "check_path", "check_prefix", "read_buffer", "read_limited", "write_stream"]
 
 _EXAMPLE = "'anchors/00000000.safetensors'"
 
@@ -59,6 +60,48 @@ class Store(Protocol):
     def delete(self, paths: Iterable[str]) -> None:
         """Delete the files; a file that is already gone is not an error."""
         ...
+
+
+@runtime_checkable
+class StreamingStore(Protocol):
+    """Optional capabilities a :class:`Store` may add, so that big files (anchors) never need
+    to be whole in memory. A store without them works through :func:`write_stream` and
+    :func:`read_buffer`, which then hold one whole file."""
+
+    def write_stream(self, path: str, chunks: Iterable[bytes | memoryview]) -> None:
+        """Create or replace the file atomically with the concatenated chunks, holding at most
+        one chunk at a time. If the iteration raises, the file is left as it was."""
+        ...
+
+    def read_buffer(self, path: str, limit: int) -> bytearray:
+        """The file's first ``limit + 1`` bytes at most, read into one new writable buffer
+        (so that tensors can be views of it); errors as :meth:`Store.read_bytes`."""
+        ...
+
+
+def write_stream(store: Store, path: str, chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
+    """Write the chunks as one file (streamed where the store can); return its size and SHA-256."""
+    digest, size = hashlib.sha256(), 0
+
+    def counted() -> Iterable[bytes | memoryview]:
+        nonlocal size
+        for chunk in chunks:
+            digest.update(chunk)
+            size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+            yield chunk
+
+    if isinstance(store, StreamingStore):
+        store.write_stream(path, counted())
+    else:
+        store.write_bytes(path, b"".join(counted()))
+    return size, digest.hexdigest()
+
+
+def read_buffer(store: Store, path: str, limit: int) -> bytearray:
+    """:meth:`StreamingStore.read_buffer` where the store has it; else the bytes, copied."""
+    if isinstance(store, StreamingStore):
+        return store.read_buffer(path, limit)
+    return bytearray(read_limited(store, path, limit))
 
 
 def read_limited(store: Store, path: str, limit: int) -> bytes:

@@ -7,6 +7,7 @@ smb) do not; use them only for experiments, or mount them and use a ``LocalStore
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterable
 from typing import Any
 
@@ -98,6 +99,47 @@ class FsspecStore:
                 f"cannot write {path!r} to bucket {self.url}: {e!r}; check the URL and that "
                 "your credentials may write there"
             ) from e
+
+    def write_stream(self, path: str, chunks: Iterable[bytes | memoryview]) -> None:
+        # Spooled to a local file, then one put: an object store replaces the object in one
+        # PUT (or one completed multipart upload), so a failed iteration uploads nothing.
+        full = self._full(path)
+        with tempfile.NamedTemporaryFile(prefix="deltasync-", suffix=".tmp") as spool:
+            for chunk in chunks:
+                spool.write(chunk)
+            spool.flush()
+            try:
+                try:
+                    self.fs.put_file(spool.name, full)
+                except FileNotFoundError:
+                    self.fs.makedirs(full.rpartition("/")[0], exist_ok=True)
+                    self.fs.put_file(spool.name, full)
+            except Exception as e:
+                raise StoreError(
+                    f"cannot write {path!r} to bucket {self.url}: {e!r}; check the URL and that "
+                    "your credentials may write there"
+                ) from e
+
+    def read_buffer(self, path: str, limit: int) -> bytearray:
+        full = self._full(path)
+        try:
+            with self.fs.open(full, "rb") as f:
+                buffer = bytearray(min(limit + 1, self.fs.size(full)))
+                view, got = memoryview(buffer), 0
+                while got < len(buffer):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+                del view
+                del buffer[got:]
+                return buffer
+        except FileNotFoundError as e:
+            raise NotFoundError(f"{path!r} is not in bucket {self.url}") from e
+        except IsADirectoryError as e:
+            raise NotFoundError(f"{path!r} in bucket {self.url} is a directory, not a file") from e
+        except Exception as e:
+            raise StoreError(f"cannot read {path!r} from bucket {self.url}: {e!r}") from e
 
     def exists(self, path: str) -> bool:
         full = self._full(path)

@@ -12,11 +12,12 @@ signatures through ``api=``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from huggingface_hub.errors import BucketBatchError, BucketNotFoundError, EntryNotFoundError
 
@@ -83,6 +84,22 @@ class HfBucketStore:
         return StoreError(f"cannot {action} {what} in bucket {self.url}: {error!r}")
 
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        with self._download(path) as f:
+            if limit is None:
+                return f.read()
+            # read(n) allocates n bytes up front: never more than the file holds.
+            return f.read(min(limit, os.fstat(f.fileno()).st_size) + 1)
+
+    def read_buffer(self, path: str, limit: int) -> bytearray:
+        with self._download(path) as f:
+            buffer = bytearray(min(limit + 1, os.fstat(f.fileno()).st_size))
+            got = f.readinto(buffer)
+            del buffer[got:]
+            return buffer
+
+    @contextlib.contextmanager
+    def _download(self, path: str) -> Iterator[BinaryIO]:
+        """The file, downloaded to disk (memory holds only what the caller reads of it)."""
         remote = self._remote(path)
         # Downloads write the destination in place, so download into a private directory and
         # read from there: no other reader can see a half-written file.
@@ -100,17 +117,14 @@ class HfBucketStore:
             except Exception as e:
                 raise self._error("read", repr(path), e) from e
             try:
-                # The download goes to disk; memory holds at most limit + 1 bytes of it.
-                with open(local, "rb") as f:
-                    if limit is None:
-                        return f.read()
-                    # read(n) allocates n bytes up front: never more than the file holds.
-                    return f.read(min(limit, os.fstat(f.fileno()).st_size) + 1)
+                f = open(local, "rb")
             except FileNotFoundError as e:
                 raise StoreError(
                     f"cannot read {path!r} from bucket {self.url}: the download reported "
                     "success but wrote no file"
                 ) from e
+            with f:
+                yield f
 
     def write_bytes(self, path: str, data: bytes) -> None:
         remote = self._remote(path)
@@ -121,6 +135,20 @@ class HfBucketStore:
             )
         except Exception as e:
             raise self._error("write", repr(path), e) from e
+
+    def write_stream(self, path: str, chunks: Iterable[bytes | memoryview]) -> None:
+        remote = self._remote(path)
+        # Spooled to a local file, then uploaded from its path: a single path flips to the new
+        # content in one step, and a failed iteration uploads nothing.
+        with tempfile.TemporaryDirectory(prefix="deltasync-hf-") as tmp:
+            local = Path(tmp) / "upload"
+            with open(local, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+            try:
+                self.api.batch_bucket_files(self.bucket_id, add=[(str(local), remote)], token=self._token)
+            except Exception as e:
+                raise self._error("write", repr(path), e) from e
 
     def exists(self, path: str) -> bool:
         remote = self._remote(path)

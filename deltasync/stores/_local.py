@@ -55,7 +55,31 @@ class LocalStore:
         except OSError as e:
             raise StoreError(f"cannot read {path!r} from bucket {self.url}: {e}") from e
 
+    def read_buffer(self, path: str, limit: int) -> bytearray:
+        target = self._file(path)
+        try:
+            with open(target, "rb") as f:
+                buffer = bytearray(min(limit + 1, os.fstat(f.fileno()).st_size))
+                view, got = memoryview(buffer), 0
+                while got < len(buffer):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+                del view
+                del buffer[got:]
+                return buffer
+        except FileNotFoundError as e:
+            raise NotFoundError(f"{path!r} is not in bucket {self.url} (no file {target})") from e
+        except IsADirectoryError as e:
+            raise NotFoundError(f"{path!r} in bucket {self.url} is a directory, not a file ({target})") from e
+        except OSError as e:
+            raise StoreError(f"cannot read {path!r} from bucket {self.url}: {e}") from e
+
     def write_bytes(self, path: str, data: bytes) -> None:
+        self.write_stream(path, (data,))
+
+    def write_stream(self, path: str, chunks: Iterable[bytes | memoryview]) -> None:
         target = self._file(path)
         tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
         try:
@@ -65,7 +89,8 @@ class LocalStore:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             try:
                 with os.fdopen(fd, "wb") as f:
-                    f.write(data)
+                    for chunk in chunks:
+                        f.write(chunk)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, target)

@@ -294,7 +294,7 @@ def _publish_split(world, old: dict[str, torch.Tensor], parts: int = 2) -> int:
         version=version, kind="delta", path="", nbytes=sum(f.nbytes for f in files), sha256="", fingerprint=fp,
         changed=sum(f.changed for f in files), parts=tuple(files),
     )  # fmt: skip
-    store.write_bytes("latest.json", Pointer(version=version, anchor=pointer.anchor, fingerprint=fp,
+    store.write_bytes("latest.json", Pointer.from_chain(version=version, anchor=pointer.anchor, fingerprint=fp,
                                              total=pointer.total, chain=(*pointer.chain, entry)).to_bytes())  # fmt: skip
     return version
 

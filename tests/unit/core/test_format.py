@@ -158,7 +158,7 @@ def example_files() -> dict[str, bytes]:
             changed=6,
         ),
     )
-    pointer = F.Pointer(version=1, anchor=0, fingerprint=fp1, total=10, chain=chain).to_bytes()
+    pointer = F.Pointer.from_chain(version=1, anchor=0, fingerprint=fp1, total=10, chain=chain).to_bytes()
     return {"anchor": anchor, "raw": raw, "zstd": zstd, "pointer": pointer}
 
 
@@ -353,7 +353,7 @@ BIG_GAP_STREAMS = {
     "esc_hi": "7800",
 }
 
-POINTER_TEXT = """\
+POINTER_V1_TEXT = """\
 {
  "anchor": 0,
  "chain": [
@@ -379,6 +379,43 @@ POINTER_TEXT = """\
  "fingerprint": "d4da98557a0e9731",
  "format": "deltasync",
  "format_version": 1,
+ "total": 10,
+ "version": 1
+}
+"""
+
+# The same chain as a format 3 pointer (anchors beside deltas): what a writer writes now.
+POINTER_TEXT = """\
+{
+ "anchor": 0,
+ "anchors": [
+  {
+   "changed": 10,
+   "fingerprint": "11187f76270f9daf",
+   "kind": "anchor",
+   "nbytes": 380,
+   "path": "anchors/00000000.safetensors",
+   "sha256": "deb5a3f8e553c8bd880b37efe7b588496c0bf915080367f7b4fd56ebb33742b8",
+   "version": 0
+  }
+ ],
+ "base": 0,
+ "base_fingerprint": "11187f76270f9daf",
+ "chain": [
+  {
+   "changed": 6,
+   "fingerprint": "d4da98557a0e9731",
+   "kind": "delta",
+   "nbytes": 596,
+   "path": "deltas/00000001.safetensors",
+   "sha256": "fe97a7f238a842097ed4e5de5339ecb61cfde25deb86a5dfe2d436faefdccfd7",
+   "version": 1
+  }
+ ],
+ "fingerprint": "d4da98557a0e9731",
+ "format": "deltasync",
+ "format_version": 3,
+ "root": 0,
  "total": 10,
  "version": 1
 }
@@ -471,10 +508,18 @@ def test_pointer_golden_bytes() -> None:
     assert data.decode() == POINTER_TEXT
     pointer = Pointer.from_bytes(data)
     assert (pointer.version, pointer.anchor, pointer.fingerprint, pointer.total) == (1, 0, FP1, 10)
-    assert pointer.entry(1).sha256 == F.sha256_hex(example_files()["raw"])
+    assert (pointer.root, pointer.base, pointer.base_fingerprint) == (0, 0, FP0)
+    assert pointer.delta(1).sha256 == F.sha256_hex(example_files()["raw"])
+    assert pointer.anchors[0].sha256 == F.sha256_hex(example_files()["anchor"])
     assert pointer.to_bytes() == data
     # Canonical form: the same JSON dumped with sorted keys and a one-space indent.
     assert json.dumps(json.loads(data), sort_keys=True, indent=1) + "\n" == data.decode()
+
+
+def test_format_1_pointer_is_still_read_as_the_same_chain() -> None:
+    old = Pointer.from_bytes(POINTER_V1_TEXT.encode())
+    assert old == Pointer.from_bytes(POINTER_TEXT.encode())
+    assert old.to_bytes().decode() == POINTER_TEXT  # rewritten, it is format 3
 
 
 def test_fingerprint_golden() -> None:
@@ -1174,7 +1219,7 @@ def test_malformed_anchor_is_refused(case: str) -> None:
 
 
 def _pointer(**changes: object) -> bytes:
-    body = json.loads(POINTER_TEXT)
+    body = json.loads(POINTER_V1_TEXT)
     for key, value in changes.items():
         if value is None:
             body.pop(key)
@@ -1184,9 +1229,25 @@ def _pointer(**changes: object) -> bytes:
 
 
 def _chain(k: int, **changes: object) -> list[dict]:
-    chain = json.loads(POINTER_TEXT)["chain"]
+    chain = json.loads(POINTER_V1_TEXT)["chain"]
     chain[k].update(changes)
     return chain
+
+
+def _pointer3(**changes: object) -> bytes:
+    body = json.loads(POINTER_TEXT)
+    for key, value in changes.items():
+        if value is None:
+            body.pop(key)
+        else:
+            body[key] = value
+    return json.dumps(body).encode()
+
+
+def _entries3(key: str, k: int, **changes: object) -> list[dict]:
+    items = json.loads(POINTER_TEXT)[key]
+    items[k].update(changes)
+    return items
 
 
 BAD_POINTERS = {
@@ -1194,9 +1255,9 @@ BAD_POINTERS = {
     "not UTF-8": (lambda: b"\xff", "not a deltasync pointer (invalid JSON"),
     "a JSON list": (lambda: b"[]", "not a deltasync pointer (format is not 'deltasync')"),
     "no format": (lambda: _pointer(format=None), "not a deltasync pointer (format is not 'deltasync')"),
-    "format_version 3": (
-        lambda: _pointer(format_version=3),
-        "format_version 3 is not supported (this deltasync reads 1, 2); upgrade deltasync",
+    "format_version 4": (
+        lambda: _pointer(format_version=4),
+        "format_version 4 is not supported (this deltasync reads 1, 2, 3); upgrade deltasync",
     ),
     "format_version as a string": (lambda: _pointer(format_version="1"), "format_version '1' is not supported"),
     "missing total": (lambda: _pointer(total=None), "malformed pointer (KeyError('total'))"),
@@ -1232,6 +1293,33 @@ BAD_POINTERS = {
         lambda: _pointer(fingerprint=FP0),
         "the pointer's fingerprint disagrees with its last chain entry",
     ),
+    # Format 3: anchors beside the deltas.
+    "3: no anchors": (lambda: _pointer3(anchors=[]), "anchors must be a list of 1 to 1024 entries, got a list of 0"),
+    "3: anchors not a list": (lambda: _pointer3(anchors={}), "anchors must be a list of 1 to 1024 entries, got dict"),
+    "3: missing base": (lambda: _pointer3(base=None), "malformed pointer (KeyError('base'))"),
+    "3: chain not after base": (lambda: _pointer3(base=1), "the chain must list versions 2..1 in order, got [1]"),
+    "3: an anchor past the version": (
+        lambda: _pointer3(anchors=_entries3("anchors", 0, version=2, path="anchors/00000002.safetensors"), anchor=2),
+        "anchors must be distinct ascending versions within 0..1, got [2]",
+    ),
+    "3: anchor is not the newest": (lambda: _pointer3(anchor=1), "anchor 1 is not the newest of its anchors (0)"),
+    "3: a delta in anchors/": (
+        lambda: _pointer3(chain=_entries3("chain", 0, path="anchors/00000001.safetensors")),
+        "version 1 names an invalid path 'anchors/00000001.safetensors'",
+    ),
+    "3: an anchor listed as a delta": (
+        lambda: _pointer3(anchors=_entries3("anchors", 0, kind="delta")),
+        "version 0 should be a anchor, not 'delta'",
+    ),
+    "3: an anchor whose fingerprint disagrees": (
+        lambda: _pointer3(anchors=_entries3("anchors", 0, fingerprint=FP1)),
+        "the anchor of version 0 disagrees with the chain's fingerprint",
+    ),
+    "3: base fingerprint disagrees": (
+        lambda: _pointer3(base=1, chain=[], base_fingerprint=FP0),
+        "the pointer's fingerprint disagrees with its last chain entry",
+    ),
+    "3: root after base": (lambda: _pointer3(root=1), "root 1, base 0 and version 1 are out of order"),
 }
 
 
@@ -1269,10 +1357,10 @@ def example_bucket(root: Path, *, codec: str = "raw", delta: bytes | None = None
     """The worked example as a bucket, written from the format alone (no publisher)."""
     files = example_files()
     data = files[codec] if delta is None else delta
-    chain = json.loads(POINTER_TEXT)["chain"]
+    chain = json.loads(POINTER_V1_TEXT)["chain"]
     chain[1].update(nbytes=len(data), sha256=F.sha256_hex(data))
     chain[1].update(entry or {})
-    pointer = json.loads(POINTER_TEXT)
+    pointer = json.loads(POINTER_V1_TEXT)
     pointer.update(chain=chain, fingerprint=chain[1]["fingerprint"])
     write_bucket(
         root,

@@ -117,7 +117,7 @@ def with_value(text: str, choose: int, raw: str) -> str:
     return json.dumps(obj, separators=(",", ":")).replace('"@@MARK@@"', raw, 1)
 
 
-POINTER = Pointer(
+POINTER = Pointer.from_chain(
     version=2,
     anchor=0,
     fingerprint="0123456789abcdef",
@@ -142,9 +142,9 @@ def test_any_pointer_value_is_checked_or_refused(choose: int, raw: str) -> None:
         pointer = Pointer.from_bytes(text.encode())
     except DeltaSyncError:
         return
-    for value in (pointer.version, pointer.anchor, pointer.total, *(e.nbytes for e in pointer.chain)):
+    for value in (pointer.version, pointer.anchor, pointer.total, *(e.nbytes for e in (*pointer.anchors, *pointer.chain))):
         assert type(value) is int and 0 <= value <= F.MAX_COUNT
-    assert [e.version for e in pointer.chain] == list(range(pointer.anchor, pointer.version + 1))
+    assert [e.version for e in pointer.chain] == list(range(pointer.base + 1, pointer.version + 1))
 
 
 @BUDGET

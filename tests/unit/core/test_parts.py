@@ -77,7 +77,7 @@ def write_split(store, states: list[dict[str, torch.Tensor]], parts: int, codec:
                 fingerprint=fp, changed=sum(f.changed for f in files), parts=tuple(files),
             )
         )  # fmt: skip
-        pointer = Pointer(version=version, anchor=0, fingerprint=fp, total=total, chain=tuple(chain))
+        pointer = Pointer.from_chain(version=version, anchor=0, fingerprint=fp, total=total, chain=tuple(chain))
         store.write_bytes("latest.json", pointer.to_bytes())
 
 
@@ -291,7 +291,7 @@ def test_anchor_parts_that_leave_a_gap_are_refused(tmp_path) -> None:
         files.append(PartEntry(path=part_path("anchor", 0, part), nbytes=len(data), sha256=sha256_hex(data), changed=end - begin + 1 - part))
     entry = ChainEntry(version=0, kind="anchor", path="", nbytes=sum(f.nbytes for f in files), sha256="",
                        fingerprint=fp, changed=sum(f.changed for f in files), parts=tuple(files))  # fmt: skip
-    store.write_bytes("latest.json", Pointer(version=0, anchor=0, fingerprint=fp, total=7, chain=(entry,)).to_bytes())
+    store.write_bytes("latest.json", Pointer.from_chain(version=0, anchor=0, fingerprint=fp, total=7, chain=(entry,)).to_bytes())
     with pytest.raises(FormatError, match="'a.weight' continues at element 4, the parts before end at 2"):
         DeltaReceiver(store).sync()
 
@@ -351,6 +351,6 @@ def test_a_part_listed_as_a_single_file_is_refused(split) -> None:
     split.write_bytes("anchors/00000000.safetensors", data)
     entry = ChainEntry(version=0, kind="anchor", path="anchors/00000000.safetensors", nbytes=len(data),
                        sha256=sha256_hex(data), fingerprint=fingerprint(STATE0), changed=7)  # fmt: skip
-    split.write_bytes("latest.json", Pointer(version=0, anchor=0, fingerprint=entry.fingerprint, total=7, chain=(entry,)).to_bytes())
+    split.write_bytes("latest.json", Pointer.from_chain(version=0, anchor=0, fingerprint=entry.fingerprint, total=7, chain=(entry,)).to_bytes())
     with pytest.raises(FormatError, match="the file is part 1 of 2, the pointer lists one file"):
         DeltaReceiver(split).sync()

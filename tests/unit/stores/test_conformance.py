@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 import threading
@@ -13,7 +14,16 @@ from fake_hf import BUCKET_ID, USED_METHODS, FakeBucketApi
 from huggingface_hub import HfApi
 
 from deltasync._errors import ConfigError, NotFoundError, StoreError
-from deltasync.stores import FsspecStore, HfBucketStore, LocalStore, Store, open_store
+from deltasync.stores import (
+    FsspecStore,
+    HfBucketStore,
+    LocalStore,
+    Store,
+    StreamingStore,
+    open_store,
+    read_buffer,
+    write_stream,
+)
 
 BIG = os.urandom(5 * 1024 * 1024)
 
@@ -367,3 +377,74 @@ def test_read_with_a_limit_returns_at_most_limit_plus_one_bytes(store: Store, li
     assert store.read_bytes("deltas/00000001.safetensors", limit=limit) == b"hello"[: limit + 1]
     with pytest.raises(NotFoundError):
         store.read_bytes("deltas/00000002.safetensors", limit=limit)
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def test_every_backend_streams(store: Store) -> None:
+    assert isinstance(store, StreamingStore)
+
+
+def test_write_stream_round_trip_with_size_and_digest(store: Store) -> None:
+    chunks = [b"abc", memoryview(bytearray(b"defg")), b"", bytes(range(256)) * 40]
+    size, digest = write_stream(store, "anchors/00000003.safetensors", iter(chunks))
+    whole = b"".join(bytes(c) for c in chunks)
+    assert (size, digest) == (len(whole), hashlib.sha256(whole).hexdigest())
+    assert store.read_bytes("anchors/00000003.safetensors") == whole
+    buffer = read_buffer(store, "anchors/00000003.safetensors", len(whole))
+    assert isinstance(buffer, bytearray) and buffer == whole
+    assert read_buffer(store, "anchors/00000003.safetensors", 10) == whole[:11]
+
+
+def test_failed_stream_leaves_the_old_file(store: Store) -> None:
+    store.write_bytes("anchors/00000003.safetensors", b"old")
+
+    def broken():
+        yield b"new bytes"
+        raise RuntimeError("the trainer died mid-anchor")
+
+    with pytest.raises(RuntimeError, match="mid-anchor"):
+        write_stream(store, "anchors/00000003.safetensors", broken())
+    assert store.read_bytes("anchors/00000003.safetensors") == b"old"
+    assert store.list("anchors/") == ["anchors/00000003.safetensors"]
+
+
+def test_read_buffer_of_a_missing_file_is_not_found(store: Store) -> None:
+    with pytest.raises(NotFoundError, match="latest.json"):
+        read_buffer(store, "latest.json", 100)
+
+
+class _FiveMethodStore:
+    """A custom store with only the protocol's five methods (no streaming, no limit)."""
+
+    def __init__(self) -> None:
+        self.url = "custom://five"
+        self.files: dict[str, bytes] = {}
+
+    def read_bytes(self, path: str) -> bytes:
+        if path not in self.files:
+            raise NotFoundError(path)
+        return self.files[path]
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self.files[path] = bytes(data)
+
+    def exists(self, path: str) -> bool:
+        return path in self.files
+
+    def list(self, prefix: str = "") -> list[str]:
+        return sorted(p for p in self.files if p.startswith(prefix))
+
+    def delete(self, paths) -> None:
+        for path in paths:
+            self.files.pop(path, None)
+
+
+def test_a_five_method_store_still_streams_and_reads_buffers() -> None:
+    store = _FiveMethodStore()
+    assert isinstance(store, Store) and not isinstance(store, StreamingStore)
+    size, digest = write_stream(store, "a/b", iter([b"x", memoryview(b"yz")]))
+    assert (size, store.files["a/b"]) == (3, b"xyz")
+    assert digest == hashlib.sha256(b"xyz").hexdigest()
+    assert read_buffer(store, "a/b", 10) == bytearray(b"xyz")
