@@ -1004,8 +1004,9 @@ BAD_DELTAS = {
     ),
     "no metadata at all": (lambda: st_save({"x": torch.zeros(1)}), "not a deltasync file"),
     "format_version 3": (
+        # Pointers are format 3 now; files keep 1 and 2.
         lambda: rebuild(_raw(), meta={"format_version": "3"}),
-        "format_version '3' is not supported (this deltasync reads 1, 2); upgrade deltasync",
+        "format_version '3' is not supported (this deltasync reads files of 1, 2); upgrade deltasync",
     ),
     "format_version 2 without part keys": (
         lambda: rebuild(_raw(), meta={"format_version": "2"}),
@@ -1316,7 +1317,10 @@ BAD_POINTERS = {
         "the anchor of version 0 disagrees with the chain's fingerprint",
     ),
     "3: base fingerprint disagrees": (
-        lambda: _pointer3(base=1, chain=[], base_fingerprint=FP0),
+        lambda: _pointer3(
+            base=1, chain=[], base_fingerprint=FP0, anchor=1,
+            anchors=_entries3("anchors", 0, version=1, path="anchors/00000001.safetensors", fingerprint=FP0),
+        ),
         "the pointer's fingerprint disagrees with its last chain entry",
     ),
     "3: root after base": (lambda: _pointer3(root=1), "root 1, base 0 and version 1 are out of order"),
@@ -1353,15 +1357,19 @@ def write_bucket(root: Path, files: dict[str, bytes]) -> None:
         (root / path).write_bytes(data)
 
 
-def example_bucket(root: Path, *, codec: str = "raw", delta: bytes | None = None, entry: dict | None = None) -> None:
-    """The worked example as a bucket, written from the format alone (no publisher)."""
+def example_bucket(
+    root: Path, *, codec: str = "raw", delta: bytes | None = None, entry: dict | None = None, pointer_format: int = 3
+) -> None:
+    """The worked example as a bucket, written from the format alone (no publisher), with a
+    pointer of format 3 (what writers write) or 1 (an old bucket)."""
     files = example_files()
     data = files[codec] if delta is None else delta
-    chain = json.loads(POINTER_V1_TEXT)["chain"]
-    chain[1].update(nbytes=len(data), sha256=F.sha256_hex(data))
-    chain[1].update(entry or {})
-    pointer = json.loads(POINTER_V1_TEXT)
-    pointer.update(chain=chain, fingerprint=chain[1]["fingerprint"])
+    pointer = json.loads(POINTER_TEXT if pointer_format == 3 else POINTER_V1_TEXT)
+    assert pointer["format_version"] == pointer_format
+    item = pointer["chain"][-1]  # the delta of version 1
+    item.update(nbytes=len(data), sha256=F.sha256_hex(data))
+    item.update(entry or {})
+    pointer.update(fingerprint=item["fingerprint"])
     write_bucket(
         root,
         {
@@ -1372,9 +1380,10 @@ def example_bucket(root: Path, *, codec: str = "raw", delta: bytes | None = None
     )
 
 
+@pytest.mark.parametrize("pointer_format", [1, 3])
 @pytest.mark.parametrize("codec", F.CODECS)
-def test_a_bucket_written_from_the_document_is_readable(tmp_path: Path, codec: str) -> None:
-    example_bucket(tmp_path, codec=codec)
+def test_a_bucket_written_from_the_document_is_readable(tmp_path: Path, codec: str, pointer_format: int) -> None:
+    example_bucket(tmp_path, codec=codec, pointer_format=pointer_format)
     receiver = DeltaReceiver(tmp_path)
     assert receiver.sync(0) == 0
     assert receiver.fingerprint == FP0
@@ -1416,7 +1425,7 @@ READER_FAILURES = {
     "file descends from another anchor": (
         dict(delta=_tampered_delta({"anchor": "9"})),
         VersionError,
-        "descends from anchor 9, the pointer's anchor is 0",
+        "descends from anchor 9, the pointer's chain grew from 0",
     ),
     "file total differs from the pointer's": (
         dict(delta=_tampered_delta({"total": "11"})),
@@ -1431,10 +1440,11 @@ READER_FAILURES = {
 }
 
 
+@pytest.mark.parametrize("pointer_format", [1, 3])
 @pytest.mark.parametrize("case", list(READER_FAILURES))
-def test_a_reader_refuses_and_keeps_its_state(tmp_path: Path, case: str) -> None:
+def test_a_reader_refuses_and_keeps_its_state(tmp_path: Path, case: str, pointer_format: int) -> None:
     kwargs, error, message = READER_FAILURES[case]
-    example_bucket(tmp_path, **kwargs)
+    example_bucket(tmp_path, pointer_format=pointer_format, **kwargs)
     receiver = DeltaReceiver(tmp_path)
     receiver.sync(0)
     before = {name: bits_of(t) for name, t in receiver.state_dict().items()}
