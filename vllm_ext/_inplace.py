@@ -305,7 +305,7 @@ class InPlaceState:
             from_fingerprint=self.fingerprint,
             version=target,
             kind="delta" if target > self.version else "none",
-            fingerprint=pointer.entry(target).fingerprint,
+            fingerprint=pointer.fingerprint_at(target) or "",
         )
         patches: dict[str, _Patch] = {}
 
@@ -319,7 +319,7 @@ class InPlaceState:
 
         names: dict[str, None] = {}
         for v in range(self.version + 1, target + 1):
-            entry = pointer.entry(v)
+            entry = pointer.delta(v)
             files = receiver._read_version(entry)  # one file, or one per part of a split version
             where = receiver._where(entry)
             header, changes = decode_version(  # type: ignore[assignment]

@@ -125,6 +125,7 @@ class _AdapterSync:
         self.retired: list[Path] = []
         """Directories of unloaded versions, deleted at the next update."""
         self.anchor_meta: tuple[int, dict[str, str]] | None = None
+        """The root of the chain being followed, and the adapter metadata of its anchors."""
         self.served_base: str | None = None
         self.last: dict[str, Any] | None = None
         self.last_error: dict[str, Any] | None = None
@@ -277,32 +278,34 @@ class _AdapterSync:
     ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any], str, tuple[int, dict[str, str]], DeltaReceiver]:
         """Download and check version ``version``; returns it with the full adapter state and its metadata."""
         receiver = self.receiver
-        if receiver is None or self.anchor_meta is None or receiver.pointer().anchor != self.anchor_meta[0]:
-            # A new chain (a new anchor: maybe another trainer's adapter, of another rank) is staged
-            # on a fresh receiver, whose manifest is that anchor's; it replaces the current one only
-            # once the adapter passed every check and loaded.
+        if receiver is None or self.anchor_meta is None or receiver.pointer().root != self.anchor_meta[0]:
+            # A new chain (a trainer started anew: maybe another adapter, of another rank) is
+            # staged on a fresh receiver, whose manifest is its anchor's; it replaces the current
+            # one only once the adapter passed every check and loaded.
             receiver = DeltaReceiver(self.bucket)  # type: ignore[arg-type]
-        latest = receiver.latest()
-        if version > latest:
-            raise VersionError(f"version {version} is not committed in {receiver.store.url} (the newest is {latest})")
+        pointer = receiver.pointer()
+        if version > pointer.version:
+            raise VersionError(f"version {version} is not committed in {receiver.store.url} (the newest is {pointer.version})")
         staged = receiver.stage(version)
         if staged.kind == "anchor":
             state = dict(staged.tensors())
-            anchor = staged.versions[0]
+            loaded: int | None = staged.versions[0]
         else:
             state = receiver.state_dict()
             state.update(staged.tensors())
+            loaded = None
+        if loaded is None:
             assert self.anchor_meta is not None
-            anchor = self.anchor_meta[0]
-        if self.anchor_meta is not None and self.anchor_meta[0] == anchor:
             anchor_meta = self.anchor_meta
+            anchor = anchor_meta[0]
         else:
-            # A split anchor (several trainer processes, FSDP2) carries the metadata in every part.
+            # Every anchor carries the adapter's metadata (a split one, in every part).
+            anchor = loaded
             path = anchor_path(anchor)
             if not receiver.store.exists(path):
                 path = part_path("anchor", anchor, 0)
             where = f"{receiver.store.url}/{path}"
-            anchor_meta = (anchor, read_metadata(receiver.store.read_bytes(path), where=where))
+            anchor_meta = (pointer.root, read_metadata(receiver.store.read_bytes(path), where=where))
         meta = anchor_meta[1]
         if ADAPTER_CONFIG_KEY not in meta or BASE_FINGERPRINT_KEY not in meta:
             raise AdapterError(

@@ -318,9 +318,7 @@ class WorkerUpdater:
         own = (
             not dense
             and live.tainted is None
-            and live.version is not None
-            and pointer.anchor <= live.version
-            and pointer.entry(live.version).fingerprint == live.fingerprint
+            and pointer.replays_from(live.version, live.fingerprint)
         )
         if own:
             return live.stage_deltas(receiver, pointer, version)

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from trl.experimental.async_grpo import AsyncGRPOTrainer as _TRLAsyncGRPOTrainer
 from .._auth import TOKEN_ENV
 from .._client import RolloutClient, UpdateReport
 from .._errors import ConfigError
-from .._publisher import DeltaPublisher, PublishOptions, PublishResult
+from .._publisher import DeltaPublisher, PublishFuture, PublishOptions, PublishResult
 from ._cpu_compat import async_grpo_cpu_patches, bf16_training_available, has_cuda
 
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "DeltaSyncConfig"]
@@ -47,6 +48,11 @@ class DeltaSyncConfig:
     prefetch: bool = True
     """Let servers download and decode each version while still generating, so they pause only
     to swap it in."""
+    background: bool = True
+    """Publish and update the servers in the background: a sync returns as soon as the version
+    is captured (its changed values copied out), and training goes on while it is encoded,
+    uploaded and committed and the servers stage and apply it. At most one version is in
+    flight: the next sync first waits for it. False: every sync waits for all of that."""
     timeout: float = 600.0
     """Seconds to wait for a server's answer."""
     peft_sync: str | None = None
@@ -140,6 +146,8 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         self._client: RolloutClient | None = None
         self.delta_history: list[dict[str, Any]] = []
         """One record per sync: version, kind, bytes, changed fraction, upload and paused seconds."""
+        self._sync_pool: ThreadPoolExecutor | None = None
+        self._sync_job: Future[dict[str, Any]] | None = None
         if delta_sync is not None:
             kwargs["weight_transfer"] = _DeltaWeightTransfer(self)
         if has_cuda():
@@ -184,8 +192,13 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
             )
 
     def _stop_delta_sync(self) -> None:
-        if self._publisher is not None:
-            self._publisher.close()
+        try:
+            self._finish_sync_job()
+        finally:
+            if self._sync_pool is not None:
+                self._sync_pool.shutdown(wait=True)
+            if self._publisher is not None:
+                self._publisher.close()
 
     def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -212,58 +225,98 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         t_barrier = time.time()
         self._start_delta_sync()
         assert self._publisher is not None
-        # Collective with several processes: each rank writes its own part, rank 0 commits.
+        main = self.accelerator.is_main_process
+        if self._delta_config.background:
+            if main:
+                self._finish_sync_job()  # one version in flight: the one before must be served first
+            # Collective with several processes: every rank captures its changes; each writes its
+            # own part in the background and rank 0 commits.
+            future = self._publisher.submit()
+            if main:
+                if self._sync_pool is None:
+                    self._sync_pool = ThreadPoolExecutor(1, thread_name_prefix="deltasync-sync")
+                self._sync_job = self._sync_pool.submit(self._serve_version, future, time.time())
+            t_end = time.time()
+            if main:
+                self._metrics["train"]["sync/blocked_s"].append(t_end - t0)
+            # TRL turns these marks into perf/weight_sync_{pause,barrier,transfer}_s: the loop was
+            # not paused, it waited at the barrier, then for the capture.
+            return t0, t_barrier, t_end
+        # Blocking: collective with several processes, each rank writes its part, rank 0 commits.
         result = self._publisher.publish()  # servers keep generating meanwhile
-        if self.accelerator.is_main_process:
-            assert self._client is not None
+        if main:
             t_published = time.time()
-            if self._delta_config.prefetch:
-                # Servers download and decode while still generating; pause only once staged.
-                self._client.prefetch(result.version)
-                self._client.wait_prefetched(result.version, timeout=self._delta_config.timeout)
-            t_staged = time.time()
-            report = self._client.update(result.version)
-            self._record(result, report, t_published - t_barrier, t_staged - t_published)
-            served = [r.version for r in report.results if r.version is not None]
-            if served:
-                # What every server serves at least: samples are tagged with it for staleness.
-                self.model_version = min(served)
-            if self.rollout_worker:
-                self.rollout_worker.update_model_version(self.model_version)
+            record = self._serve_version(result, t_barrier, published_at=t_published)
+            self._add_record(record)
+            self._metrics["train"]["sync/blocked_s"].append(time.time() - t0)
             self.accelerator.wait_for_everyone()
             # TRL turns these marks into perf/weight_sync_{pause,barrier,transfer}_s: report the
             # servers' paused time, the barrier, and the upload.
-            t_pause = t0 + report.paused_s
+            t_pause = t0 + record["paused_s"]
             t_bar = t_pause + (t_barrier - t0)
             return t_pause, t_bar, t_bar + (t_published - t_barrier)
         self.accelerator.wait_for_everyone()
         now = time.time()
         return now, now, now
 
-    def _record(self, result: PublishResult, report: UpdateReport, upload_s: float, prefetch_s: float) -> None:
-        metrics = self._metrics["train"]
-        metrics["delta/changed_fraction"].append(result.changed_fraction)
-        metrics["delta/bytes"].append(float(result.nbytes))
-        metrics["delta/kind"].append(1.0 if result.kind == "anchor" else 0.0)
-        metrics["sync/upload_s"].append(upload_s)
-        metrics["sync/prefetch_s"].append(prefetch_s)
-        metrics["sync/paused_s"].append(report.paused_s)
-        metrics["sync/version"].append(float(result.version))
-        metrics["sync/failed_servers"].append(float(len(report.failed)))
-        self.delta_history.append(
-            {
-                "version": result.version,
-                "kind": result.kind,
-                "nbytes": result.nbytes,
-                "changed_fraction": result.changed_fraction,
-                "upload_s": upload_s,
-                "prefetch_s": prefetch_s,
-                "paused_s": report.paused_s,
-                "served": [r.version for r in report.results],
-                "failed": {r.url: r.error for r in report.results if not r.ok},
-                "fingerprint": result.fingerprint,
-            }
-        )
+    def _serve_version(
+        self, published: PublishFuture | PublishResult, started: float, *, published_at: float | None = None
+    ) -> dict[str, Any]:
+        """Wait for the version's commit, let the servers stage it while generating, then update
+        them; move ``model_version`` to what they report serving. Main process only; in the
+        background it runs in its own thread, one version at a time."""
+        assert self._client is not None and self._delta_config is not None
+        result = published if isinstance(published, PublishResult) else published.result()
+        t_published = published_at or time.time()
+        if self._delta_config.prefetch:
+            # Servers download and decode while still generating; pause only once staged.
+            self._client.prefetch(result.version)
+            self._client.wait_prefetched(result.version, timeout=self._delta_config.timeout)
+        t_staged = time.time()
+        report = self._client.update(result.version)
+        record = self._make_record(result, report, t_published - started, t_staged - t_published)
+        served = [r.version for r in report.results if r.version is not None]
+        if served:
+            # What every server serves at least: samples are tagged with it for staleness.
+            self.model_version = min(served)
+        if self.rollout_worker:
+            self.rollout_worker.update_model_version(self.model_version)
+        return record
+
+    def _finish_sync_job(self) -> None:
+        """Wait for the background sync in flight and log it; a failed publish is raised here
+        (in the training loop), as a blocking sync would have raised it."""
+        job, self._sync_job = self._sync_job, None
+        if job is not None:
+            self._add_record(job.result())
+
+    def _make_record(self, result: PublishResult, report: UpdateReport, upload_s: float, prefetch_s: float) -> dict[str, Any]:
         for r in report.results:
             if not r.ok:
                 logger.warning("delta sync: %s did not apply version %s: %s", r.url, result.version, r.error)
+        return {
+            "version": result.version,
+            "kind": result.kind,
+            "nbytes": result.nbytes,
+            "changed_fraction": result.changed_fraction,
+            "upload_s": upload_s,
+            "prefetch_s": prefetch_s,
+            "paused_s": report.paused_s,
+            "capture_s": result.blocked_s,
+            "served": [r.version for r in report.results],
+            "failed": {r.url: r.error for r in report.results if not r.ok},
+            "fingerprint": result.fingerprint,
+        }
+
+    def _add_record(self, record: dict[str, Any]) -> None:
+        """Log a sync's record (training thread only: TRL reads and clears the metrics there)."""
+        metrics = self._metrics["train"]
+        metrics["delta/changed_fraction"].append(record["changed_fraction"])
+        metrics["delta/bytes"].append(float(record["nbytes"]))
+        metrics["delta/kind"].append(1.0 if record["kind"] == "anchor" else 0.0)
+        metrics["sync/upload_s"].append(record["upload_s"])
+        metrics["sync/prefetch_s"].append(record["prefetch_s"])
+        metrics["sync/paused_s"].append(record["paused_s"])
+        metrics["sync/version"].append(float(record["version"]))
+        metrics["sync/failed_servers"].append(float(len(record["failed"])))
+        self.delta_history.append(record)
