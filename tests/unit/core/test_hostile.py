@@ -116,16 +116,15 @@ def zchain(tmp_path) -> Chain:
     return make_chain(tmp_path, "zstd")
 
 
-def commit_file(store, version: int, data: bytes) -> None:
-    """Overwrite version ``version``'s file and rewrite the pointer to match (size, SHA-256)."""
+def commit_file(store, version: int, data: bytes, kind: str = "delta") -> None:
+    """Overwrite the delta (or anchor) of ``version`` and rewrite the pointer to match (size, SHA-256)."""
     pointer = Pointer.from_bytes(store.read_bytes(F.POINTER_PATH))
-    entry = pointer.entry(version)
+    key = "chain" if kind == "delta" else "anchors"
+    items = getattr(pointer, key)
+    (entry,) = [e for e in items if e.version == version]
     store.write_bytes(entry.path, data)
-    chain = tuple(
-        dataclasses.replace(e, nbytes=len(data), sha256=F.sha256_hex(data)) if e.version == version else e
-        for e in pointer.chain
-    )
-    store.write_bytes(F.POINTER_PATH, dataclasses.replace(pointer, chain=chain).to_bytes())
+    items = tuple(dataclasses.replace(e, nbytes=len(data), sha256=F.sha256_hex(data)) if e is entry else e for e in items)
+    store.write_bytes(F.POINTER_PATH, dataclasses.replace(pointer, **{key: items}).to_bytes())
 
 
 def st_file(header: dict | bytes, data: bytes = b"") -> bytes:
@@ -244,12 +243,22 @@ POINTER_VALUES = {
     "2.0": ("version", "2.0", r"fractional number \(2.0\)"),
     "5000 digits": ("version", "9" * 5000, r"an integer of 5000 digits"),
     "10**30": ("version", str(10**30), r"an integer of 31 digits"),
-    "10**9": ("version", str(10**9), r"the chain must list versions 0..1000000000 in order, got \[0, 1, 2\]"),
+    "10**9": ("version", str(10**9), r"the chain must list versions 1..1000000000 in order, got \[1, 2\]"),
     "negative": ("anchor", "-1", r"anchor must be an integer in 0..\d+, got -1"),
     "a string": ("version", '"2"', r"version must be an integer in 0\.\.\d+, got '2'"),
     "a bool": ("version", "true", r"version must be an integer in 0\.\.\d+, got True"),
     "chain not a list": ("chain", '{"0": 1}', r"chain must be a list, got dict"),
-    "chain of ints": ("chain", "[1, 2, 3]", r"chain\[0\] must be an object, got int"),
+    "chain of ints": ("chain", "[1, 2]", r"chain\[0\] must be an object, got int"),
+    "chain too long": ("chain", "[1, 2, 3]", r"the chain must list versions 1..2 in order, got \[None, None, None\]"),
+    # Format 3's own fields.
+    "base 10**9": ("base", str(10**9), r"the chain must list versions 1000000001..2 in order, got \[1, 2\]"),
+    "negative base": ("base", "-1", r"base must be an integer in 0..\d+, got -1"),
+    "root 10**30": ("root", str(10**30), r"an integer of 31 digits"),
+    "root after base": ("root", "1", r"root 1, base 0 and version 2 are out of order"),
+    "anchors of ints": ("anchors", "[1]", r"anchors\[0\] must be an object, got int"),
+    "anchors not a list": ("anchors", '"anchors/00000000.safetensors"', r"anchors must be a list of 1 to 1024 entries, got str"),
+    "anchors too many": ("anchors", "[" + ", ".join(["{}"] * 1025) + "]", r"anchors must be a list of 1 to 1024 entries, got a list of 1025"),
+    "bad base fingerprint": ("base_fingerprint", '"0123456789ABCDEF"', r"base_fingerprint must be 16 lower-case hex digits"),
     "bad fingerprint": ("fingerprint", '"ABCDEF0123456789"', r"fingerprint must be 16 lower-case hex digits"),
 }
 
@@ -287,23 +296,32 @@ def test_hostile_pointer_texts_are_refused(zchain, case) -> None:
     refused(zchain, pattern)
 
 
+# Values per entry: ``{field}`` is the entry's field in the pointer, ``{dir}`` its directory,
+# ``{v}`` its version, ``{n}`` another version.
 CHAIN_ENTRY_VALUES = {
-    "sha256 not hex": ("sha256", "z" * 64, r"chain\[2\]\.sha256 must be 64 lower-case hex digits"),
-    "nbytes 10**20": ("nbytes", 10**16 - 1, r"chain\[2\]\.nbytes must be an integer in 0\.\.\d+"),
-    "path of another version": ("path", "deltas/00000001.safetensors", r"version 2 names an invalid path"),
-    "unicode digits": ("path", "deltas/٠٠٠٠٠٠٠٢.safetensors", r"chain\[2\]\.path must be an ASCII string"),
-    "kind not a string": ("kind", 7, r"chain\[2\]\.kind must be an ASCII string"),
-    "a 5000-digit file name": ("path", "deltas/" + "0" * 5000 + "2.safetensors", r"version 2 names an invalid path"),
+    "sha256 not hex": ("sha256", "z" * 64, r"{field}\.sha256 must be 64 lower-case hex digits"),
+    "nbytes 10**20": ("nbytes", 10**16 - 1, r"{field}\.nbytes must be an integer in 0\.\.\d+"),
+    "path of another version": ("path", "{dir}/0000000{n}.safetensors", r"version {v} names an invalid path"),
+    "unicode digits": ("path", "{dir}/٠٠٠٠٠٠٠{v}.safetensors", r"{field}\.path must be an ASCII string"),
+    "kind not a string": ("kind", 7, r"{field}\.kind must be an ASCII string"),
+    "a 5000-digit file name": ("path", "{dir}/" + "0" * 5000 + "{v}.safetensors", r"version {v} names an invalid path"),
 }
+# The delta of version 2, and the anchor of version 0 (a live receiver at 1 never reads it,
+# but the pointer naming it is refused all the same).
+ENTRIES = {"delta 2": ("chain", 1, "deltas", 2, 1), "anchor 0": ("anchors", 0, "anchors", 0, 1)}
 
 
+@pytest.mark.parametrize("entry", list(ENTRIES))
 @pytest.mark.parametrize("case", list(CHAIN_ENTRY_VALUES))
-def test_hostile_chain_entries_are_refused(zchain, case) -> None:
+def test_hostile_chain_entries_are_refused(zchain, case, entry) -> None:
     key, value, pattern = CHAIN_ENTRY_VALUES[case]
+    items, index, folder, version, other = ENTRIES[entry]
+    names = dict(field=rf"{items}\[{index}\]", dir=folder, v=version, n=other)
     body = json.loads(zchain.store.read_bytes(F.POINTER_PATH))
-    body["chain"][2][key] = value
+    assert body["format_version"] == 3 and body[items][index]["version"] == version
+    body[items][index][key] = value.format(**names) if isinstance(value, str) else value
     zchain.store.write_bytes(F.POINTER_PATH, json.dumps(body).encode())
-    refused(zchain, pattern)
+    refused(zchain, pattern.format(**names))
 
 
 # --------------------------------------------------------------------------- file headers and metadata
@@ -464,14 +482,30 @@ def test_an_oversized_pointer_is_refused_without_reading_it_whole(zchain) -> Non
 # --------------------------------------------------------------------------- shapes and names
 
 
+def anchor_past_the_receiver(chain: Chain) -> int:
+    """Publish two versions with an anchor beside each: the deltas kept then start at the
+    first of them, past the live receiver's version 1, so its next sync must load the anchor
+    of the second. Returns that version."""
+    for _ in range(2):
+        result = chain.publisher.publish(anchor=True)
+        assert result.kind == "delta" and result.anchor_scheduled
+        chain.publisher.flush()
+    pointer = Pointer.from_bytes(chain.store.read_bytes(F.POINTER_PATH))
+    assert [a.version for a in pointer.anchors] == [result.version] and pointer.base == result.version - 1
+    assert not pointer.replays_from(chain.receiver.version, chain.receiver.fingerprint)
+    return result.version
+
+
 def forge_anchor(chain: Chain, edit) -> int:
-    """Publish an honest anchor, then rewrite it with ``edit(state)`` (same fingerprint)."""
-    result = chain.publisher.publish(anchor=True)
+    """Publish an honest anchor the receiver must load, then rewrite it with ``edit(state)``
+    (same fingerprint)."""
+    version = anchor_past_the_receiver(chain)
+    fp = chain.publisher.fingerprint
     state = {n: p.detach().clone() for n, p in chain.model.named_parameters()}
     state = edit(state)
-    assert fingerprint(state) == result.fingerprint  # the fingerprint hashes flat elements only
-    commit_file(chain.store, result.version, F.encode_anchor(state, version=result.version, fingerprint=result.fingerprint))
-    return result.version
+    assert fingerprint(state) == fp  # the fingerprint hashes flat elements only
+    commit_file(chain.store, version, F.encode_anchor(state, version=version, fingerprint=fp), kind="anchor")
+    return version
 
 
 ANCHOR_EDITS = {
@@ -501,9 +535,9 @@ def test_an_expected_manifest_must_be_names_and_shapes(tmp_path) -> None:
 
 def test_a_missing_parameter_is_refused(zchain) -> None:
     """Dropping a parameter changes the fingerprint too; the manifest names what is missing first."""
-    version = zchain.publisher.publish(anchor=True).version
+    version = anchor_past_the_receiver(zchain)
     state = {n: p.detach().clone() for n, p in zchain.model.named_parameters() if n != "b"}
-    commit_file(zchain.store, version, F.encode_anchor(state, version=version, fingerprint=fingerprint(state)))
+    commit_file(zchain.store, version, F.encode_anchor(state, version=version, fingerprint=fingerprint(state)), kind="anchor")
     refused(zchain, r"lacks 1 expected parameter\(s\) \(e.g. 'b'\)|fingerprint", DeltaSyncError)
 
 
@@ -543,16 +577,22 @@ class FlakyStore:
 def test_a_retention_failure_after_the_commit_is_reported_not_raised(tmp_path, caplog) -> None:
     store = FlakyStore(open_store(tmp_path), fail_delete=True)
     model = Tiny()
-    publisher = DeltaPublisher(store, model, None, anchor_every=1)
+    publisher = DeltaPublisher(store, model, None, anchor_every=100, anchor_bytes_ratio=0)
     publisher.publish()
     set_bits(model, "w", 0, 0x4000)
+    warning = "retention after the anchor of version 1 failed, old files are left: cannot delete: permission denied"
     with caplog.at_level(logging.WARNING, logger="deltasync"):
-        result = publisher.publish()
-    assert result.version == 1 and result.kind == "anchor"
-    assert result.warnings == ("retention after version 1 failed, old files are left: cannot delete: permission denied",)
-    assert "retention after version 1 failed" in caplog.text
+        result = publisher.publish(anchor=True)  # anchor 1 beside delta 1 retires anchor 0
+        assert result.version == 1 and result.kind == "delta" and result.anchor_scheduled
+        publisher.flush()
+    assert warning in caplog.text
+    assert [a.version for a in publisher.pointer.anchors] == [1]  # committed all the same
+    assert (tmp_path / "anchors/00000000.safetensors").exists()  # left behind
+    set_bits(model, "w", 1, 0x4000)
+    later = publisher.publish()  # the background anchor's warning comes with the next result
+    assert later.version == 2 and later.warnings == (warning,)
     receiver = DeltaReceiver(tmp_path)
-    assert receiver.sync() == 1 and receiver.fingerprint == result.fingerprint
+    assert receiver.sync() == 2 and receiver.fingerprint == later.fingerprint
     assert "warnings" not in json.loads((tmp_path / "history.jsonl").read_text().splitlines()[-1])
 
 
@@ -591,10 +631,12 @@ def test_corrupt_history_lines_are_skipped_with_a_warning(tmp_path, caplog) -> N
 
 def test_retention_deletes_only_the_names_it_writes(tmp_path) -> None:
     model = Tiny()
-    publisher = DeltaPublisher(tmp_path, model, None, anchor_every=2)
+    publisher = DeltaPublisher(tmp_path, model, None, anchor_every=2, anchor_bytes_ratio=0)
     publisher.publish()
-    set_bits(model, "w", 0, 0x4000)
-    publisher.publish()
+    for i in range(3):  # anchors beside versions 2 (and 4, below)
+        set_bits(model, "w", i, 0x4000)
+        publisher.publish()
+        publisher.flush()
     foreign = [
         "anchors/00000000.safetensors.bak",
         "anchors/00000000.safetensors~",
@@ -607,10 +649,14 @@ def test_retention_deletes_only_the_names_it_writes(tmp_path) -> None:
     for name in foreign:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"not ours")
-    set_bits(model, "w", 1, 0x4000)
-    assert publisher.publish().kind == "anchor"  # version 2: retention runs
+    set_bits(model, "w", 3, 0x4000)
+    result = publisher.publish()
+    assert result.version == 4 and result.anchor_scheduled
+    publisher.flush()  # anchor 4 commits: retention retires anchors 0 and 2 and deltas 1 and 2
+    assert (publisher.pointer.base, [a.version for a in publisher.pointer.anchors]) == (2, [4])
     left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
-    assert left == sorted([*foreign, "anchors/00000002.safetensors", "history.jsonl", "latest.json"])
+    kept = ["anchors/00000004.safetensors", "deltas/00000003.safetensors", "deltas/00000004.safetensors"]
+    assert left == sorted([*foreign, *kept, "history.jsonl", "latest.json"])
 
 
 def test_stale_temporary_files_of_killed_writes_are_cleaned(tmp_path) -> None:
@@ -635,7 +681,7 @@ def test_stale_temporary_files_of_killed_writes_are_cleaned(tmp_path) -> None:
 class RacingStore:
     """Each of the first ``races`` data-file reads lets the trainer publish two more versions first.
 
-    With an anchor every two versions and one chain kept, each race retires the files the
+    With an anchor every two versions and one anchor kept, each race retires the anchor the
     reader's pointer names: a reader must start over from the newest pointer every time.
     """
 
@@ -664,7 +710,7 @@ class RacingStore:
 @pytest.mark.parametrize(("races", "succeeds"), [(3, True), (8, False)])
 def test_a_slow_reader_retries_from_the_newest_pointer_within_a_bound(tmp_path, races, succeeds) -> None:
     model = Tiny()
-    publisher = DeltaPublisher(tmp_path, model, None, anchor_every=2, keep_anchors=1)
+    publisher = DeltaPublisher(tmp_path, model, None, anchor_every=2, anchor_bytes_ratio=0, keep_anchors=1)
     publisher.publish()
     step = iter(range(1000))
 
@@ -672,6 +718,7 @@ def test_a_slow_reader_retries_from_the_newest_pointer_within_a_bound(tmp_path, 
         for _ in range(2):
             set_bits(model, "w", next(step), 0x4000)
             publisher.publish()
+            publisher.flush()  # the anchor beside the second commits, and retention runs
 
     receiver = DeltaReceiver(RacingStore(open_store(tmp_path), race, races))
     if succeeds:
@@ -685,7 +732,7 @@ def test_a_slow_reader_retries_from_the_newest_pointer_within_a_bound(tmp_path, 
 
 def test_a_pointer_promising_a_petabyte_allocates_nothing(zchain) -> None:
     body = json.loads(zchain.store.read_bytes(F.POINTER_PATH))
-    body["chain"][2]["nbytes"] = 10**15
+    body["chain"][1]["nbytes"] = 10**15
     zchain.store.write_bytes(F.POINTER_PATH, json.dumps(body).encode())
     growth = peak_growth_mib(lambda: refused(zchain, r"version 2\): \d+ bytes, the pointer says 1000000000000000", IntegrityError))
     assert growth < 16
