@@ -313,7 +313,7 @@ KILLED = textwrap.dedent(
     for version in range(5):
         if version:
             train_step(model, opt, seed=version)
-        torch.save(bf16_state_dict(model), {bucket!r} + f"/../state{{version}}.pt")
+        torch.save(bf16_state_dict(model), {states!r} + f"/state{{version}}.pt")
         publisher.publish()
         print("COMMITTED", version, flush=True)
     time.sleep(60)
@@ -323,7 +323,7 @@ KILLED = textwrap.dedent(
 
 def test_killed_mid_anchor_the_chain_is_as_the_last_commit_left_it(tmp_path: Path) -> None:
     bucket = tmp_path / "bucket"
-    script = KILLED.format(tests=str(Path(__file__).parents[2]), bucket=str(bucket))
+    script = KILLED.format(tests=str(Path(__file__).parents[2]), bucket=str(bucket), states=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
     committed = -1
     try:

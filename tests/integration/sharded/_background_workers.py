@@ -1,0 +1,132 @@
+"""What each rank runs in the background-publishing gloo test (imported by spawned processes)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+from _sharded_workers import Net, _fsdp, assert_exact, gathered, process_group, step
+
+from deltasync import DeltaPublisher, DeltaReceiver, PublishError, StoreError
+from deltasync._format import POINTER_PATH, Pointer
+from deltasync.stores import LocalStore
+
+
+class GatedStore(LocalStore):
+    """This rank's view of the shared bucket: writes of ``gated`` paths wait for a gate, writes of
+    ``fail`` paths fail once, and reads are recorded."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gated, self.fail = "", ""
+        self.gate, self.waiting = threading.Event(), threading.Event()
+        self.gate.set()
+        self.reads: list[str] = []
+
+    def _before_write(self, path: str) -> None:
+        if self.fail and path.startswith(self.fail):
+            self.fail = ""
+            raise StoreError(f"injected failure writing {path}")
+        if self.gated and path.startswith(self.gated):
+            self.waiting.set()
+            assert self.gate.wait(60)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self._before_write(path)
+        super().write_bytes(path, data)
+
+    def write_stream(self, path, chunks) -> None:  # type: ignore[no-untyped-def]
+        self._before_write(path)
+        super().write_stream(path, chunks)
+
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        self.reads.append(path)
+        return super().read_bytes(path, limit)
+
+    def read_buffer(self, path: str, limit: int) -> bytearray:
+        self.reads.append(path)
+        return super().read_buffer(path, limit)
+
+
+def run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with process_group(rank, world, init_file, root):
+        mesh = init_device_mesh("cpu", (world,))
+        net = _fsdp(Net(), mesh)
+        opt = torch.optim.AdamW(net.parameters(), lr=3e-5)
+        bucket = Path(root) / "bg"
+        store = GatedStore(bucket)
+        pub = DeltaPublisher(store, net, opt, anchor_every=3, anchor_bytes_ratio=0)
+        follower = GatedStore(bucket) if rank == 0 else None
+        receiver = DeltaReceiver(follower) if follower is not None else None
+        states = {}
+
+        def publish_and_check(result_version: int, future) -> None:  # type: ignore[no-untyped-def]
+            result = future.result()
+            assert result.version == result_version, (result, result_version)
+            if receiver is not None:
+                receiver.sync(result.version)
+                assert_exact(receiver, states[result.version], f"version {result.version}")
+
+        states[0] = gathered(net)
+        publish_and_check(0, pub.submit())
+        # submit() returns once captured: every rank's delta part is still waiting to be written.
+        step(net, opt, seed=100 + rank)
+        states[1] = gathered(net)
+        store.gated, _ = "deltas/", store.gate.clear()
+        future = pub.submit()
+        assert store.waiting.wait(30) and not future.done()
+        step(net, opt, seed=200 + rank)  # the trainer steps on while its part is written
+        store.gate.set()
+        publish_and_check(1, future)
+        store.gated = ""
+        states[2] = gathered(net)
+        publish_and_check(2, pub.submit())
+        # A failed part on the last rank: every rank's future raises; nothing is committed.
+        step(net, opt, seed=300 + rank)
+        if rank == world - 1:
+            store.fail = "deltas/"
+        failed = pub.submit()
+        try:
+            failed.result()
+        except (PublishError, StoreError) as exc:
+            # A world of one raises the store's own error; several ranks, one naming the rank.
+            wanted = f"rank {world - 1}: StoreError: " if world > 1 else ""
+            assert f"{wanted}injected failure writing deltas/" in str(exc), exc
+        else:
+            raise AssertionError("the injected failure was not raised")
+        # Unobserved, a failure is raised by the next submit, on every rank.
+        if rank == world - 1:
+            store.fail = "deltas/"
+        pub.submit()
+        try:
+            pub.submit()
+        except (PublishError, StoreError):
+            pass
+        else:
+            raise AssertionError("an unobserved failure was not raised by the next submit")
+        if receiver is not None:
+            assert receiver.latest() == 2
+        # The next version carries every step since version 2; anchors are written beside deltas.
+        for version in range(3, 10):
+            if version > 3:
+                step(net, opt, seed=400 * version + rank)
+            states[version] = gathered(net)
+            future = pub.submit()
+            publish_and_check(version, future)
+            assert future.result().anchor_scheduled == (version % 3 == 0), version
+        pub.close()
+        if rank == 0:
+            assert follower is not None
+            assert not [p for p in follower.reads if p.startswith("anchors/") and "00000000" not in p], follower.reads
+            pointer = Pointer.from_bytes(store.read_bytes(POINTER_PATH))
+            assert [a.version for a in pointer.anchors] == [9], pointer.anchors
+            assert len(pointer.anchors[0].files) == world if world > 1 else True
+            late = DeltaReceiver(bucket)
+            staged = late.stage()
+            assert (staged.kind, staged.versions) == ("anchor", [9]), staged.versions
+            late.apply(staged)
+            assert_exact(late, states[9], "late joiner")
+            Path(out).write_text("ok")
