@@ -1,6 +1,8 @@
-"""Helpers shared by the tests: small models built offline, and training steps."""
+"""Helpers shared by the tests: small models built offline, training steps, old pointers."""
 
 from __future__ import annotations
+
+import json
 
 import torch
 
@@ -45,3 +47,23 @@ def tiny_grpo_args(output_dir, url: str, steps: int, **overrides):
         gradient_checkpointing=False, report_to=[], save_strategy="no", logging_steps=1, vllm_server_base_url=url,
     )  # fmt: skip
     return AsyncGRPOConfig(**{**options, **overrides}), Dataset.from_dict({"prompt": prompts})
+
+
+def old_pointer(pointer, format_version: int = 1) -> bytes:
+    """``pointer`` (a :class:`deltasync.Pointer`) laid out as formats 1 and 2 wrote it: one
+    chain, the anchor first, then its deltas. Writers write format 3 only; this makes the old
+    buckets readers must still read. Only a pointer whose one anchor is at its base has this
+    layout."""
+    assert format_version in (1, 2)
+    (anchor,) = pointer.anchors
+    assert anchor.version == pointer.base, "formats 1 and 2 cannot list deltas before the anchor"
+    body = {
+        "format": "deltasync",
+        "format_version": format_version,
+        "version": pointer.version,
+        "anchor": anchor.version,
+        "fingerprint": pointer.fingerprint,
+        "total": pointer.total,
+        "chain": [item.to_json() for item in (anchor, *pointer.chain)],
+    }
+    return (json.dumps(body, sort_keys=True, indent=1) + "\n").encode()

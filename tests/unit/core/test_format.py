@@ -21,6 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from helpers import old_pointer
+
 from deltasync import DeltaReceiver, DeltaSyncError, FormatError, IntegrityError, Pointer, VersionError
 from deltasync import _format as F
 from deltasync._fingerprint import fingerprint, fingerprint_update
@@ -520,6 +522,7 @@ def test_format_1_pointer_is_still_read_as_the_same_chain() -> None:
     old = Pointer.from_bytes(POINTER_V1_TEXT.encode())
     assert old == Pointer.from_bytes(POINTER_TEXT.encode())
     assert old.to_bytes().decode() == POINTER_TEXT  # rewritten, it is format 3
+    assert old_pointer(old).decode() == POINTER_V1_TEXT  # the tests' writer of old buckets
 
 
 def test_fingerprint_golden() -> None:

@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+from helpers import old_pointer
 
 from deltasync import (
     BF16ChangeDetector,
@@ -127,14 +128,30 @@ def test_protocol_md_example_is_current(split) -> None:
 
 def test_split_pointer_bytes(split) -> None:
     pointer = json.loads(split.read_bytes("latest.json"))
-    assert pointer["format_version"] == 2
-    entry = pointer["chain"][1]
+    assert pointer["format_version"] == 3  # the pointer's format; the part files are format 2
+    (entry,) = pointer["chain"]
     assert sorted(entry) == ["changed", "fingerprint", "kind", "nbytes", "parts", "version"]
     assert [p["path"] for p in entry["parts"]] == ["deltas/00000001.part0.safetensors", "deltas/00000001.part1.safetensors"]
     assert [p["changed"] for p in entry["parts"]] == [2, 1] and entry["changed"] == 3
     assert entry["nbytes"] == sum(p["nbytes"] for p in entry["parts"])
+    (anchor,) = pointer["anchors"]
+    assert [p["path"] for p in anchor["parts"]] == ["anchors/00000000.part0.safetensors", "anchors/00000000.part1.safetensors"]
+    assert [p["changed"] for p in anchor["parts"]] == [5, 2] and anchor["changed"] == 7
     # Canonical serialization, as for format version 1.
     assert split.read_bytes("latest.json") == Pointer.from_bytes(split.read_bytes("latest.json")).to_bytes()
+
+
+def test_a_format_2_bucket_is_still_read(split) -> None:
+    """A bucket written before format 3: the same files under a format 2 pointer."""
+    pointer = Pointer.from_bytes(split.read_bytes("latest.json"))
+    split.write_bytes("latest.json", old_pointer(pointer, 2))
+    assert json.loads(split.read_bytes("latest.json"))["chain"][0]["parts"][1]["path"] == "anchors/00000000.part1.safetensors"
+    assert Pointer.from_bytes(split.read_bytes("latest.json")) == pointer
+    receiver, _ = receiver_at_anchor(split)
+    assert receiver.fingerprint == fingerprint(STATE0)
+    assert receiver.sync() == 1 and receiver.fingerprint == fingerprint(STATE1) and receiver.verify()
+    got = receiver.state_dict()
+    assert all(torch.equal(got[k].view(torch.int16), STATE1[k].view(torch.int16)) for k in STATE1)
 
 
 def test_a_version_of_one_part_is_not_split(tmp_path) -> None:
@@ -173,7 +190,7 @@ def test_receiver_reads_split_versions_exactly(tmp_path, codec: str) -> None:
 
 
 def test_iter_anchor_parts_gives_slices(split) -> None:
-    entry = Pointer.from_bytes(split.read_bytes("latest.json")).chain[0]
+    (entry,) = Pointer.from_bytes(split.read_bytes("latest.json")).anchors
     parts = list(iter_anchor_parts(fetch_version(split, entry), entry, url=split.url))
     assert [(s.name, s.begin, s.end) for p in parts for s in p.slices] == [
         ("a.weight", 0, 4), ("b.bias", 0, 1), ("a.weight", 4, 6), ("b.bias", 1, 1),
@@ -228,7 +245,7 @@ def test_extra_part_refuses_the_version(split) -> None:
     split.write_bytes("deltas/00000001.part2.safetensors", data)
 
     def add_part(body):
-        entry = body["chain"][1]
+        entry = body["chain"][0]
         entry["parts"].append({**entry["parts"][1], "path": "deltas/00000001.part2.safetensors"})
         entry["nbytes"] += entry["parts"][1]["nbytes"]
         entry["changed"] += entry["parts"][1]["changed"]
@@ -243,7 +260,7 @@ def test_a_part_from_another_version_or_a_dropped_part_is_refused(split) -> None
     receiver, before = receiver_at_anchor(split)
 
     def drop_part(body):
-        entry = body["chain"][1]
+        entry = body["chain"][0]
         gone = entry["parts"].pop()
         entry["nbytes"] -= gone["nbytes"]
         entry["changed"] -= gone["changed"]
@@ -267,12 +284,12 @@ def test_overlapping_parts_are_refused(tmp_path) -> None:
         total=7, fingerprint=header.fingerprint, base_fingerprint=header.base_fingerprint, part=(1, 2),
     )  # fmt: skip
     store.write_bytes("deltas/00000001.part1.safetensors", data)
-    parts = list(pointer.chain[1].parts)
+    parts = list(pointer.delta(1).parts)
     parts[1] = PartEntry(path=parts[1].path, nbytes=len(data), sha256=sha256_hex(data), changed=1)
     import dataclasses
 
-    entry = dataclasses.replace(pointer.chain[1], parts=tuple(parts), nbytes=parts[0].nbytes + len(data))
-    store.write_bytes("latest.json", dataclasses.replace(pointer, chain=(pointer.chain[0], entry)).to_bytes())
+    entry = dataclasses.replace(pointer.delta(1), parts=tuple(parts), nbytes=parts[0].nbytes + len(data))
+    store.write_bytes("latest.json", dataclasses.replace(pointer, chain=(entry,)).to_bytes())
     receiver, before = receiver_at_anchor(store)
     with pytest.raises(FormatError, match="at or before element 1 that an earlier part changes"):
         receiver.sync()
@@ -297,13 +314,13 @@ def test_anchor_parts_that_leave_a_gap_are_refused(tmp_path) -> None:
 
 
 def test_format_version_1_pointer_cannot_list_parts(split) -> None:
-    rewrite_pointer(split, lambda body: body.update(format_version=1))
+    split.write_bytes("latest.json", old_pointer(Pointer.from_bytes(split.read_bytes("latest.json")), 1))
     with pytest.raises(FormatError, match="a format_version 1 pointer cannot list part files"):
         DeltaReceiver(split).sync()
 
 
 def test_misnamed_part_is_refused(split) -> None:
-    rewrite_pointer(split, lambda body: body["chain"][1]["parts"][1].update(path="deltas/00000001.part7.safetensors"))
+    rewrite_pointer(split, lambda body: body["chain"][0]["parts"][1].update(path="deltas/00000001.part7.safetensors"))
     with pytest.raises(FormatError, match=r"part 1 of version 1 is named 'deltas/00000001.part7.safetensors'"):
         DeltaReceiver(split).pointer()
 
