@@ -37,7 +37,7 @@ def test_receiver_is_bit_exact_after_every_sync(tmp_path, codec: str, publish_ev
     opt = torch.optim.AdamW(model.parameters(), lr=2e-4)
     publisher = DeltaPublisher(tmp_path / "bucket", model, opt, codec=codec, anchor_every=10, anchor_bytes_ratio=0)
     receiver = DeltaReceiver(tmp_path / "bucket")
-    kinds = []
+    kinds, scheduled = [], []
     result = publisher.publish()
     assert (result.version, result.kind) == (0, "anchor")
     assert receiver.sync() == 0
@@ -48,13 +48,28 @@ def test_receiver_is_bit_exact_after_every_sync(tmp_path, codec: str, publish_ev
             continue
         result = publisher.publish()
         kinds.append(result.kind)
+        if result.anchor_scheduled:
+            scheduled.append(result.version)
         assert result.total == sum(p.numel() for p in model.parameters())
-        assert receiver.sync() == result.version == publisher.version
+        staged = receiver.stage()
+        assert staged.kind == "delta" and staged.versions == [result.version]  # a follower reads deltas only
+        receiver.apply(staged)
+        assert receiver.version == result.version == publisher.version
         assert_same(receiver, model)
         assert receiver.fingerprint == result.fingerprint
-    assert "delta" in kinds and "anchor" in kinds
+    # Every version after the first has a delta; anchors are written beside some of them.
+    assert set(kinds) == {"delta"} and scheduled and scheduled[0] == 10
+    publisher.flush()
+    pointer = receiver.pointer()
+    assert [a.version for a in pointer.anchors] == scheduled[-1:]
+    late = DeltaReceiver(tmp_path / "bucket")  # starts from the newest anchor, exact too
+    staged = late.stage()
+    assert staged.kind == "anchor" and staged.versions == list(range(scheduled[-1], publisher.version + 1))
+    late.apply(staged)
+    assert_same(late, model)
     deltas = [json.loads(line) for line in open_store(tmp_path / "bucket").read_bytes("history.jsonl").splitlines()]
     assert [d["version"] for d in deltas] == list(range(publisher.version + 1))
+    assert [d["version"] for d in deltas if "anchor_nbytes" in d] == [0, *scheduled]
     publisher.close()
 
 
@@ -73,7 +88,9 @@ def test_late_receiver_and_skipped_versions_catch_up(tmp_path) -> None:
         follower.sync()
         if step == 2:
             skipper.sync()  # then misses versions 3..9, across the anchors at 4 and 8
+        publisher.flush()  # each anchor commits before the next one is due
     assert publisher.version == 10
+    assert ([a.version for a in publisher.pointer.anchors], publisher.pointer.base) == ([8], 4)
     assert open_store(tmp_path / "b").list("anchors/") == ["anchors/00000008.safetensors"]
     staged = skipper.stage()
     assert staged.kind == "anchor" and staged.versions == [8, 9, 10]
@@ -187,12 +204,18 @@ def test_adaptive_anchor_bounds_catch_up_bytes(tmp_path) -> None:
     for step in range(1, 8):
         train_step(model, opt, seed=step)
         results.append(publisher.publish())
+        publisher.flush()  # an anchor in flight would delay the next one
     anchor_bytes = results[0].nbytes
-    assert [r.kind for r in results].count("anchor") >= 2
+    assert results[0].kind == "anchor" and {r.kind for r in results[1:]} == {"delta"}
+    assert sum(r.anchor_scheduled for r in results) >= 2
     since = 0
     for r in results[1:]:
-        since = 0 if r.kind == "anchor" else since + r.nbytes
+        since = 0 if r.anchor_scheduled else since + r.nbytes
         assert since <= 0.5 * anchor_bytes
+    # A late joiner downloads the newest anchor and the deltas after it: at most 1.5 anchors.
+    staged = DeltaReceiver(tmp_path / "b").stage()
+    assert staged.kind == "anchor" and staged.versions[0] == publisher.pointer.anchor
+    assert staged.nbytes <= 1.5 * anchor_bytes
 
 
 def test_frozen_parameters_are_in_anchors_not_deltas(tmp_path) -> None:
