@@ -67,3 +67,22 @@ def old_pointer(pointer, format_version: int = 1) -> bytes:
         "chain": [item.to_json() for item in (anchor, *pointer.chain)],
     }
     return (json.dumps(body, sort_keys=True, indent=1) + "\n").encode()
+
+
+def replace_file(store, version: int, data: bytes, *, kind: str = "delta", fix_pointer: bool = True) -> None:
+    """Overwrite the committed delta (or anchor, with ``kind="anchor"``) of ``version``; with
+    ``fix_pointer``, also rewrite the pointer to the new size and SHA-256, as an attacker who
+    controls the whole bucket would."""
+    import dataclasses
+
+    from deltasync import Pointer
+    from deltasync._format import POINTER_PATH, sha256_hex
+
+    pointer = Pointer.from_bytes(store.read_bytes(POINTER_PATH))
+    key = {"delta": "chain", "anchor": "anchors"}[kind]
+    items = getattr(pointer, key)
+    (entry,) = [item for item in items if item.version == version]
+    store.write_bytes(entry.path, data)
+    if fix_pointer:
+        items = tuple(dataclasses.replace(e, nbytes=len(data), sha256=sha256_hex(data)) if e is entry else e for e in items)
+        store.write_bytes(POINTER_PATH, dataclasses.replace(pointer, **{key: items}).to_bytes())

@@ -21,6 +21,7 @@ import uuid
 import pytest
 import torch
 import zstandard
+from helpers import replace_file
 from safetensors.torch import load as st_load
 
 from deltasync import (
@@ -114,17 +115,6 @@ def chain(request, tmp_path) -> Chain:
 @pytest.fixture
 def zchain(tmp_path) -> Chain:
     return make_chain(tmp_path, "zstd")
-
-
-def commit_file(store, version: int, data: bytes, kind: str = "delta") -> None:
-    """Overwrite the delta (or anchor) of ``version`` and rewrite the pointer to match (size, SHA-256)."""
-    pointer = Pointer.from_bytes(store.read_bytes(F.POINTER_PATH))
-    key = "chain" if kind == "delta" else "anchors"
-    items = getattr(pointer, key)
-    (entry,) = [e for e in items if e.version == version]
-    store.write_bytes(entry.path, data)
-    items = tuple(dataclasses.replace(e, nbytes=len(data), sha256=F.sha256_hex(data)) if e is entry else e for e in items)
-    store.write_bytes(F.POINTER_PATH, dataclasses.replace(pointer, **{key: items}).to_bytes())
 
 
 def st_file(header: dict | bytes, data: bytes = b"") -> bytes:
@@ -332,7 +322,7 @@ def rewrite_header(chain: Chain, version: int, edit) -> None:
     entry = Pointer.from_bytes(chain.store.read_bytes(F.POINTER_PATH)).entry(version)
     header, data = split(chain.store.read_bytes(entry.path))
     new = edit(header)
-    commit_file(chain.store, version, st_file(header if new is None else new, data))
+    replace_file(chain.store, version, st_file(header if new is None else new, data))
 
 
 def first_tensor(header: dict) -> str:
@@ -415,7 +405,7 @@ def replace_stream(chain: Chain, version: int, key: str, blob: bytes) -> None:
     header = F.read_header(data, where=entry.path)
     tensors = st_load(data)
     tensors["zstd:" + key] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    commit_file(chain.store, version, F._safetensors_bytes(tensors, header.to_metadata()))
+    replace_file(chain.store, version, F._safetensors_bytes(tensors, header.to_metadata()))
 
 
 BOMBS = {
@@ -504,7 +494,7 @@ def forge_anchor(chain: Chain, edit) -> int:
     state = {n: p.detach().clone() for n, p in chain.model.named_parameters()}
     state = edit(state)
     assert fingerprint(state) == fp  # the fingerprint hashes flat elements only
-    commit_file(chain.store, version, F.encode_anchor(state, version=version, fingerprint=fp), kind="anchor")
+    replace_file(chain.store, version, F.encode_anchor(state, version=version, fingerprint=fp), kind="anchor")
     return version
 
 
@@ -537,7 +527,7 @@ def test_a_missing_parameter_is_refused(zchain) -> None:
     """Dropping a parameter changes the fingerprint too; the manifest names what is missing first."""
     version = anchor_past_the_receiver(zchain)
     state = {n: p.detach().clone() for n, p in zchain.model.named_parameters() if n != "b"}
-    commit_file(zchain.store, version, F.encode_anchor(state, version=version, fingerprint=fingerprint(state)), kind="anchor")
+    replace_file(zchain.store, version, F.encode_anchor(state, version=version, fingerprint=fingerprint(state)), kind="anchor")
     refused(zchain, r"lacks 1 expected parameter\(s\) \(e.g. 'b'\)|fingerprint", DeltaSyncError)
 
 

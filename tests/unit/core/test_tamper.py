@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from helpers import small_transformer, train_step
+from helpers import replace_file, small_transformer, train_step
 
 from deltasync import (
     DeltaPublisher,
@@ -15,11 +13,10 @@ from deltasync import (
     FormatError,
     IntegrityError,
     NotFoundError,
-    Pointer,
     VersionError,
     open_store,
 )
-from deltasync._format import Change, _safetensors_bytes, encode_delta, read_header, sha256_hex
+from deltasync._format import Change, _safetensors_bytes, encode_delta, read_header
 from safetensors.torch import load
 
 Q = "model.layers.0.self_attn.q_proj.weight"
@@ -55,19 +52,6 @@ def assert_unchanged(receiver: DeltaReceiver, before: tuple) -> None:
     assert all(torch.equal(now[k].view(torch.int16), state[k].view(torch.int16)) for k in state)
 
 
-def replace(store, version: int, data: bytes, *, fix_pointer: bool = True) -> None:
-    """Overwrite a committed file; with fix_pointer, as an attacker who also rewrites the pointer."""
-    pointer = Pointer.from_bytes(store.read_bytes("latest.json"))
-    entry = pointer.entry(version)
-    store.write_bytes(entry.path, data)
-    if fix_pointer:
-        chain = tuple(
-            dataclasses.replace(e, nbytes=len(data), sha256=sha256_hex(data)) if e.version == version else e
-            for e in pointer.chain
-        )
-        store.write_bytes("latest.json", dataclasses.replace(pointer, chain=chain).to_bytes())
-
-
 def rewrite_delta(store, version: int, edit) -> bytes:
     """Decode delta ``version`` (raw), let ``edit`` change its tensors/metadata, re-encode."""
     path = f"deltas/{version:08d}.safetensors"
@@ -90,7 +74,7 @@ def test_truncated_file(chain) -> None:
     store, receiver = chain
     before = snapshot(receiver)
     data = store.read_bytes("deltas/00000002.safetensors")
-    replace(store, 2, data[:-7], fix_pointer=False)
+    replace_file(store, 2, data[:-7], fix_pointer=False)
     check(receiver, before, IntegrityError, rf"deltas/00000002.safetensors \(version 2\): {len(data) - 7} bytes, the pointer says {len(data)} \(truncated")
 
 
@@ -98,7 +82,7 @@ def test_truncated_file_with_matching_pointer(chain) -> None:
     store, receiver = chain
     before = snapshot(receiver)
     data = store.read_bytes("deltas/00000002.safetensors")
-    replace(store, 2, data[: len(data) // 2])
+    replace_file(store, 2, data[: len(data) // 2])
     check(receiver, before, FormatError, r"deltas/00000002.safetensors \(version 2\): not a readable safetensors file")
 
 
@@ -107,7 +91,7 @@ def test_flipped_byte(chain) -> None:
     before = snapshot(receiver)
     data = bytearray(store.read_bytes("deltas/00000002.safetensors"))
     data[-3] ^= 0x40
-    replace(store, 2, bytes(data), fix_pointer=False)
+    replace_file(store, 2, bytes(data), fix_pointer=False)
     check(receiver, before, IntegrityError, r"deltas/00000002.safetensors \(version 2\): SHA-256 .* \(corrupted or tampered\)")
 
 
@@ -116,7 +100,7 @@ def test_flipped_value_with_matching_checksum_fails_the_fingerprint(chain) -> No
     before = snapshot(receiver)
     data = bytearray(store.read_bytes("deltas/00000002.safetensors"))
     data[-3] ^= 0x40  # inside the last bf16 value
-    replace(store, 2, bytes(data))
+    replace_file(store, 2, bytes(data))
     check(receiver, before, IntegrityError, r"version 2\): applying it gives fingerprint [0-9a-f]{16}, the file says")
 
 
@@ -127,7 +111,7 @@ def test_wrong_dtype(chain) -> None:
     def edit(tensors, meta):
         tensors[Q + ":values"] = tensors[Q + ":values"].float()
 
-    replace(store, 2, rewrite_delta(store, 2, edit))
+    replace_file(store, 2, rewrite_delta(store, 2, edit))
     check(receiver, before, FormatError, rf"values of parameter '{Q}' must be a 1-D bfloat16 tensor, got torch.float32")
 
 
@@ -138,7 +122,7 @@ def test_index_out_of_range(chain) -> None:
     def edit(tensors, meta):
         tensors[Q + ":indices"][-1] = 64 * 64
 
-    replace(store, 2, rewrite_delta(store, 2, edit))
+    replace_file(store, 2, rewrite_delta(store, 2, edit))
     check(receiver, before, FormatError, rf"index 4096 of parameter '{Q}' is out of range \(it has 4096 elements\)")
 
 
@@ -150,7 +134,7 @@ def test_unknown_parameter(chain) -> None:
         tensors["model.layers.9.mlp.up_proj.weight:indices"] = torch.tensor([0], dtype=torch.int32)
         tensors["model.layers.9.mlp.up_proj.weight:values"] = torch.tensor([1.0], dtype=torch.bfloat16)
 
-    replace(store, 2, rewrite_delta(store, 2, edit))
+    replace_file(store, 2, rewrite_delta(store, 2, edit))
     check(receiver, before, FormatError, r"unknown parameter 'model.layers.9.mlp.up_proj.weight'")
 
 
@@ -161,14 +145,14 @@ def test_wrong_base_version(chain) -> None:
     def edit(tensors, meta):
         meta["base"] = "0"
 
-    replace(store, 2, rewrite_delta(store, 2, edit))
+    replace_file(store, 2, rewrite_delta(store, 2, edit))
     check(receiver, before, FormatError, r"version 2\): delta 2 names base 0, expected 1")
 
 
 def test_file_of_another_version(chain) -> None:
     store, receiver = chain
     before = snapshot(receiver)
-    replace(store, 2, store.read_bytes("deltas/00000001.safetensors"))
+    replace_file(store, 2, store.read_bytes("deltas/00000001.safetensors"))
     check(receiver, before, VersionError, r"deltas/00000002.safetensors \(version 2\): the file is version 1, the pointer lists it as 2")
 
 
@@ -182,7 +166,7 @@ def test_delta_for_another_base_state(chain) -> None:
         version=2, anchor=0, codec="raw", total=header.total,
         fingerprint=header.fingerprint, base_fingerprint="0" * 16,
     )
-    replace(store, 2, forged)
+    replace_file(store, 2, forged)
     check(receiver, before, IntegrityError, r"applies to a state with fingerprint 0000000000000000")
 
 
@@ -204,7 +188,7 @@ def test_tampered_anchor_for_a_new_receiver(chain) -> None:
     store, _ = chain
     data = bytearray(store.read_bytes("anchors/00000000.safetensors"))
     data[-1] ^= 1
-    replace(store, 0, bytes(data))
+    replace_file(store, 0, bytes(data), kind="anchor")
     fresh = DeltaReceiver(store)
     with pytest.raises(IntegrityError, match=r"anchors/00000000.safetensors \(version 0\): the anchor's tensors hash to"):
         fresh.sync()
@@ -215,7 +199,7 @@ def test_receiver_recovers_once_the_bucket_is_repaired(chain) -> None:
     store, receiver = chain
     good = store.read_bytes("deltas/00000002.safetensors")
     pointer = store.read_bytes("latest.json")
-    replace(store, 2, good[:-1], fix_pointer=False)
+    replace_file(store, 2, good[:-1], fix_pointer=False)
     with pytest.raises(IntegrityError):
         receiver.sync()
     store.write_bytes("deltas/00000002.safetensors", good)
