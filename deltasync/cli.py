@@ -197,7 +197,9 @@ def _stats(args: argparse.Namespace) -> int:
     headers = ["version", "kind", "bytes", "anchor beside", "changed", "publish s"]
     print(_table(rows, headers + (["files"] if split else [])))
     anchors = [r["anchor_nbytes"] for r in records if "anchor_nbytes" in r]
-    shipped = sum(r["nbytes"] for r in records)
+    # Anchors beside deltas are written too (a version of kind "anchor" has no delta: its
+    # nbytes is the anchor's).
+    shipped = sum(r["nbytes"] + (r.get("anchor_nbytes", 0) if r["kind"] != "anchor" else 0) for r in records)
     if anchors:
         full = anchors[-1] * len(records)
         print()
