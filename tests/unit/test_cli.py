@@ -7,7 +7,7 @@ import torch
 from helpers import small_transformer, train_step
 
 from deltasync import DeltaPublisher
-from deltasync.cli import main
+from deltasync.cli import _human, main
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,10 @@ def test_inspect_anchor_in_a_bucket_url(bucket, capsys) -> None:
 def test_verify_ok_then_names_the_first_bad_version(bucket, tmp_path, capsys) -> None:
     assert main(["verify", str(bucket)]) == 0
     out = capsys.readouterr().out
-    assert "versions 4..5 (anchor 4)" in out and "ok: 2 versions verified" in out
+    # The anchor beside version 4 retired anchor 0: the walk starts there (deltas 1..4 stay,
+    # for followers behind it).
+    assert "versions 4..5 (anchors 4)" in out and "ok: 2 files verified" in out
+    assert "version 4: ok  anchor" in out and "version 5: ok  delta" in out
     import shutil
 
     broken = tmp_path / "broken"
@@ -62,10 +65,16 @@ def test_stats_and_plot(bucket, tmp_path, capsys) -> None:
     assert main(["stats", str(bucket), "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     lines = [line.split() for line in out.splitlines()]
+    assert lines[0] == ["version", "kind", "bytes", "anchor", "beside", "changed", "publish", "s"]
     rows = [line for line in lines if len(line) >= 5 and line[1] in ("anchor", "delta")]
     assert [r[0] for r in rows] == ["0", "1", "2", "3", "4", "5"]
-    assert [r[1] for r in rows] == ["anchor", "delta", "delta", "delta", "anchor", "delta"]
-    assert "6 versions" in out and "full copies would be" in out
+    # Version 0 has an anchor and no delta; every later one a delta, 4 an anchor beside it.
+    assert [r[1] for r in rows] == ["anchor", "delta", "delta", "delta", "delta", "delta"]
+    anchor_size = (bucket / "anchors/00000004.safetensors").stat().st_size
+    assert [r[4:6] if r[4] != "-" else "-" for r in rows] == ["-"] * 4 + [_human(anchor_size).split()] + ["-"]
+    # Written: both anchors (0 is retired, the same size as 4) and the five deltas.
+    written = 2 * anchor_size + sum(f.stat().st_size for f in (bucket / "deltas").iterdir())
+    assert f"6 versions, {_human(written)} written" in out and "full copies would be" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -88,3 +97,30 @@ def test_errors_are_one_line_hints(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["frobnicate"])
     assert exc.value.code == 2
+
+
+def test_verify_checks_every_kept_anchor(tmp_path, capsys) -> None:
+    model = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    publisher = DeltaPublisher(tmp_path / "b", model, None, anchor_every=2, anchor_bytes_ratio=0, keep_anchors=2)
+    publisher.publish()
+    for step in range(6):
+        with torch.no_grad():
+            model.weight.view(-1)[step] += 1
+        publisher.publish()
+        publisher.flush()
+    publisher.close()
+    assert [a.version for a in publisher.pointer.anchors] == [4, 6] and publisher.pointer.base == 2
+    assert main(["verify", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "versions 4..6 (anchors 4, 6)" in out
+    assert "version 4: ok  anchor" in out and "version 6: ok  delta" in out
+    assert "anchor 6: ok" in out and f"fingerprint {publisher.fingerprint}" in out
+    assert "ok: 4 files verified" in out  # anchor 4, deltas 5 and 6, anchor 6
+    data = bytearray((tmp_path / "b/anchors/00000006.safetensors").read_bytes())
+    data[-1] ^= 1
+    (tmp_path / "b/anchors/00000006.safetensors").write_bytes(bytes(data))
+    assert main(["verify", str(tmp_path / "b")]) == 1
+    captured = capsys.readouterr()
+    assert "version 6: ok  delta" in captured.out  # the deltas are fine ...
+    assert "anchor 6: BAD:" in captured.out and "SHA-256" in captured.out  # ... the anchor beside is not
+    assert "error: the anchor of version 6 is bad (anchors/00000006.safetensors)" in captured.err
