@@ -147,7 +147,7 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         self.delta_history: list[dict[str, Any]] = []
         """One record per sync: version, kind, bytes, changed fraction, upload and paused seconds."""
         self._sync_pool: ThreadPoolExecutor | None = None
-        self._sync_job: Future[dict[str, Any]] | None = None
+        self._sync_job: tuple[Future[dict[str, Any]], float] | None = None
         if delta_sync is not None:
             kwargs["weight_transfer"] = _DeltaWeightTransfer(self)
         if has_cuda():
@@ -235,9 +235,10 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
             if main:
                 if self._sync_pool is None:
                     self._sync_pool = ThreadPoolExecutor(1, thread_name_prefix="deltasync-sync")
-                self._sync_job = self._sync_pool.submit(self._serve_version, future, time.time())
+                job = self._sync_pool.submit(self._serve_version, future, time.time(), synced_at=t0)
             t_end = time.time()
             if main:
+                self._sync_job = (job, t_end - t0)
                 self._metrics["train"]["sync/blocked_s"].append(t_end - t0)
             # TRL turns these marks into perf/weight_sync_{pause,barrier,transfer}_s: the loop was
             # not paused, it waited at the barrier, then for the capture.
@@ -246,9 +247,10 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         result = self._publisher.publish()  # servers keep generating meanwhile
         if main:
             t_published = time.time()
-            record = self._serve_version(result, t_barrier, published_at=t_published)
+            record = self._serve_version(result, t_barrier, published_at=t_published, synced_at=t0)
+            record["blocked_s"] = time.time() - t0
             self._add_record(record)
-            self._metrics["train"]["sync/blocked_s"].append(time.time() - t0)
+            self._metrics["train"]["sync/blocked_s"].append(record["blocked_s"])
             self.accelerator.wait_for_everyone()
             # TRL turns these marks into perf/weight_sync_{pause,barrier,transfer}_s: report the
             # servers' paused time, the barrier, and the upload.
@@ -260,7 +262,8 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         return now, now, now
 
     def _serve_version(
-        self, published: PublishFuture | PublishResult, started: float, *, published_at: float | None = None
+        self, published: PublishFuture | PublishResult, started: float, *, synced_at: float,
+        published_at: float | None = None,
     ) -> dict[str, Any]:
         """Wait for the version's commit, let the servers stage it while generating, then update
         them; move ``model_version`` to what they report serving. Main process only; in the
@@ -275,6 +278,7 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         t_staged = time.time()
         report = self._client.update(result.version)
         record = self._make_record(result, report, t_published - started, t_staged - t_published)
+        record["total_s"] = time.time() - synced_at  # from the sync's start until the servers answered
         served = [r.version for r in report.results if r.version is not None]
         if served:
             # What every server serves at least: samples are tagged with it for staleness.
@@ -286,9 +290,12 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
     def _finish_sync_job(self) -> None:
         """Wait for the background sync in flight and log it; a failed publish is raised here
         (in the training loop), as a blocking sync would have raised it."""
-        job, self._sync_job = self._sync_job, None
-        if job is not None:
-            self._add_record(job.result())
+        pending, self._sync_job = self._sync_job, None
+        if pending is not None:
+            job, blocked_s = pending
+            record = job.result()
+            record["blocked_s"] = blocked_s
+            self._add_record(record)
 
     def _make_record(self, result: PublishResult, report: UpdateReport, upload_s: float, prefetch_s: float) -> dict[str, Any]:
         for r in report.results:

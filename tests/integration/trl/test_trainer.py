@@ -32,7 +32,7 @@ def setup(tiny_model_factory, tmp_path_factory):
         yield model_dir, bucket, server.url
 
 
-def make_trainer(model_dir, bucket, url, tmp_path, *, steps, token=TOKEN, **overrides):
+def make_trainer(model_dir, bucket, url, tmp_path, *, steps, token=TOKEN, background=True, **overrides):
     from deltasync.trl import AsyncGRPOTrainer, DeltaSyncConfig
 
     config, dataset = tiny_grpo_args(tmp_path / "out", url, steps, **overrides)
@@ -44,7 +44,8 @@ def make_trainer(model_dir, bucket, url, tmp_path, *, steps, token=TOKEN, **over
         # Anchors only on schedule (every 10): the random tiny model at this rate changes enough
         # elements per step that the size rule would otherwise turn deltas into anchors.
         delta_sync=DeltaSyncConfig(
-            bucket=str(bucket), server_urls=[url], token=token, publish=PublishOptions(anchor_bytes_ratio=0)
+            bucket=str(bucket), server_urls=[url], token=token, publish=PublishOptions(anchor_bytes_ratio=0),
+            background=background,
         ),
     )
 
@@ -77,13 +78,18 @@ def test_trainer_keeps_the_server_exact(setup, tmp_path) -> None:
     assert receiver.fingerprint == fingerprint(bf16_state_dict(model))
     logged = [entry for entry in trainer.state.log_history if "delta/bytes" in entry]
     assert logged and all(k in logged[-1] for k in (
-        "delta/changed_fraction", "delta/kind", "sync/upload_s", "sync/paused_s", "sync/version"))
+        "delta/changed_fraction", "delta/kind", "sync/upload_s", "sync/paused_s", "sync/version", "sync/blocked_s"))
+    # In the background (the default) the loop waits only for the capture, not for the bucket
+    # and the servers: each sync's blocked time is below that sync's whole time.
+    for h in history:
+        assert 0 < h["blocked_s"] < h["total_s"], h
 
 
 def test_weight_sync_steps_2_gradient_accumulation_and_a_restarted_trainer_stay_exact(setup, tmp_path) -> None:
     model_dir, bucket, url = setup
     trainer = make_trainer(
-        model_dir, bucket, url, tmp_path, steps=4, weight_sync_steps=2, gradient_accumulation_steps=2
+        model_dir, bucket, url, tmp_path, steps=4, weight_sync_steps=2, gradient_accumulation_steps=2,
+        background=False,
     )
     trainer.train()
     history = trainer.delta_history
@@ -91,6 +97,7 @@ def test_weight_sync_steps_2_gradient_accumulation_and_a_restarted_trainer_stay_
     assert trainer.delta_publisher.detector.steps_since_publish == 0
     assert history[0]["kind"] == "anchor"  # a new trainer on a used bucket starts with an anchor
     assert all(h["served"] == [h["version"]] for h in history)
+    assert all(h["blocked_s"] >= h["total_s"] for h in history)  # background=False: the loop waits for it all
     assert_server_serves_trainer(trainer, url)
 
 
