@@ -1,9 +1,11 @@
 """Fuzz the read boundary of a bucket: mutated pointers, headers, metadata, codec streams,
 data, shapes and bit patterns, for as long as you like.
 
-Each case starts from an honest bucket (anchor 0, deltas 1..3; one raw and one zstd), applies
-one mutation (rewriting the pointer's size and checksum where the category says so, as an
-attacker who can write the whole bucket would), then syncs a receiver. Outcomes:
+Each case starts from an honest bucket (a format 3 pointer: deltas 1..3, anchor 0 and an anchor
+of version 2 beside its delta; one raw and one zstd), applies one mutation (rewriting the
+pointer's size and checksum where the category says so, as an attacker who can write the whole
+bucket would), then syncs a receiver: one at version 1 replays deltas only, a new one loads the
+anchor at or below a random target (0 for 0..1, 2 for 2..3). Outcomes:
 
 - refused cleanly: a ``DeltaSyncError``, and the receiver's version, fingerprint and every
   bit of its tensors unchanged;
@@ -101,16 +103,21 @@ class Bucket:
 def honest_bucket(root: Path, codec: str, seed: int) -> Bucket:
     rng = random.Random(seed)
     model = Model(seed)
-    publisher = DeltaPublisher(root, model, None, codec=codec, anchor_every=100, anchor_bytes_ratio=0)
+    publisher = DeltaPublisher(root, model, None, codec=codec, anchor_every=100, anchor_bytes_ratio=0, keep_anchors=2)
     states = {}
     for version in range(4):
         if version:
             set_random_bits(model, rng, rng.randrange(1, 40), special=True)
-        publisher.publish()
+        publisher.publish(anchor=version == 2)
+        publisher.flush()
         states[version] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    publisher.close()
     store = open_store(root)
     files = {path: store.read_bytes(path) for path in store.list()}
-    return Bucket(root, codec, files, states)
+    bucket = Bucket(root, codec, files, states)
+    pointer = bucket.pointer()
+    assert [a.version for a in pointer.anchors] == [0, 2] and [e.version for e in pointer.chain] == [1, 2, 3]
+    return bucket
 
 
 # --------------------------------------------------------------------------- hostile values
@@ -208,11 +215,11 @@ def fix_pointer(bucket: Bucket, path: str, data: bytes) -> None:
     store = bucket.store
     store.write_bytes(path, data)
     pointer = bucket.pointer()
-    chain = tuple(
-        dataclasses.replace(e, nbytes=len(data), sha256=F.sha256_hex(data)) if e.path == path else e
-        for e in pointer.chain
+    anchors, chain = (
+        tuple(dataclasses.replace(e, nbytes=len(data), sha256=F.sha256_hex(data)) if e.path == path else e for e in items)
+        for items in (pointer.anchors, pointer.chain)
     )
-    store.write_bytes(F.POINTER_PATH, dataclasses.replace(pointer, chain=chain).to_bytes())
+    store.write_bytes(F.POINTER_PATH, dataclasses.replace(pointer, anchors=anchors, chain=chain).to_bytes())
 
 
 def split(data: bytes) -> tuple[dict, bytes]:
@@ -225,14 +232,37 @@ def join(header_text: bytes, rest: bytes) -> bytes:
     return struct.pack("<Q", len(header_text)) + header_text + rest
 
 
-def data_file(rng: random.Random, bucket: Bucket) -> str:
-    return rng.choice([e.path for e in bucket.pointer().chain])
+def data_file(rng: random.Random, bucket: Bucket, category: str) -> F.ChainEntry | None:
+    """The file a case mutates: the pointer's own (None), a delta (codec streams), an anchor
+    (shapes) or any data file."""
+    pointer = bucket.pointer()
+    if category == "pointer":
+        return None
+    entries = {"codec": pointer.chain, "shapes": pointer.anchors}.get(category, (*pointer.anchors, *pointer.chain))
+    return rng.choice(entries)
+
+
+def reader_for(rng: random.Random, bucket: Bucket, entry: F.ChainEntry | None) -> tuple[bool, int | None]:
+    """``(live, target)``: a receiver that reads ``entry`` (now and then any receiver, which
+    may not): the live one at version 1 replays deltas 2..3; a new one loads the anchor at or
+    below ``target``, then the deltas after it."""
+    pointer = bucket.pointer()
+    readers = [(True, None), *((False, t) for t in bucket.states)]
+    if entry is not None and rng.random() < 0.9:
+        readers = [
+            (live, t)
+            for live, t in readers
+            if (live and entry.kind == "delta" and entry.version >= 2)
+            or (not live and entry.kind == "anchor" and pointer.anchor_for(t).version == entry.version)
+            or (not live and entry.kind == "delta" and pointer.anchor_for(t).version < entry.version <= t)
+        ]
+    return rng.choice(readers)
 
 
 # --------------------------------------------------------------------------- categories
 
 
-def m_pointer(rng: random.Random, bucket: Bucket) -> None:
+def m_pointer(rng: random.Random, bucket: Bucket, entry: F.ChainEntry | None) -> None:
     text = bucket.files[F.POINTER_PATH]
     if rng.random() < 0.5:
         new = mutate_bytes(rng, text)
@@ -241,8 +271,8 @@ def m_pointer(rng: random.Random, bucket: Bucket) -> None:
     bucket.store.write_bytes(F.POINTER_PATH, new)
 
 
-def m_header(rng: random.Random, bucket: Bucket) -> None:
-    path = data_file(rng, bucket)
+def m_header(rng: random.Random, bucket: Bucket, entry: F.ChainEntry | None) -> None:
+    path = entry.path
     header, rest = split(bucket.files[path])
     if rng.random() < 0.2:
         text = mutate_bytes(rng, json.dumps(header, separators=(",", ":")).encode())
@@ -251,8 +281,8 @@ def m_header(rng: random.Random, bucket: Bucket) -> None:
     fix_pointer(bucket, path, join(text, rest))
 
 
-def m_metadata(rng: random.Random, bucket: Bucket) -> None:
-    path = data_file(rng, bucket)
+def m_metadata(rng: random.Random, bucket: Bucket, entry: F.ChainEntry | None) -> None:
+    path = entry.path
     header, rest = split(bucket.files[path])
     meta = header["__metadata__"]
     key = rng.choice([*meta, "names", "base_fingerprint"])
@@ -276,8 +306,8 @@ def bomb(rng: random.Random) -> bytes:
     return b"".join(cobj.compress(chunk) for _ in range(size // len(chunk))) + cobj.flush()
 
 
-def m_codec(rng: random.Random, bucket: Bucket) -> None:
-    path = rng.choice([e.path for e in bucket.pointer().chain if e.kind == "delta"])
+def m_codec(rng: random.Random, bucket: Bucket, entry: F.ChainEntry | None) -> None:
+    path = entry.path
     data = bucket.files[path]
     header = F.read_header(data, where=path)
     tensors = st_load(data)
@@ -304,8 +334,8 @@ def m_codec(rng: random.Random, bucket: Bucket) -> None:
     fix_pointer(bucket, path, F._safetensors_bytes(tensors, header.to_metadata()))
 
 
-def m_data(rng: random.Random, bucket: Bucket) -> None:
-    path = data_file(rng, bucket)
+def m_data(rng: random.Random, bucket: Bucket, entry: F.ChainEntry | None) -> None:
+    path = entry.path
     header, rest = split(bucket.files[path])
     body = bytearray(rest)
     for _ in range(rng.randrange(1, 6)):
@@ -314,8 +344,8 @@ def m_data(rng: random.Random, bucket: Bucket) -> None:
     fix_pointer(bucket, path, join(json.dumps(header, separators=(",", ":")).encode(), bytes(body)))
 
 
-def m_bytes(rng: random.Random, bucket: Bucket) -> None:
-    path = data_file(rng, bucket)
+def m_bytes(rng: random.Random, bucket: Bucket, entry: F.ChainEntry | None) -> None:
+    path = entry.path
     data = bucket.files[path]
     if rng.random() < 0.1:  # an oversized object: a sparse file of up to 4 GiB
         with open(bucket.root / path, "r+b") as f:
@@ -328,8 +358,8 @@ def m_bytes(rng: random.Random, bucket: Bucket) -> None:
         bucket.store.write_bytes(path, new)
 
 
-def m_shapes(rng: random.Random, bucket: Bucket) -> None:
-    state = {k: v.clone() for k, v in bucket.states[0].items()}
+def m_shapes(rng: random.Random, bucket: Bucket, entry: F.ChainEntry | None) -> None:
+    state = {k: v.clone() for k, v in bucket.states[entry.version].items()}
     name = rng.choice(sorted(state))
     kind = rng.randrange(4)
     shape = state[name].shape
@@ -342,10 +372,10 @@ def m_shapes(rng: random.Random, bucket: Bucket) -> None:
     else:
         state[f"extra.{rng.randrange(100)}"] = torch.zeros(0, rng.randrange(1, 9), dtype=torch.bfloat16)
     fp = fingerprint(state)
-    fix_pointer(bucket, bucket.pointer().entry(0).path, F.encode_anchor(state, version=0, fingerprint=fp))
+    fix_pointer(bucket, entry.path, F.encode_anchor(state, version=entry.version, fingerprint=fp))
 
 
-MUTATIONS: dict[str, Callable[[random.Random, Bucket], None]] = {
+MUTATIONS: dict[str, Callable[[random.Random, Bucket, F.ChainEntry | None], None]] = {
     "pointer": m_pointer,
     "header": m_header,
     "metadata": m_metadata,
@@ -383,16 +413,17 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def run_case(rng: random.Random, bucket: Bucket, category: str, tally: Tally) -> None:
     bucket.restore()
-    live = rng.random() < 0.5 and category != "shapes"
+    entry = data_file(rng, bucket, category)
+    live, target = reader_for(rng, bucket, entry)
     receiver = DeltaReceiver(bucket.root, expected=SHAPES if category == "shapes" else None)
     if live:
         receiver.sync(1)
     before = (receiver.version, receiver.fingerprint, {k: v.clone() for k, v in receiver.state_dict().items()})
-    MUTATIONS[category](rng, bucket)
+    MUTATIONS[category](rng, bucket, entry)
     tally.tried += 1
     base = reset_peak()
     try:
-        receiver.sync()
+        receiver.sync(target)
     except DeltaSyncError as exc:
         after = (receiver.version, receiver.fingerprint)
         if after == before[:2] and same_bits(receiver.state_dict(), before[2]):
@@ -429,9 +460,10 @@ def run_exact(rng: random.Random, tally: Tally) -> None:
     try:
         for _ in range(rng.randrange(1, 6)):
             set_random_bits(model, rng, rng.choice([1, 1, 2, 17, 300]), special=True)
-            publisher.publish()
+            publisher.publish(anchor=rng.random() < 0.3)  # an anchor beside: new receivers start there
             if rng.random() < 0.5:
                 live.sync()
+        publisher.close()  # every anchor committed
         live.sync()
         fresh = DeltaReceiver(bucket)
         fresh.sync()
