@@ -42,10 +42,14 @@ from ._errors import ConfigError, VersionError
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["UPDATE_ROUTE", "RolloutClient", "ServerResult", "ServerStatus", "UpdateReport"]
+__all__ = ["STATUS_ROUTE", "UPDATE_ROUTE", "VERSION_HEADER", "RolloutClient", "ServerResult", "ServerStatus", "UpdateReport"]
 
-#: The one-request update route of ``vllm_ext.UpdateMiddleware`` (pause, apply, resume).
+#: The one-request update route of ``vllm_ext.UpdateMiddleware`` (stage, pause, apply, resume).
 UPDATE_ROUTE = "/deltasync/update"
+#: What a server with ``vllm_ext.UpdateMiddleware`` serves, and its follow mode, as JSON.
+STATUS_ROUTE = "/deltasync/status"
+#: The response header of completions: the version served when the request was admitted.
+VERSION_HEADER = "x-deltasync-version"
 
 _T = TypeVar("_T")
 

@@ -17,9 +17,22 @@ from collections.abc import Mapping, Sequence
 from ._auth import TOKEN_ENV
 from ._errors import ConfigError
 
-__all__ = ["BUCKET_ENV", "PLAIN_GEMM_ENV", "add_parser", "extension_args", "run", "serve_command"]
+__all__ = [
+    "BUCKET_ENV",
+    "FOLLOW_ENV",
+    "FOLLOW_INTERVAL_ENV",
+    "PLAIN_GEMM_ENV",
+    "add_parser",
+    "extension_args",
+    "run",
+    "serve_command",
+]
 
 BUCKET_ENV = "DELTASYNC_BUCKET"
+#: "1": the server follows its bucket by itself (vllm_ext reads it; ``--follow`` sets it).
+FOLLOW_ENV = "DELTASYNC_FOLLOW"
+#: Seconds between two reads of the bucket's pointer in follow mode (``--follow-interval``).
+FOLLOW_INTERVAL_ENV = "DELTASYNC_FOLLOW_INTERVAL"
 #: Set to "1" in a vLLM-CPU server's environment to keep plain linear weights, so deltas are
 #: written in place there (a test, demo and benchmark setting; see ``vllm_ext._plain_gemm``).
 PLAIN_GEMM_ENV = "DELTASYNC_CPU_PLAIN_GEMM"
@@ -56,13 +69,17 @@ def serve_command(
     token_env: str | None = None,
     vllm_args: Sequence[str] = (),
     environ: Mapping[str, str] | None = None,
+    follow: bool = False,
+    follow_interval: float | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that ``deltasync serve`` runs.
 
     Adds the worker extension, the ``"delta"`` backend and, when a token is set (in the
     variable ``token_env``, default ``DELTASYNC_TOKEN``), the token middleware; sets
     ``VLLM_SERVER_DEV_MODE=1``, ``DELTASYNC_BUCKET`` and ``DELTASYNC_TOKEN``. ``vllm_args``
-    follow unchanged.
+    follow unchanged. ``follow``: the server reads the bucket's pointer every ``follow_interval``
+    seconds (default 2) and brings itself to each newer version, with no request from the
+    trainer (``DELTASYNC_FOLLOW=1``).
     """
     env = dict(os.environ if environ is None else environ)
     if not bucket:
@@ -93,6 +110,14 @@ def serve_command(
         command += ["--middleware", _LORA_MIDDLEWARE]  # adapter versions from the bucket
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env[BUCKET_ENV] = bucket
+    if follow_interval is not None:
+        if not follow:
+            raise ConfigError("--follow-interval is set but --follow is not; add --follow, or drop the interval")
+        if not follow_interval > 0:
+            raise ConfigError(f"--follow-interval must be a positive number of seconds, got {follow_interval}")
+        env[FOLLOW_INTERVAL_ENV] = repr(float(follow_interval))
+    if follow:
+        env[FOLLOW_ENV] = "1"
     return command + list(vllm_args), env
 
 
@@ -113,6 +138,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"the bucket the trainer publishes to (default: ${BUCKET_ENV})",
     )
     p.add_argument(
+        "--follow",
+        action="store_true",
+        help="follow the bucket: read its pointer every --follow-interval seconds and apply each newer version "
+        "(no trainer-to-server link needed)",
+    )
+    p.add_argument(
+        "--follow-interval",
+        type=float,
+        metavar="SECONDS",
+        help="seconds between two reads of the bucket's pointer in follow mode (default 2: 1,800 reads an hour)",
+    )
+    p.add_argument(
         "--token-env",
         metavar="NAME",
         help=f"environment variable holding the shared token (default: {TOKEN_ENV}, when set)",
@@ -121,13 +158,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    command, env = serve_command(args.model, args.bucket, token_env=args.token_env, vllm_args=args.extra)
+    command, env = serve_command(
+        args.model, args.bucket, token_env=args.token_env, vllm_args=args.extra, follow=args.follow,
+        follow_interval=args.follow_interval,
+    )
     if TOKEN_ENV not in env:
         print(
             f"deltasync serve: warning: no token ({TOKEN_ENV} is unset): anyone who can reach this server can "
             "pause it and make it load the versions in its bucket",
             file=sys.stderr,
         )
-    print(f"deltasync serve: following {env[BUCKET_ENV]}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
+    how = "following (by itself)" if env.get(FOLLOW_ENV) == "1" else "on updates from"
+    print(f"deltasync serve: {how} {env[BUCKET_ENV]}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
     os.execvpe(command[0], command, env)
     return 0  # pragma: no cover - execvpe does not return

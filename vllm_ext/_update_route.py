@@ -1,22 +1,28 @@
-"""``--middleware vllm_ext.UpdateMiddleware``: a whole server update in one HTTP request.
+"""``--middleware vllm_ext.UpdateMiddleware``: deltasync's routes and follow mode in the API server.
 
 vLLM's own sequence for a weight update is five HTTP calls (``/pause``, ``/start_weight_update``,
 ``/update_weights``, ``/finish_weight_update``, ``/resume``), each a round trip through the API
-server, and vLLM's ``pause_generation`` sleeps 20 ms after pausing (so that outputs of requests
-it aborts come out first; nothing is aborted in ``keep`` mode). Inside the pause that is
-several times the cost of writing a sparse delta in place. This middleware adds one route,
-run in the API-server process::
+server. This middleware runs :class:`~vllm_ext._server_sync.ServerSync` in the API-server
+process instead, and adds:
 
-    POST /deltasync/update {"version": N, "auth": TAG}
+- ``POST /deltasync/update {"version": N, "auth": TAG}``: the whole update in one request. The
+  workers stage N while the server keeps generating, then the scheduler pauses in ``keep``
+  mode emptying the caches (in-flight requests freeze and recompute their KV with the new
+  weights on resume; no KV of the old weights is reused), ``deltasync_apply`` runs on every
+  worker (one ``collective_rpc``: staged, checked, all ranks or none), the served weight version
+  is labelled, and the scheduler resumes, whatever happened. A version already served is a
+  no-op. The answer carries the workers' results and the seconds the scheduler was paused.
+- ``GET /deltasync/status``: what the server serves, as JSON (``version``, ``fingerprint``,
+  ``mode``, ``follow``, ``workers``).
+- follow mode (``DELTASYNC_FOLLOW=1``): the server reads its bucket's pointer every
+  ``DELTASYNC_FOLLOW_INTERVAL`` seconds and brings itself to each newer version by the same flow.
+- the response header ``x-deltasync-version`` on completions and chat completions: the version
+  served when the request was admitted (``none`` before the first update).
+- ``deltasync_*`` metrics on vLLM's ``/metrics``.
 
-It pauses the scheduler in ``keep`` mode emptying the caches (in-flight requests freeze and
-recompute their KV with the new weights on resume; no KV of the old weights is reused), runs
-``deltasync_apply`` on every worker (one ``collective_rpc``: the same staged, checked,
-all-ranks-or-none apply as the weight-transfer backend), labels the served weight version,
-and resumes, whatever happened. The answer carries the workers' results and the seconds the
-scheduler was paused. It needs ``Authorization: Bearer $DELTASYNC_TOKEN`` when the server has a
-token, and the update's tag, like every update. :class:`deltasync.RolloutClient` uses it when
-a server has it and vLLM's five routes otherwise.
+Both routes need ``Authorization: Bearer $DELTASYNC_TOKEN`` when the server has a token, and an
+update needs the version's tag, like every update. :class:`deltasync.RolloutClient` uses the
+update route when a server has it and vLLM's five routes otherwise.
 """
 
 from __future__ import annotations
@@ -24,31 +30,70 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from typing import Any
 
-from deltasync._auth import TOKEN_ENV
-from deltasync._client import UPDATE_ROUTE
+from deltasync._auth import TOKEN_ENV, bearer_matches
+from deltasync._client import STATUS_ROUTE, UPDATE_ROUTE, VERSION_HEADER
 
-from ._asgi import answer, error_body, read_body, refused
+from ._asgi import answer, error_body, header, read_body, refused, unauthorized
 from ._middleware import route_path
+from ._server_sync import FollowConfig, ServerSync
 
-__all__ = ["UPDATE_ROUTE", "UpdateMiddleware"]
+__all__ = ["STATUS_ROUTE", "UPDATE_ROUTE", "VERSION_HEADER", "UpdateMiddleware"]
 
 logger = logging.getLogger(__name__)
 
+#: The routes whose responses carry :data:`VERSION_HEADER`.
+_INFERENCE_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+
 
 class UpdateMiddleware:
-    """ASGI middleware adding ``POST /deltasync/update`` (see the module)."""
+    """ASGI middleware adding deltasync's routes, follow mode and response header (see the module)."""
 
-    def __init__(self, app: Any, token: str | None = None) -> None:
+    def __init__(self, app: Any, token: str | None = None, follow: FollowConfig | None = None) -> None:
         self.app = app
         self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self.follow = follow or FollowConfig.from_env()
+        self.sync: ServerSync | None = None
+
+    def _sync(self, scope: Any) -> ServerSync:
+        if self.sync is None:
+            self.sync = ServerSync(scope["app"].state.engine_client, token=self.token, follow=self.follow)
+        return self.sync
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or route_path(scope) != UPDATE_ROUTE:
+        if scope["type"] == "lifespan":
+            await self.app(scope, self._lifespan(scope, receive), send)
+            return
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path = route_path(scope)
+        if path == UPDATE_ROUTE:
+            await self._update(scope, receive, send)
+        elif path == STATUS_ROUTE:
+            await self._status(scope, send)
+        elif path in _INFERENCE_ROUTES and "app" in scope:
+            version = await self._sync(scope).admitted()
+            await self.app(scope, receive, _with_header(send, VERSION_HEADER, "none" if version is None else str(version)))
+        else:
+            await self.app(scope, receive, send)
+
+    def _lifespan(self, scope: Any, receive: Any) -> Any:
+        """``receive`` for the lifespan scope: starts the follower once the app has started up
+        (its engine client is ready by then) and stops it at shutdown."""
+
+        async def wrapped() -> Any:
+            message = await receive()
+            if message["type"] == "lifespan.startup" and "app" in scope:
+                self._sync(scope).start()
+            elif message["type"] == "lifespan.shutdown" and self.sync is not None:
+                await self.sync.stop()
+            return message
+
+        return wrapped
+
+    async def _update(self, scope: Any, receive: Any, send: Any) -> None:
         if await refused(scope, send, UPDATE_ROUTE, self.token):
             return
         try:
@@ -58,42 +103,45 @@ class UpdateMiddleware:
         except ValueError as exc:
             await answer(send, 400, error_body(f"{UPDATE_ROUTE}: bad body ({exc})", "BadRequest", 400))
             return
-        status, payload = await _update(scope["app"].state.engine_client, request.get("version"), request.get("auth"))
-        await answer(send, status, payload)
+        outcome = await self._sync(scope).bring_to(request.get("version"), request.get("auth"))
+        if not outcome.ok:
+            await answer(send, outcome.status, error_body(outcome.error or "the update failed", "UpdateError", outcome.status))
+            return
+        await answer(send, 200, {
+            "results": [r.to_json() for r in outcome.results], "paused_s": outcome.paused_s, "noop": outcome.noop,
+        })  # fmt: skip
+
+    async def _status(self, scope: Any, send: Any) -> None:
+        if scope.get("method") != "GET":
+            await answer(send, 405, error_body(f"{STATUS_ROUTE} takes GET", "MethodNotAllowed", 405))
+            return
+        given = header(scope, b"authorization")
+        if self.token is not None and not bearer_matches(self.token, given):
+            await answer(send, 401, error_body(unauthorized(STATUS_ROUTE, given), "Unauthorized", 401))
+            return
+        sync = self._sync(scope)
+        try:
+            workers = await sync.workers()
+        except Exception as exc:  # noqa: BLE001
+            await answer(send, 503, error_body(f"the workers did not answer ({type(exc).__name__}: {exc})", "Unavailable", 503))
+            return
+        versions = [w.version for w in workers]
+        fingerprints = {w.fingerprint for w in workers}
+        await answer(send, 200, {
+            "version": None if any(v is None for v in versions) else min(v for v in versions if v is not None),
+            "fingerprint": fingerprints.pop() if len(fingerprints) == 1 else None,
+            "mode": workers[0].mode if len({w.mode for w in workers}) == 1 else "mixed",
+            "follow": sync.follow_status(),
+            "workers": [w.to_json() for w in workers],
+        })  # fmt: skip
 
 
-async def _update(engine: Any, version: object, auth: object) -> tuple[int, dict[str, Any]]:
-    """Pause, apply on every worker, label, resume; returns the HTTP status and the answer."""
-    start = time.perf_counter()
-    paused = False
-    try:
-        await _pause(engine)
-        paused = True
-        results = await engine.collective_rpc("deltasync_apply", args=(version, auth))
-        failed = [r for r in results if isinstance(r, dict) and r.get("error")]
-        if not failed:
-            await engine.update_weight_version(str(version))
-    except Exception as exc:  # noqa: BLE001  (the worker's own message names what was wrong)
-        status = 500 if paused else 503
-        message = str(exc) if paused else f"pausing the server failed ({type(exc).__name__}: {exc})"
-        return status, error_body(message, type(exc).__name__, status)
-    finally:
-        if paused:
-            await engine.resume_generation()
-        paused_s = time.perf_counter() - start
-    if failed:  # a worker reported an error without raising (not the last rank): never a success
-        return 500, error_body(str(failed[0]["error"]), "UpdateError", 500)
-    return 200, {"results": results, "paused_s": paused_s}
+def _with_header(send: Any, name: str, value: str) -> Any:
+    """``send`` that adds a header to the response's start."""
 
+    async def wrapped(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (name.encode(), value.encode())]}
+        await send(message)
 
-async def _pause(engine: Any) -> None:
-    """``engine.pause_generation(mode="keep", clear_cache=True)`` without its 20 ms sleep, which
-    only orders the outputs of aborted requests (``keep`` aborts none)."""
-    core = getattr(engine, "engine_core", None)
-    if core is None or not hasattr(core, "pause_scheduler_async"):
-        await engine.pause_generation(mode="keep", clear_cache=True)
-        return
-    renderer = getattr(engine, "renderer", None)
-    if renderer is not None and hasattr(renderer, "clear_mm_cache_async"):
-        await renderer.clear_mm_cache_async()
-    await core.pause_scheduler_async(mode="keep", clear_cache=True)
+    return wrapped

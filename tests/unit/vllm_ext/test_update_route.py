@@ -20,12 +20,20 @@ TOKEN = "s3cret"
 
 
 class Engine:
-    """Records the engine-client calls the route makes; ``fail`` names a call that raises."""
+    """Records the engine-client calls the route makes (status reads apart, in ``reads``);
+    ``fail`` names a call that raises; its workers serve ``served`` and stage at once, or fail
+    to stage with ``stage_error``."""
 
-    def __init__(self, fail: str | None = None, results: list | None = None) -> None:
+    def __init__(self, fail: str | None = None, results: list | None = None, *, served: int | None = None,
+                 stage_error: str | None = None, workers: int = 1) -> None:  # fmt: skip
         self.calls: list[object] = []
+        self.reads = 0
         self.fail = fail
-        self.results = results if results is not None else [{"version": 3}]
+        self.results = results if results is not None else [{"version": 3}] * workers
+        self.served = served
+        self.stage_error = stage_error
+        self.workers = workers
+        self.prefetch: dict | None = None
         self.engine_core = SimpleNamespace(pause_scheduler_async=self._pause)
 
     def _maybe_fail(self, name: str) -> None:
@@ -37,8 +45,18 @@ class Engine:
         self._maybe_fail("pause")
 
     async def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        if method == "deltasync_status":
+            self.reads += 1
+            return [{"rank": r, "version": self.served, "fingerprint": "00ff00ff00ff00ff", "mode": "in-place",
+                     "prefetch": self.prefetch} for r in range(self.workers)]  # fmt: skip
         self.calls.append((method, *args))
         self._maybe_fail(method)
+        if method == "deltasync_prefetch":
+            state = "failed" if self.stage_error else "ready"
+            self.prefetch = {"version": args[0], "state": state, "error": self.stage_error}
+            return [{"version": args[0], "state": "running"}] * self.workers
+        if method == "deltasync_apply" and not any(r.get("error") for r in self.results):
+            self.served = args[0]
         return self.results
 
     async def update_weight_version(self, version: str) -> None:
@@ -76,21 +94,38 @@ def _post(engine: Engine, body: object, *, authorization: str | None = f"Bearer 
     return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:])), passed
 
 
-def test_pause_apply_label_resume_in_one_request():
+STAGE = ("deltasync_prefetch", 3, "tag")
+
+
+def test_stage_pause_apply_label_resume_in_one_request():
     engine = Engine()
     status, answer, passed = _post(engine, {"version": 3, "auth": "tag"})
     assert status == 200 and passed == []
-    assert engine.calls == [("pause", "keep", True), ("deltasync_apply", 3, "tag"), ("label", "3"), "resume"]
-    assert answer["results"] == [{"version": 3}] and 0 <= answer["paused_s"] < 5
+    assert engine.calls == [STAGE, ("pause", "keep", True), ("deltasync_apply", 3, "tag"), ("label", "3"), "resume"]
+    assert [r["version"] for r in answer["results"]] == [3] and 0 <= answer["paused_s"] < 5
+    assert answer["noop"] is False
+
+
+def test_a_version_already_served_is_a_noop_without_a_pause():
+    engine = Engine(served=3)
+    status, answer, _ = _post(engine, {"version": 3, "auth": "tag"})
+    assert (status, answer["noop"], answer["results"], engine.calls) == (200, True, [], [])
+
+
+def test_a_version_that_cannot_be_staged_pauses_nothing():
+    engine = Engine(stage_error="IntegrityError: deltas/00000003.safetensors: SHA-256 ... (corrupted or tampered)")
+    status, answer, _ = _post(engine, {"version": 3, "auth": "tag"})
+    assert status == 500 and "staging version 3 failed: IntegrityError: deltas/00000003" in answer["error"]["message"]
+    assert engine.calls == [STAGE] and engine.served is None
 
 
 def test_a_failed_apply_still_resumes_and_keeps_the_workers_words():
     engine = Engine(fail="deltasync_apply")
     status, answer, _ = _post(engine, {"version": 3, "auth": "tag"})
     assert status == 500 and answer["error"]["message"] == "deltasync_apply failed"
-    assert engine.calls == [("pause", "keep", True), ("deltasync_apply", 3, "tag"), "resume"]  # no label
+    assert engine.calls == [STAGE, ("pause", "keep", True), ("deltasync_apply", 3, "tag"), "resume"]  # no label
     # A worker that reports an error without raising (not the last rank) is a failure too.
-    engine = Engine(results=[{"version": 3, "error": "deltasync: refused on rank 0"}, {"version": 3}])
+    engine = Engine(results=[{"version": 3, "error": "deltasync: refused on rank 0"}, {"version": 3}], workers=2)
     status, answer, _ = _post(engine, {"version": 3})
     assert status == 500 and answer["error"]["message"] == "deltasync: refused on rank 0"
     assert engine.calls[-1] == "resume" and ("label", "3") not in engine.calls
@@ -100,7 +135,7 @@ def test_a_failed_pause_applies_nothing_and_does_not_resume():
     engine = Engine(fail="pause")
     status, answer, _ = _post(engine, {"version": 3})
     assert status == 503 and answer["error"]["message"] == "pausing the server failed (RuntimeError: pause failed)"
-    assert engine.calls == [("pause", "keep", True)]
+    assert engine.calls == [("deltasync_prefetch", 3, None), ("pause", "keep", True)]
 
 
 def test_refusals_before_anything_happens():

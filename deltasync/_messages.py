@@ -1,0 +1,160 @@
+"""What a server's workers answer, typed: parsed once where the answer arrives.
+
+The workers of a vLLM server (``vllm_ext``) answer ``collective_rpc`` calls with plain data
+(tensors and objects do not cross that boundary). The API-server process
+(``vllm_ext._server_sync``) and the trainer's :class:`~deltasync.RolloutClient` read those
+answers through these classes instead of dicts read with ``.get``: a field of the wrong type
+is a :class:`~deltasync.FormatError` naming the field, not a surprise further on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from ._errors import FormatError
+
+__all__ = ["PrefetchState", "UpdateAnswer", "WorkerStatus"]
+
+
+def _take(data: Mapping[str, Any], name: str, kinds: tuple[type, ...], where: str, default: Any = ...) -> Any:
+    if name not in data or data[name] is None:
+        if default is ...:
+            raise FormatError(f"{where}: the field {name!r} is missing")
+        return default
+    value = data[name]
+    if isinstance(value, bool) and bool not in kinds:
+        raise FormatError(f"{where}: {name} is {value!r}, expected {' or '.join(k.__name__ for k in kinds)}")
+    if not isinstance(value, kinds):
+        raise FormatError(f"{where}: {name} is {type(value).__name__}, expected {' or '.join(k.__name__ for k in kinds)}")
+    return float(value) if kinds == (int, float) else value
+
+
+def _mapping(data: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise FormatError(f"{where}: expected an object, got {type(data).__name__}")
+    return data
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefetchState:
+    """A worker's background staging of one version (``deltasync_prefetch`` / status)."""
+
+    version: int | None
+    state: str
+    """"running", "ready", "failed" or "applied" (already served)."""
+    error: str | None = None
+    kind: str | None = None
+    nbytes: int = 0
+    stage_s: float = 0.0
+
+    @classmethod
+    def from_answer(cls, data: object, where: str = "prefetch answer") -> PrefetchState:
+        d = _mapping(data, where)
+        return cls(
+            version=_take(d, "version", (int,), where, None),
+            state=_take(d, "state", (str,), where, "failed" if d.get("error") else "running"),
+            error=_take(d, "error", (str,), where, None),
+            kind=_take(d, "kind", (str,), where, None),
+            nbytes=_take(d, "nbytes", (int,), where, 0),
+            stage_s=_take(d, "stage_s", (int, float), where, 0.0),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateAnswer:
+    """One worker's answer to an update (``deltasync_apply``, or its record in the status)."""
+
+    version: int | None
+    error: str | None = None
+    """Set when this worker reports the update failed (only the last worker raises)."""
+    fingerprint: str | None = None
+    kind: str | None = None
+    """"delta", "anchor" or "none"."""
+    mode: str | None = None
+    nbytes: int = 0
+    """Bytes this worker downloaded."""
+    prefetched: bool = False
+    stage_s: float = 0.0
+    apply_s: float = 0.0
+    changed: int = 0
+    sent: int = 0
+    time: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further timings a target reports (an anchor's load and hash seconds)."""
+
+    @classmethod
+    def from_answer(cls, data: object, where: str = "update answer") -> UpdateAnswer:
+        d = _mapping(data, where)
+        known = {f.name for f in fields(cls)}
+        return cls(
+            version=_take(d, "version", (int,), where, None),
+            error=_take(d, "error", (str,), where, None),
+            fingerprint=_take(d, "fingerprint", (str,), where, None),
+            kind=_take(d, "kind", (str,), where, None),
+            mode=_take(d, "mode", (str,), where, None),
+            nbytes=_take(d, "nbytes", (int,), where, 0),
+            prefetched=_take(d, "prefetched", (bool,), where, False),
+            stage_s=_take(d, "stage_s", (int, float), where, 0.0),
+            apply_s=_take(d, "apply_s", (int, float), where, 0.0),
+            changed=_take(d, "changed", (int,), where, 0),
+            sent=_take(d, "sent", (int,), where, 0),
+            time=_take(d, "time", (int, float), where, None),
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(out.pop("extra"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerStatus:
+    """What one worker serves (``deltasync_status``)."""
+
+    rank: int
+    version: int | None
+    """None before the first update, or when the served weights are no version (tainted)."""
+    fingerprint: str | None
+    """Of the weights served: hashed from the live weights in place, from the host copy in reload mode."""
+    mode: str
+    """"in-place" or "reload"."""
+    fallback: tuple[str, ...] = ()
+    tainted: str | None = None
+    host_copy_bytes: int = 0
+    bucket: str | None = None
+    auth: bool = False
+    checkpoint: str | None = None
+    last_update: UpdateAnswer | None = None
+    last_error: dict[str, Any] | None = None
+    prefetch: PrefetchState | None = None
+
+    @classmethod
+    def from_answer(cls, data: object, where: str = "worker status") -> WorkerStatus:
+        d = _mapping(data, where)
+        fallback = _take(d, "fallback", (list, tuple), where, ())
+        last = _take(d, "last_update", (Mapping,), where, None)
+        prefetch = _take(d, "prefetch", (Mapping,), where, None)
+        return cls(
+            rank=_take(d, "rank", (int,), where),
+            version=_take(d, "version", (int,), where, None),
+            fingerprint=_take(d, "fingerprint", (str,), where, None),
+            mode=_take(d, "mode", (str,), where, "reload"),
+            fallback=tuple(str(name) for name in fallback),
+            tainted=_take(d, "tainted", (str,), where, None),
+            host_copy_bytes=_take(d, "host_copy_bytes", (int,), where, 0),
+            bucket=_take(d, "bucket", (str,), where, None),
+            auth=_take(d, "auth", (bool,), where, False),
+            checkpoint=_take(d, "checkpoint", (str,), where, None),
+            last_update=None if last is None else UpdateAnswer.from_answer(last, f"{where}: last_update"),
+            last_error=None if _take(d, "last_error", (Mapping,), where, None) is None else dict(d["last_error"]),
+            prefetch=None if prefetch is None else PrefetchState.from_answer(prefetch, f"{where}: prefetch"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["fallback"] = list(self.fallback)
+        out["last_update"] = None if self.last_update is None else self.last_update.to_json()
+        return out

@@ -1,0 +1,181 @@
+"""Follow mode, the status route and the version header, on a real local bucket with the
+engine client recorded (``test_update_route.Engine``); real servers follow in
+``integration/vllm_ext/test_follow_server.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import small_transformer, train_step
+from servers import requires_vllm
+from test_update_route import TOKEN, Engine, _post
+
+from deltasync import DeltaPublisher
+from deltasync._auth import update_tag
+
+pytestmark = requires_vllm
+
+
+def _sync(engine: Engine, bucket, *, interval: float = 0.5, token: str | None = TOKEN):
+    from vllm_ext._server_sync import FollowConfig, ServerSync
+
+    return ServerSync(engine, token=token, follow=FollowConfig(enabled=True, interval=interval, bucket=str(bucket)))
+
+
+def _publish(bucket, versions: int):
+    model = small_transformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-4)
+    with DeltaPublisher(bucket, model, opt) as publisher:
+        for v in range(versions):
+            if v:
+                train_step(model, opt, seed=v)
+            publisher.publish()
+
+
+def test_the_follower_goes_straight_to_the_newest_version(tmp_path):
+    bucket = tmp_path / "bucket"
+    _publish(bucket, 4)
+    engine = Engine(results=[{"version": 3}])
+    sync = _sync(engine, bucket)
+    delay = asyncio.run(sync.follow_once())
+    tag = update_tag(TOKEN, 3)  # the follower tags its own updates with the server's token
+    assert engine.calls == [("deltasync_prefetch", 3, tag), ("pause", "keep", True), ("deltasync_apply", 3, tag),
+                            ("label", "3"), "resume"]  # fmt: skip
+    assert (delay, sync.served, sync.latest_seen, sync.last_error) == (0.5, 3, 3, None)
+    engine.calls.clear()
+    assert asyncio.run(sync.follow_once()) == 0.5 and engine.calls == []  # nothing newer: no update
+    status = sync.follow_status()
+    assert status["lag"] == 0 and status["enabled"] is True and status["last_update_at"] is not None
+
+
+def test_a_bucket_that_fails_backs_off_keeps_serving_and_recovers(tmp_path):
+    bucket = tmp_path / "bucket"
+    engine = Engine()
+    sync = _sync(engine, bucket)
+    delays = [asyncio.run(sync.follow_once()) for _ in range(3)]  # nothing committed yet
+    assert delays == [1.0, 2.0, 4.0]
+    assert "VersionError" in sync.last_error and "no version is committed" in sync.last_error
+    bucket.mkdir()
+    (bucket / "latest.json").write_text('{"format": "deltasync", "format_version": 3, "version": "9"}')
+    assert asyncio.run(sync.follow_once()) == 8.0
+    assert "latest.json" in sync.last_error and "version" in sync.last_error
+    assert engine.calls == [] and sync.served is None  # nothing was staged or paused
+    (bucket / "latest.json").unlink()
+    _publish(bucket, 2)
+    engine.results = [{"version": 1}]
+    assert asyncio.run(sync.follow_once()) == 0.5  # repaired: on at the normal interval
+    assert (sync.served, sync.last_error) == (1, None)
+
+
+def test_a_file_that_fails_to_stage_is_reported_and_retried(tmp_path):
+    bucket = tmp_path / "bucket"
+    _publish(bucket, 2)
+    engine = Engine(stage_error="IntegrityError: deltas/00000001.safetensors: SHA-256 does not match")
+    sync = _sync(engine, bucket)
+    assert asyncio.run(sync.follow_once()) == 1.0
+    assert "staging version 1 failed: IntegrityError: deltas/00000001.safetensors" in sync.last_error
+    assert all(call[0] == "deltasync_prefetch" for call in engine.calls)  # never paused
+    engine.stage_error, engine.results = None, [{"version": 1}]
+    asyncio.run(sync.follow_once())
+    assert (sync.served, sync.last_error) == (1, None)
+
+
+def test_push_and_follow_never_apply_twice_or_go_back(tmp_path):
+    bucket = tmp_path / "bucket"
+    _publish(bucket, 3)
+    engine = Engine(results=[{"version": 2}])
+    sync = _sync(engine, bucket)
+
+    async def both():
+        # A push and a follower read at once: they take turns; the second finds it served.
+        return await asyncio.gather(sync.bring_to(2, update_tag(TOKEN, 2)), sync.follow_once())
+
+    outcome, _ = asyncio.run(both())
+    assert outcome.ok and engine.calls.count(("label", "2")) == 1
+    assert sum(1 for c in engine.calls if c[0] == "pause") == 1
+    older = asyncio.run(sync.bring_to(1, update_tag(TOKEN, 1)))
+    assert not older.noop  # an older version goes to the workers, which refuse it (integration test)
+
+
+def test_status_route_and_version_header():
+    engine = Engine(served=7, workers=2)
+    status, body, _ = _post(engine, None, method="GET", path="/deltasync/status")
+    assert status == 200
+    assert (body["version"], body["fingerprint"], body["mode"]) == (7, "00ff00ff00ff00ff", "in-place")
+    assert [w["rank"] for w in body["workers"]] == [0, 1] and body["follow"]["enabled"] is False
+    for kwargs, want in [({"authorization": None}, 401), ({"authorization": "Bearer no"}, 401), ({"method": "POST"}, 405)]:
+        status, body, _ = _post(engine, None, path="/deltasync/status", **{"method": "GET", **kwargs})
+        assert status == want, (kwargs, body)
+
+
+def test_completions_carry_the_version_served_at_admission():
+    from vllm_ext import UpdateMiddleware
+
+    engine = Engine(served=5)
+    sent: list[dict] = []
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def run(path: str) -> None:
+        middleware = UpdateMiddleware(app, token=TOKEN)
+        scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": [],
+                 "app": SimpleNamespace(state=SimpleNamespace(engine_client=engine))}  # fmt: skip
+        middleware._sync(scope).served = 5
+
+        async def receive():
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await middleware(scope, receive, send)
+
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models"):
+        sent.clear()
+        asyncio.run(run(path))
+        headers = dict(sent[0]["headers"])
+        assert headers.get(b"x-deltasync-version") == (None if path == "/v1/models" else b"5"), path
+
+
+def test_follow_settings_from_the_environment():
+    from deltasync import ConfigError
+    from vllm_ext._server_sync import FollowConfig
+
+    config = FollowConfig.from_env({"DELTASYNC_FOLLOW": "1", "DELTASYNC_BUCKET": "/b", "DELTASYNC_FOLLOW_INTERVAL": "0.25"})
+    assert (config.enabled, config.interval, config.bucket) == (True, 0.25, "/b")
+    assert FollowConfig.from_env({}).enabled is False and FollowConfig.from_env({}).interval == 2.0
+    for env, message in [
+        ({"DELTASYNC_FOLLOW": "maybe"}, "DELTASYNC_FOLLOW must be 1 or 0"),
+        ({"DELTASYNC_FOLLOW": "1"}, "needs the bucket to follow"),
+        ({"DELTASYNC_FOLLOW_INTERVAL": "soon"}, "must be a number of seconds"),
+        ({"DELTASYNC_FOLLOW_INTERVAL": "-1"}, "must be a positive number of seconds"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            FollowConfig.from_env(env)
+
+
+def test_metrics_count_updates_failures_and_bytes(tmp_path):
+    from prometheus_client import REGISTRY
+
+    def value(name: str) -> float:
+        return REGISTRY.get_sample_value(name) or 0.0
+
+    bucket = tmp_path / "bucket"
+    _publish(bucket, 2)
+    before = {n: value(n) for n in ("deltasync_update_failures_total", "deltasync_downloaded_bytes_total",
+                                    "deltasync_update_seconds_count")}  # fmt: skip
+    engine = Engine(results=[{"version": 1, "nbytes": 1234}])
+    sync = _sync(engine, bucket)
+    asyncio.run(sync.follow_once())
+    assert value("deltasync_served_version") == 1 and value("deltasync_latest_version") == 1
+    assert value("deltasync_downloaded_bytes_total") - before["deltasync_downloaded_bytes_total"] == 1234
+    assert value("deltasync_update_seconds_count") - before["deltasync_update_seconds_count"] == 1
+    failing = Engine(fail="deltasync_apply")
+    asyncio.run(_sync(failing, bucket).bring_to(1, update_tag(TOKEN, 1)))
+    assert value("deltasync_update_failures_total") - before["deltasync_update_failures_total"] == 1

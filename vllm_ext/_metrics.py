@@ -1,0 +1,50 @@
+"""deltasync's metrics on vLLM's ``/metrics`` (prometheus_client's default registry, which vLLM
+exposes in a single API-server process)."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._server_sync import UpdateOutcome
+
+__all__ = ["Metrics", "metrics"]
+
+
+class Metrics:
+    """The gauges, histogram and counters of one API-server process."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.served = Gauge("deltasync_served_version", "The version every worker serves (-1: none yet)")
+        self.latest = Gauge("deltasync_latest_version", "The newest committed version this server has seen")
+        self.update_seconds = Histogram(
+            "deltasync_update_seconds",
+            "Seconds from the start of an update to its end (staging included)",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+        self.failures = Counter("deltasync_update_failures", "Updates that failed (nothing changed)")
+        self.downloaded = Counter("deltasync_downloaded_bytes", "Bytes the workers downloaded from the bucket")
+        self.served.set(-1)
+        self.latest.set(-1)
+
+    def record_update(self, outcome: UpdateOutcome, served: int | None) -> None:
+        self.served.set(-1 if served is None else served)
+        self.latest.set(max(self.latest._value.get(), -1 if served is None else served))  # type: ignore[attr-defined]
+        self.update_seconds.observe(outcome.seconds)
+        self.downloaded.inc(sum(r.nbytes for r in outcome.results))
+
+
+_METRICS: Metrics | None = None
+_LOCK = threading.Lock()
+
+
+def metrics() -> Any:
+    """The process's metrics, registered on first use (once: a second registration raises)."""
+    global _METRICS
+    with _LOCK:
+        if _METRICS is None:
+            _METRICS = Metrics()
+        return _METRICS

@@ -1,0 +1,314 @@
+"""The API-server side of every update: one flow that brings the server to version N, and
+follow mode, which runs that flow whenever the bucket commits a newer version.
+
+Both run in the API-server process, where vLLM's pause and resume live:
+
+- :meth:`ServerSync.bring_to` stages the version on every worker while the engine keeps
+  generating (``deltasync_prefetch``: download, decode, check), waits until every worker has
+  it ready, then pauses the scheduler (``keep`` mode, caches emptied), applies it on every
+  worker in one ``collective_rpc`` (all ranks or none), labels the served weight version and
+  resumes, whatever happened. A version already served is a no-op (no pause); an older one is
+  refused by the workers. Updates never overlap: push requests and the follower take turns.
+- :meth:`ServerSync.follow` reads the bucket's committed pointer every ``interval`` seconds and
+  brings the server to the newest version (several versions behind: straight to the newest, in
+  one staged update; started late or restarted: from the newest anchor, as the workers decide).
+  A bucket that cannot be read, or a pointer or file that is corrupt, hostile or truncated,
+  changes nothing served: the error is kept in :attr:`ServerSync.last_error` (see
+  ``GET /deltasync/status``) and the reads back off (doubling up to :data:`MAX_BACKOFF`) until
+  the bucket is sound again.
+
+The push route (``POST /deltasync/update``), the follower and the status route are wired in by
+:class:`vllm_ext.UpdateMiddleware`. vLLM's own five weight-update routes (the ``"delta"``
+weight-transfer backend) reach the same worker-side update (``WorkerUpdater.update``); their
+pause and resume are the caller's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from deltasync import DeltaReceiver
+from deltasync._auth import TOKEN_ENV, update_tag
+from deltasync._errors import ConfigError, UpdateError
+from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus
+from deltasync._serve import FOLLOW_ENV, FOLLOW_INTERVAL_ENV
+
+__all__ = ["FOLLOW_ENV", "FOLLOW_INTERVAL_ENV", "FollowConfig", "ServerSync", "UpdateOutcome"]
+
+logger = logging.getLogger(__name__)
+
+#: The default interval: 2 s is 1,800 pointer reads an hour, well inside a Hub bucket's rate
+#: limits, and adds at most 2 s (1 s on average) to a version's commit-to-served latency.
+DEFAULT_INTERVAL = 2.0
+#: The longest wait between two reads while the bucket keeps failing.
+MAX_BACKOFF = 60.0
+#: How often the flow asks the workers whether a staged version is ready.
+_POLL_S = 0.02
+
+
+@dataclass(frozen=True, kw_only=True)
+class FollowConfig:
+    """Follow mode's settings, read once from the environment at start-up."""
+
+    enabled: bool = False
+    """Read the pointer every ``interval`` and bring the server to each newer version."""
+    interval: float = DEFAULT_INTERVAL
+    """Seconds between two reads of the pointer."""
+    bucket: str | None = None
+    """The bucket the server follows (``DELTASYNC_BUCKET``)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.interval) and self.interval > 0):
+            raise ConfigError(f"{FOLLOW_INTERVAL_ENV} must be a positive number of seconds, got {self.interval!r}")
+        if self.enabled and not self.bucket:
+            raise ConfigError(f"{FOLLOW_ENV}=1 needs the bucket to follow: set DELTASYNC_BUCKET")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> FollowConfig:
+        from ._updater import BUCKET_ENV
+
+        flag = environ.get(FOLLOW_ENV, "").strip().lower()
+        if flag not in ("", "0", "1", "true", "false", "yes", "no"):
+            raise ConfigError(f"{FOLLOW_ENV} must be 1 or 0, got {environ[FOLLOW_ENV]!r}")
+        raw = environ.get(FOLLOW_INTERVAL_ENV) or str(DEFAULT_INTERVAL)
+        try:
+            interval = float(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{FOLLOW_INTERVAL_ENV} must be a number of seconds, got {raw!r}") from exc
+        return cls(enabled=flag in ("1", "true", "yes"), interval=interval, bucket=environ.get(BUCKET_ENV) or None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateOutcome:
+    """What :meth:`ServerSync.bring_to` did."""
+
+    version: int
+    ok: bool
+    noop: bool = False
+    """The version was already served: nothing was paused or applied."""
+    paused_s: float = 0.0
+    seconds: float = 0.0
+    results: tuple[UpdateAnswer, ...] = ()
+    error: str | None = None
+    status: int = 200
+    """The HTTP status the push route answers with."""
+
+
+class ServerSync:
+    """The update flow and the follower of one API-server process (see the module)."""
+
+    def __init__(self, engine: Any, *, token: str | None, follow: FollowConfig) -> None:
+        self.engine = engine
+        self.token = token
+        self.config = follow
+        self.served: int | None = None
+        """The version every worker serves (None before the first update)."""
+        self.latest_seen: int | None = None
+        self.last_error: str | None = None
+        self.last_update_at: float | None = None
+        self._lock = asyncio.Lock()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._task: asyncio.Task[None] | None = None
+        self._receiver = DeltaReceiver(follow.bucket) if follow.bucket else None
+        from . import _metrics
+
+        self.metrics = _metrics.metrics()
+
+    # ------------------------------------------------------------------ the flow
+
+    async def bring_to(self, version: object, auth: object = None, *, origin: str = "push") -> UpdateOutcome:
+        """Stage ``version`` while generating, then pause, apply on every worker, label, resume."""
+        start = time.perf_counter()
+        async with self._lock:
+            workers = await self.workers()
+            served = _served(workers)
+            self.served = served
+            if isinstance(version, int) and not isinstance(version, bool) and version == served:
+                return UpdateOutcome(version=version, ok=True, noop=True, seconds=time.perf_counter() - start)
+            if auth is None and self.token is not None and origin == "follow" and isinstance(version, int):
+                auth = update_tag(self.token, version)  # the follower acts for the server itself
+            outcome = await self._stage_and_apply(version, auth)
+            outcome = _replace(outcome, seconds=time.perf_counter() - start)
+            if outcome.ok:
+                self.served = outcome.version
+                self.last_update_at = time.time()
+                self.metrics.record_update(outcome, self.served)
+            else:
+                self.metrics.failures.inc()
+                logger.warning("deltasync: %s update to version %s failed: %s", origin, version, outcome.error)
+            return outcome
+
+    async def _stage_and_apply(self, version: object, auth: object) -> UpdateOutcome:
+        safe_version = version if isinstance(version, int) and not isinstance(version, bool) else -1
+        # Stage while the engine generates: download, decode and check on every worker.
+        try:
+            answers = await self.engine.collective_rpc("deltasync_prefetch", args=(version, auth))
+            staged = [PrefetchState.from_answer(a) for a in answers]
+        except Exception as exc:  # noqa: BLE001  (the worker's message names what was wrong)
+            return UpdateOutcome(version=safe_version, ok=False, error=str(exc), status=_status_of(exc))
+        refused = next((s.error for s in staged if s.error and s.state != "failed"), None)
+        if refused is not None:
+            return UpdateOutcome(version=safe_version, ok=False, error=refused, status=400)
+        failed = await self._wait_staged(safe_version)
+        if failed is not None:
+            # The version cannot be staged (a bad file, a hostile pointer): nothing is paused.
+            return UpdateOutcome(version=safe_version, ok=False, error=failed, status=500)
+        paused = False
+        pause_start = time.perf_counter()
+        try:
+            self._resumed.clear()
+            await _pause(self.engine)
+            paused = True
+            raw = await self.engine.collective_rpc("deltasync_apply", args=(version, auth))
+            results = tuple(UpdateAnswer.from_answer(r) for r in raw)
+            failed_one = next((r for r in results if r.error), None)
+            if failed_one is None:
+                await self.engine.update_weight_version(str(version))
+        except Exception as exc:  # noqa: BLE001  (the worker's own message names what was wrong)
+            status = 500 if paused else 503
+            message = str(exc) if paused else f"pausing the server failed ({type(exc).__name__}: {exc})"
+            return UpdateOutcome(version=safe_version, ok=False, error=message, status=status)
+        finally:
+            if paused:
+                await self.engine.resume_generation()
+            self._resumed.set()
+            paused_s = time.perf_counter() - pause_start
+        if failed_one is not None:  # a worker reported an error without raising: never a success
+            return UpdateOutcome(version=safe_version, ok=False, error=failed_one.error, status=500, paused_s=paused_s)
+        return UpdateOutcome(version=safe_version, ok=True, paused_s=paused_s, results=results)
+
+    async def _wait_staged(self, version: int) -> str | None:
+        """Wait until every worker has ``version`` staged; the first failure's message, or None."""
+        while True:
+            workers = await self.workers()
+            jobs = [w.prefetch for w in workers]
+            if any(j is None or j.version != version for j in jobs):
+                # Already served (the workers answered "applied"), or replaced: the apply decides.
+                return None
+            failed = next((j for j in jobs if j is not None and j.state == "failed"), None)
+            if failed is not None:
+                return f"staging version {version} failed: {failed.error}"
+            if all(j is not None and j.state in ("ready", "applied") for j in jobs):
+                return None
+            await asyncio.sleep(_POLL_S)
+
+    async def workers(self) -> list[WorkerStatus]:
+        """Every worker's typed status."""
+        answers = await self.engine.collective_rpc("deltasync_status")
+        return [WorkerStatus.from_answer(a) for a in answers]
+
+    async def admitted(self) -> int | None:
+        """The version a request admitted now is served by (waits out an update's pause)."""
+        await self._resumed.wait()
+        return self.served
+
+    # ------------------------------------------------------------------ follow mode
+
+    def start(self) -> None:
+        """Learn what is served and, in follow mode, start following (at the server's start-up)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="deltasync-follow")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        try:
+            self.served = _served(await self.workers())
+            self.metrics.served.set(-1 if self.served is None else self.served)
+        except Exception as exc:  # noqa: BLE001  (the engine may still be warming up; updates set it)
+            logger.warning("deltasync: cannot read the served version at start-up: %s", exc)
+        if not self.config.enabled:
+            return
+        logger.info("deltasync: following %s every %.3g s", self.config.bucket, self.config.interval)
+        delay = 0.0
+        while True:
+            await asyncio.sleep(delay)
+            delay = await self.follow_once()
+
+    async def follow_once(self) -> float:
+        """One read of the pointer, and an update if it names a newer version; returns the
+        seconds to wait before the next read (longer while the bucket keeps failing)."""
+        assert self._receiver is not None
+        try:
+            pointer = await asyncio.to_thread(self._receiver.pointer)
+            self.latest_seen = pointer.version
+            self.metrics.latest.set(pointer.version)
+            if self.served is None or pointer.version > self.served:
+                outcome = await self.bring_to(pointer.version, origin="follow")
+                if not outcome.ok:
+                    raise UpdateError(outcome.error or "the update failed")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (reported through the status route; serving goes on)
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self._failures += 1
+            return min(self.config.interval * 2**self._failures, max(MAX_BACKOFF, self.config.interval))
+        self.last_error = None
+        self._failures = 0
+        return self.config.interval
+
+    _failures = 0
+
+    def follow_status(self) -> dict[str, Any]:
+        lag = None
+        if self.latest_seen is not None:
+            lag = self.latest_seen - (self.served if self.served is not None else -1)
+        return {
+            "enabled": self.config.enabled,
+            "interval": self.config.interval,
+            "latest_seen": self.latest_seen,
+            "lag": lag,
+            "last_error": self.last_error,
+            "last_update_at": self.last_update_at,
+        }
+
+
+def _served(workers: list[WorkerStatus]) -> int | None:
+    """The lowest version any worker serves (None if any serves none)."""
+    versions = [w.version for w in workers]
+    if not versions or any(v is None for v in versions):
+        return None
+    return min(v for v in versions if v is not None)
+
+
+def _status_of(exc: Exception) -> int:
+    text = str(exc)
+    return 400 if ("VersionError" in text or "AuthError" in text or "refused" in text) else 500
+
+
+def _replace(outcome: UpdateOutcome, **changes: Any) -> UpdateOutcome:
+    from dataclasses import replace
+
+    return replace(outcome, **changes)
+
+
+async def _pause(engine: Any) -> None:
+    """``engine.pause_generation(mode="keep", clear_cache=True)`` without its 20 ms sleep, which
+    only orders the outputs of aborted requests (``keep`` aborts none)."""
+    core = getattr(engine, "engine_core", None)
+    if core is None or not hasattr(core, "pause_scheduler_async"):
+        await engine.pause_generation(mode="keep", clear_cache=True)
+        return
+    renderer = getattr(engine, "renderer", None)
+    if renderer is not None and hasattr(renderer, "clear_mm_cache_async"):
+        await renderer.clear_mm_cache_async()
+    await core.pause_scheduler_async(mode="keep", clear_cache=True)
+
+
+def token_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
+    return environ.get(TOKEN_ENV) or None
