@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._auth import update_tag
-from ._errors import ConfigError, VersionError
+from ._errors import ConfigError, FormatError, VersionError
+from ._messages import ServedBody
 
 if TYPE_CHECKING:
     import httpx
@@ -128,6 +129,9 @@ class ServerStatus:
     workers: list[dict[str, Any]] = field(default_factory=list)
     """Each worker's own report (one per tensor/pipeline-parallel rank): ``version``,
     ``fingerprint`` (served), ``mode``, ``fallback``, ``last_update``, ``prefetch``..."""
+    follow: dict[str, Any] | None = None
+    """From :meth:`RolloutClient.served`: the server's follow mode (``enabled``, ``interval``,
+    ``latest_seen``, ``lag``, ``last_error``, ``last_update_at``)."""
 
 
 class _RequestError(Exception):
@@ -148,11 +152,16 @@ class _Server:
 
     def post(self, route: str, *, body: Any = None, params: dict[str, str] | None = None, attempts: int = 1) -> Any:
         """POST; ``attempts`` > 1 retries transport errors (only for calls that are safe to repeat)."""
+        return self.call("POST", route, body=body, params=params, attempts=attempts)
+
+    def call(self, method: str, route: str, *, body: Any = None, params: dict[str, str] | None = None,
+             attempts: int = 1) -> Any:  # fmt: skip
+        """One request; failures become :class:`_RequestError` (see :meth:`post`)."""
         import httpx
 
         for attempt in range(attempts):
             try:
-                response = self.client.post(self.url + route, json=body, params=params)
+                response = self.client.request(method, self.url + route, json=body, params=params)
                 break
             except httpx.TransportError as exc:
                 # After a 500, vLLM's server closes the connection; a request sent on it
@@ -160,12 +169,12 @@ class _Server:
                 if attempt + 1 < attempts:
                     time.sleep(0.1 * (attempt + 1))
                     continue
-                raise _RequestError(f"POST {route}: {type(exc).__name__}: {str(exc) or 'no answer'}") from exc
+                raise _RequestError(f"{method} {route}: {type(exc).__name__}: {str(exc) or 'no answer'}") from exc
             except httpx.HTTPError as exc:
-                raise _RequestError(f"POST {route}: {type(exc).__name__}: {exc}") from exc
+                raise _RequestError(f"{method} {route}: {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 400:
             status = response.status_code
-            raise _RequestError(f"POST {route}: HTTP {status}: {_error_text(response)}", status)
+            raise _RequestError(f"{method} {route}: HTTP {status}: {_error_text(response)}", status)
         if not response.content:
             return None
         try:
@@ -307,6 +316,24 @@ class RolloutClient:
         statuses = self._each(self._status_one)
         return {s.url: s for s in statuses}
 
+    def served(self) -> dict[str, ServerStatus]:
+        """What each server reports serving on ``GET /deltasync/status`` (servers with
+        ``vllm_ext.UpdateMiddleware``; ``follow`` holds its follow mode's state)."""
+        return {s.url: s for s in self._each(self._served_one)}
+
+    def wait_served(self, version: int, *, timeout: float = 600.0, poll: float = 0.1) -> dict[str, ServerStatus]:
+        """Wait until every server reports serving ``version`` or newer (followers move by
+        themselves), or ``timeout`` passes; returns what each reports last."""
+        version = _check_version(version)
+        deadline = time.monotonic() + timeout
+        while True:
+            states = self.served()
+            if all(s.ok and s.version is not None and s.version >= version for s in states.values()):
+                return states
+            if time.monotonic() > deadline:
+                return states
+            time.sleep(poll)
+
     # ------------------------------------------------------------------ per server
 
     def _update_one(self, server: _Server, version: int, tag: str | None) -> ServerResult:
@@ -411,6 +438,17 @@ class RolloutClient:
             nbytes=int(first.get("nbytes") or 0),
             stage_s=float(first.get("stage_s") or 0.0),
             error=error,
+        )
+
+    def _served_one(self, server: _Server) -> ServerStatus:
+        try:
+            body = server.call("GET", STATUS_ROUTE, attempts=3)
+            status = ServedBody.from_answer(body, f"{server.url}{STATUS_ROUTE}")
+        except (_RequestError, FormatError) as exc:
+            return ServerStatus(url=server.url, ok=False, error=str(exc))
+        return ServerStatus(
+            url=server.url, ok=True, version=status.version, fingerprint=status.fingerprint, mode=status.mode,
+            workers=[w.to_json() for w in status.workers], follow=status.follow,
         )
 
     def _status_one(self, server: _Server) -> ServerStatus:

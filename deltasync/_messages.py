@@ -15,7 +15,7 @@ from typing import Any
 
 from ._errors import FormatError
 
-__all__ = ["PrefetchState", "UpdateAnswer", "WorkerStatus"]
+__all__ = ["PrefetchState", "ServedBody", "UpdateAnswer", "WorkerStatus"]
 
 
 def _take(data: Mapping[str, Any], name: str, kinds: tuple[type, ...], where: str, default: Any = ...) -> Any:
@@ -158,3 +158,28 @@ class WorkerStatus:
         out["fallback"] = list(self.fallback)
         out["last_update"] = None if self.last_update is None else self.last_update.to_json()
         return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServedBody:
+    """The answer of ``GET /deltasync/status``: what a server serves, and its follow mode."""
+
+    version: int | None
+    """The lowest version any worker serves."""
+    fingerprint: str | None
+    """Of what is served (None when the workers disagree)."""
+    mode: str
+    follow: dict[str, Any]
+    workers: tuple[WorkerStatus, ...]
+
+    @classmethod
+    def from_answer(cls, data: object, where: str = "status") -> ServedBody:
+        d = _mapping(data, where)
+        workers = _take(d, "workers", (list,), where)
+        return cls(
+            version=_take(d, "version", (int,), where, None),
+            fingerprint=_take(d, "fingerprint", (str,), where, None),
+            mode=_take(d, "mode", (str,), where),
+            follow=dict(_mapping(_take(d, "follow", (Mapping,), where), f"{where}: follow")),
+            workers=tuple(WorkerStatus.from_answer(w, f"{where}: workers[{i}]") for i, w in enumerate(workers)),
+        )

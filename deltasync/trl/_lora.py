@@ -66,6 +66,11 @@ def choose_peft_sync(trainer: AsyncGRPOTrainer, config: DeltaSyncConfig) -> str 
     decision = broadcast_object_list([decision], from_process=0)[0]
     if isinstance(decision, Exception):
         raise decision
+    if decision == "adapter" and config.follow:
+        raise ConfigError(
+            "follow=True, and the servers take LoRA adapters (adapter mode): followers serve full weights, "
+            "adapter versions are loaded on the trainer's request. Pass peft_sync='merged', or follow=False"
+        )
     if decision == "adapter" and trainer.rollout_worker is not None:
         _request_adapters(trainer.rollout_worker, config.lora_name)
     logger.info("delta sync: PEFT model, %s mode", decision)

@@ -21,7 +21,7 @@ from trl.experimental.async_grpo import AsyncGRPOConfig as _TRLAsyncGRPOConfig
 from trl.experimental.async_grpo import AsyncGRPOTrainer as _TRLAsyncGRPOTrainer
 
 from .._auth import TOKEN_ENV
-from .._client import RolloutClient, UpdateReport
+from .._client import RolloutClient, ServerResult, UpdateReport
 from .._errors import ConfigError
 from .._publisher import DeltaPublisher, PublishFuture, PublishOptions, PublishResult
 from ._cpu_compat import async_grpo_cpu_patches, bf16_training_available, has_cuda
@@ -48,6 +48,10 @@ class DeltaSyncConfig:
     prefetch: bool = True
     """Let servers download and decode each version while still generating, so they pause only
     to swap it in."""
+    follow: bool = False
+    """The servers follow the bucket by themselves (``deltasync serve --follow``): the trainer
+    only publishes, never asks a server to update, and tags samples with the version the
+    servers report serving on ``GET /deltasync/status`` once they reach the new version."""
     background: bool = True
     """Publish and update the servers in the background: a sync returns as soon as the version
     is captured (its changed values copied out), and training goes on while it is encoded,
@@ -73,6 +77,11 @@ class DeltaSyncConfig:
             raise ConfigError("server_urls is empty: give at least one rollout server, or None for the trainer's")
         if self.timeout <= 0:
             raise ConfigError(f"timeout must be positive, got {self.timeout}")
+        if self.follow and self.peft_sync == "adapter":
+            raise ConfigError(
+                "follow=True with peft_sync='adapter': followers serve full weights; adapter versions are loaded on the "
+                "trainer's request. Use peft_sync='merged' with follow=True, or follow=False for adapters"
+            )
 
 
 @dataclass
@@ -271,12 +280,24 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         assert self._client is not None and self._delta_config is not None
         result = published if isinstance(published, PublishResult) else published.result()
         t_published = published_at or time.time()
-        if self._delta_config.prefetch:
-            # Servers download and decode while still generating; pause only once staged.
-            self._client.prefetch(result.version)
-            self._client.wait_prefetched(result.version, timeout=self._delta_config.timeout)
-        t_staged = time.time()
-        report = self._client.update(result.version)
+        if self._delta_config.follow:
+            # The servers move by themselves: wait until they report the version, never assume it.
+            t_staged = time.time()
+            states = self._client.wait_served(result.version, timeout=self._delta_config.timeout)
+            report = UpdateReport(version=result.version, results=[
+                ServerResult(url=s.url, ok=s.ok and s.version is not None and s.version >= result.version,
+                             version=s.version, fingerprint=s.fingerprint,
+                             error=s.error or (None if s.version is not None and s.version >= result.version
+                                               else f"still serving {s.version} (follow: {s.follow})"))
+                for s in states.values()
+            ])  # fmt: skip
+        else:
+            if self._delta_config.prefetch:
+                # Servers download and decode while still generating; pause only once staged.
+                self._client.prefetch(result.version)
+                self._client.wait_prefetched(result.version, timeout=self._delta_config.timeout)
+            t_staged = time.time()
+            report = self._client.update(result.version)
         record = self._make_record(result, report, t_published - started, t_staged - t_published)
         record["total_s"] = time.time() - synced_at  # from the sync's start until the servers answered
         served = [r.version for r in report.results if r.version is not None]

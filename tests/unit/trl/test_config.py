@@ -77,3 +77,14 @@ def test_delta_sync_config_nests_the_publish_options() -> None:
         DeltaSyncConfig(publish={"anchor_every": 5})
     with pytest.raises(TypeError):
         DeltaSyncConfig(anchor_every=5)  # no copy of the publish fields
+
+
+def test_delta_sync_config_background_and_follow():
+    from deltasync import ConfigError
+    from deltasync.trl import DeltaSyncConfig
+
+    config = DeltaSyncConfig()
+    assert (config.background, config.follow) == (True, False)  # background by default; push, not follow
+    assert DeltaSyncConfig(follow=True, peft_sync="merged").follow is True
+    with pytest.raises(ConfigError, match="follow=True with peft_sync='adapter': followers serve full weights"):
+        DeltaSyncConfig(follow=True, peft_sync="adapter")
