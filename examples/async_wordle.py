@@ -6,7 +6,9 @@ Three processes on as many machines as you like:
   ``spaces/vllm``) that follows a bucket;
 - a Wordle environment server (``python -m deltasync.envs.wordle``, or ``spaces/wordle``);
 - this trainer: ``AsyncGRPOTrainer(delta_sync=...)`` publishes every new version into the
-  bucket and tells the rollout server to load it.
+  bucket and tells the rollout server to load it; with ``--follow``, against a server that
+  follows the bucket by itself (``deltasync serve --follow``, ``deltasync spaces --follow``),
+  it only publishes (``DeltaSyncConfig(follow=True)``) and waits until the server reports it.
 
 Every rollout is one whole game, played turn by turn in TRL's rollout process: the model's
 reply is the guess (the last ``[word]`` in it), the environment's feedback is the next user
@@ -66,7 +68,7 @@ from trl.experimental.async_grpo.async_rollout_worker import (  # noqa: E402
 )
 
 from deltasync._auth import TOKEN_ENV  # noqa: E402
-from deltasync._serve import BUCKET_ENV, PLAIN_GEMM_ENV, extension_args  # noqa: E402
+from deltasync._serve import BUCKET_ENV, FOLLOW_ENV, PLAIN_GEMM_ENV, extension_args  # noqa: E402
 from deltasync._server import stop_process_group, wait_healthy  # noqa: E402
 from deltasync.envs.wordle import WordleEnvClient, WordleObservation, episode_rewards  # noqa: E402
 
@@ -269,6 +271,8 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--bucket", help="bucket the rollout server follows (--tiny: OUTPUT/bucket)")
     where.add_argument("--model", default=None, help=f"model to train; the rollout server must serve it under "
                        f"this name (default {DEFAULT_MODEL}; --tiny: a tiny random model)")
+    where.add_argument("--follow", action="store_true", help="the rollout server follows the bucket by itself "
+                       "(deltasync serve --follow, deltasync spaces --follow): only publish, never ask it to update")
     where.add_argument("--token", default=None, help=f"the rollout server's token (default: ${TOKEN_ENV})")
     where.add_argument("--tiny", action="store_true", help="run everything here on the CPU: a tiny model, "
                        "both servers started and stopped by this script, 2 steps, then an exactness check")
@@ -298,6 +302,7 @@ class _Setup:
     env_url: str
     bucket: str
     token: str | None
+    follow: bool
     steps: int
     lr: float
     num_generations: int
@@ -428,7 +433,8 @@ def _train(setup: _Setup, args: argparse.Namespace, out: Path, *, tiny: bool) ->
         args=config,
         train_dataset=dataset,
         callbacks=[Progress()],
-        delta_sync=DeltaSyncConfig(bucket=setup.bucket, server_urls=[setup.rollout_url], token=setup.token),
+        delta_sync=DeltaSyncConfig(bucket=setup.bucket, server_urls=[setup.rollout_url], token=setup.token,
+                                   follow=setup.follow),
     )
     play_wordle_in_rollouts(trainer, games)
     _say(f"training {setup.steps} steps: {setup.model} on {setup.rollout_url}, games on {setup.env_url}, "
@@ -482,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         if token is None:
             _say(f"warning: no token (--token or {TOKEN_ENV}): fine only for a server started without one")
         setup = _Setup(model=args.model or DEFAULT_MODEL, rollout_url=args.rollout_url.rstrip("/"),
-                       env_url=args.env_url.rstrip("/"), bucket=args.bucket, token=token, **chosen)
+                       env_url=args.env_url.rstrip("/"), bucket=args.bucket, token=token, follow=args.follow,
+                       **chosen)
         summary = _train(setup, args, out, tiny=False)
     else:
         if args.rollout_url or args.env_url:
@@ -517,7 +524,7 @@ def _run_tiny(args: argparse.Namespace, out: Path, token: str, chosen: dict[str,
             # Plain CPU linear weights: deltas are written in place and the server's fingerprint is
             # hashed from the weights it serves, so the EXACT check at the end is about the model.
             env={BUCKET_ENV: bucket, TOKEN_ENV: token, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                 PLAIN_GEMM_ENV: "1"},
+                 PLAIN_GEMM_ENV: "1", FOLLOW_ENV: "1" if args.follow else "0"},
             extra_args=[
                 *extension_args(middleware=True),
                 "--served-model-name", str(model_dir),
@@ -532,7 +539,7 @@ def _run_tiny(args: argparse.Namespace, out: Path, token: str, chosen: dict[str,
         rollout.start(timeout=600)
         try:
             setup = _Setup(model=str(model_dir), rollout_url=rollout.url, env_url=env_server.url, bucket=bucket,
-                           token=token, **chosen)
+                           token=token, follow=args.follow, **chosen)
             return _train(setup, args, out, tiny=True)
         finally:
             rollout.stop()

@@ -4,8 +4,9 @@ Three things on the Hub, each created only if missing and configured every time:
 
 1. the bucket ``NAMESPACE/BUCKET`` (private unless asked otherwise) that the trainer publishes to;
 2. the rollout Space (``spaces/vllm``: vLLM with deltasync's extension, on a GPU) with the
-   variables ``MODEL`` and ``DELTASYNC_BUCKET``, the secrets ``DELTASYNC_TOKEN`` and ``HF_TOKEN``
-   and its hardware;
+   variables ``MODEL``, ``DELTASYNC_BUCKET`` and ``DELTASYNC_FOLLOW`` (``1`` with ``follow``: the
+   Space follows the bucket by itself, every ``DELTASYNC_FOLLOW_INTERVAL`` seconds; else ``0``),
+   the secrets ``DELTASYNC_TOKEN`` and ``HF_TOKEN`` and its hardware;
 3. the Wordle Space (``spaces/wordle``, on a CPU) with ``MAX_SESSIONS`` and its hardware;
 
 then each Space's files are uploaded (which starts its build). Variables and secrets are set

@@ -34,6 +34,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="Wordle games at once (default %(default)s)")
     p.add_argument("--vllm-args", default="",
                    help='extra vLLM flags for the rollout Space (VLLM_ARGS), e.g. --vllm-args="--max-model-len 8192"')
+    p.add_argument("--follow", action="store_true",
+                   help="the rollout Space follows the bucket by itself (DELTASYNC_FOLLOW=1): the trainer only "
+                   "publishes (examples/async_wordle.py --follow) and needs the Space's URL for generation only")
+    p.add_argument("--follow-interval", type=float, default=None, metavar="SECONDS",
+                   help="with --follow: seconds between two reads of the bucket's pointer (default 2: 1,800 reads "
+                   "an hour)")
     p.add_argument("--sleep-time", type=int, default=None, help="seconds idle before the rollout Space sleeps")
     p.add_argument("--token-env", default=TOKEN_ENV, metavar="NAME",
                    help="environment variable with the shared token (default %(default)s); when unset, the "
@@ -60,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         public_bucket=args.public_bucket,
         max_sessions=args.max_sessions,
         vllm_args=args.vllm_args,
+        follow=args.follow,
+        follow_interval=args.follow_interval,
         sleep_time=args.sleep_time,
         token_env=args.token_env,
         token_file=args.token_file,

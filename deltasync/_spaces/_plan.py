@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -11,9 +12,11 @@ from typing import Any
 
 from .._auth import TOKEN_ENV
 from .._errors import ConfigError
-from .._serve import BUCKET_ENV
+from .._serve import BUCKET_ENV, FOLLOW_ENV, FOLLOW_INTERVAL_ENV
 
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
+#: The rollout server's interval when ``follow_interval`` is None (``vllm_ext``'s default).
+DEFAULT_FOLLOW_INTERVAL = 2.0
 _SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache"}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 
@@ -52,6 +55,14 @@ class SpacesConfig:
     hf_token_env: str = "HF_TOKEN"
     """Environment variable holding the Hub token the rollout Space gets as its ``HF_TOKEN``
     secret (to read a private bucket or model). Default when unset: the logged-in token."""
+    follow: bool = False
+    """The rollout Space follows the bucket by itself (its variable ``DELTASYNC_FOLLOW=1``): it
+    reads the bucket's pointer every ``follow_interval`` seconds and serves each newer version,
+    and the trainer only publishes (``DeltaSyncConfig(follow=True)``, the example's ``--follow``).
+    False sets ``DELTASYNC_FOLLOW=0``, so a redeploy turns an earlier follow mode off."""
+    follow_interval: float | None = None
+    """Seconds between two reads of the pointer in follow mode (``DELTASYNC_FOLLOW_INTERVAL``);
+    None: the server's default, 2 s (1,800 reads an hour)."""
 
     def __post_init__(self) -> None:
         from huggingface_hub import SpaceHardware
@@ -74,6 +85,14 @@ class SpacesConfig:
             raise ConfigError(f"max_sessions={self.max_sessions}: the Wordle Space needs at least 1 session")
         if self.sleep_time is not None and self.sleep_time < -1:
             raise ConfigError(f"sleep_time={self.sleep_time}: give seconds, or -1 to never sleep")
+        if self.follow_interval is not None:
+            if not self.follow:
+                raise ConfigError(
+                    "follow_interval is set but follow is not: add follow (--follow), or drop the interval"
+                )
+            if not (isinstance(self.follow_interval, (int, float)) and math.isfinite(self.follow_interval)
+                    and self.follow_interval > 0):  # fmt: skip
+                raise ConfigError(f"follow_interval={self.follow_interval!r}: give a positive number of seconds")
         for option in ("token_env", "hf_token_env"):
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", getattr(self, option)):
                 raise ConfigError(f"{option}={getattr(self, option)!r} is not an environment variable name")
@@ -135,7 +154,7 @@ class SpacesPlan:
             f"python examples/async_wordle.py --model {self.config.model} \\\n"
             f"    --rollout-url {self.rollout_url} \\\n"
             f"    --env-url {self.env_url} \\\n"
-            f"    --bucket {self.bucket_url}"
+            f"    --bucket {self.bucket_url}" + (" \\\n    --follow" if self.config.follow else "")
         )
 
     def render(self, *, dry_run: bool) -> str:
@@ -158,7 +177,20 @@ class SpacesPlan:
             f"  {self.token_export}",
             "  export HF_TOKEN=...   # a token that can write to the bucket",
             "  " + self.train_command.replace("\n", "\n  "),
+            *self._follow_note(),
         ])  # fmt: skip
+
+    def _follow_note(self) -> list[str]:
+        if not self.config.follow:
+            return []
+        interval = self.config.follow_interval or DEFAULT_FOLLOW_INTERVAL
+        return [
+            "",
+            f"The rollout Space follows the bucket by itself: it reads the pointer every {interval:g} s "
+            f"({3600 / interval:,.0f} reads an hour) and serves each newer version. With --follow "
+            "(DeltaSyncConfig(follow=True)) the trainer only publishes and never asks the Space to update; it "
+            "uses --rollout-url to generate and to read which version the Space serves (GET /deltasync/status).",
+        ]
 
 
 def space_url(namespace: str, name: str) -> str:
@@ -260,7 +292,9 @@ def _plan(
         Step("create_bucket", (bucket_id,), {"private": not config.public_bucket, "exist_ok": True}),
         Step("create_repo", (rollout_id,), new_space),
     ]
-    variables = {"MODEL": config.model, BUCKET_ENV: bucket_url}
+    variables = {"MODEL": config.model, BUCKET_ENV: bucket_url, FOLLOW_ENV: "1" if config.follow else "0"}
+    if config.follow:
+        variables[FOLLOW_INTERVAL_ENV] = repr(float(config.follow_interval or DEFAULT_FOLLOW_INTERVAL))
     if config.vllm_args:
         variables["VLLM_ARGS"] = config.vllm_args
     for key, value in variables.items():

@@ -178,6 +178,51 @@ def test_rollout_start_refuses_without_its_settings(values: dict[str, str], miss
     assert "deltasync serve" not in proc.stderr  # nothing was started
 
 
+def _start_sh_argv(tmp_path: Path, **values: str) -> subprocess.CompletedProcess[str]:
+    """Run start.sh with a stand-in interpreter that prints the arguments it was given as JSON."""
+    stub = tmp_path / "python"
+    script = "import json, sys; print(json.dumps(sys.argv[1:]))"
+    stub.write_text(f'#!/usr/bin/env bash\nexec "$REAL_PYTHON" -c "{script}" "$@"\n')
+    stub.chmod(0o755)
+    env = _start_sh_env(DELTASYNC_TOKEN="t", MODEL="m", DELTASYNC_BUCKET="/tmp/b", REAL_PYTHON=sys.executable,
+                        **values)  # fmt: skip
+    env = {k: v for k, v in env.items() if not k.startswith("DELTASYNC_FOLLOW") or k in values}
+    env["PYTHON"] = str(stub)
+    return subprocess.run(["bash", str(SPACES / "vllm" / "start.sh")], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("values", "follow"),
+    [
+        ({}, []),
+        ({"DELTASYNC_FOLLOW": "0", "DELTASYNC_FOLLOW_INTERVAL": "5"}, []),
+        ({"DELTASYNC_FOLLOW": "1"}, ["--follow"]),
+        ({"DELTASYNC_FOLLOW": "True", "DELTASYNC_FOLLOW_INTERVAL": "0.5"}, ["--follow", "--follow-interval", "0.5"]),
+    ],
+)
+def test_rollout_start_follows_the_bucket_when_the_variable_says_so(tmp_path: Path, values: dict[str, str],
+                                                                     follow: list[str]) -> None:  # fmt: skip
+    proc = _start_sh_argv(tmp_path, **values)
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(proc.stdout)
+    assert argv[:6] == ["-m", "deltasync.cli", "serve", "m", "--bucket", "/tmp/b"]
+    assert argv[6:6 + len(follow)] == follow and argv.count("--follow") == len(follow[:1])
+    # What `deltasync serve` makes of those arguments: the variables vllm_ext reads.
+    from deltasync._serve import serve_command
+
+    interval = float(follow[2]) if len(follow) > 2 else None
+    _, env = serve_command("m", "/tmp/b", environ={}, follow=bool(follow), follow_interval=interval)
+    assert env.get("DELTASYNC_FOLLOW") == ("1" if follow else None)
+    assert env.get("DELTASYNC_FOLLOW_INTERVAL") == (None if interval is None else repr(interval))
+
+
+def test_rollout_start_refuses_an_unknown_follow_value(tmp_path: Path) -> None:
+    proc = _start_sh_argv(tmp_path, DELTASYNC_FOLLOW="sometimes")
+    assert proc.returncode == 64 and "DELTASYNC_FOLLOW must be 1" in proc.stderr
+    assert proc.stdout == ""  # nothing was started
+
+
 def test_rollout_start_script_is_executable() -> None:
     mode = (SPACES / "vllm" / "start.sh").stat().st_mode
     assert mode & stat.S_IXUSR
@@ -220,6 +265,7 @@ def expected_calls(token: str, *, hf_token: str | None = "hf_reader") -> list[tu
         ("create_repo", ("me/deltasync-rollout",)),
         ("add_space_variable", ("me/deltasync-rollout", "MODEL", "Qwen/Qwen3-1.7B")),
         ("add_space_variable", ("me/deltasync-rollout", "DELTASYNC_BUCKET", "hf://buckets/me/deltasync-wordle")),
+        ("add_space_variable", ("me/deltasync-rollout", "DELTASYNC_FOLLOW", "0")),  # a redeploy turns follow off
         ("add_space_secret", ("me/deltasync-rollout", "DELTASYNC_TOKEN", token)),
         ("add_space_secret", ("me/deltasync-rollout", "HF_TOKEN", hf_token)),
         ("request_space_hardware", ("me/deltasync-rollout", "l4x1")),
@@ -300,6 +346,44 @@ def test_deploy_options_reach_the_calls(tmp_path: Path, monkeypatch: pytest.Monk
     assert ("add_space_variable", ("org/games", "MAX_SESSIONS", "64"), {}) in calls
 
 
+def test_deploy_in_follow_mode(tmp_path: Path) -> None:
+    """--follow: the rollout Space follows the bucket by itself; the trainer only publishes."""
+    out: list[str] = []
+    config = SpacesConfig(namespace="me", token_file=str(tmp_path / "t"), follow=True, follow_interval=5)
+    api = RecordingApi()
+    plan = deploy_spaces(config, api=api, environ={"HF_TOKEN": "hf_reader"}, echo=out.append)
+    rollout = "me/deltasync-rollout"
+    variables = [args for name, args, _ in api.calls if name == "add_space_variable" and args[0] == rollout]
+    assert variables == [
+        ("me/deltasync-rollout", "MODEL", "Qwen/Qwen3-1.7B"),
+        ("me/deltasync-rollout", "DELTASYNC_BUCKET", "hf://buckets/me/deltasync-wordle"),
+        ("me/deltasync-rollout", "DELTASYNC_FOLLOW", "1"),
+        ("me/deltasync-rollout", "DELTASYNC_FOLLOW_INTERVAL", "5.0"),
+    ]
+    # Set before the upload, so the first build already follows.
+    names = [name for name, _, _ in api.calls]
+    last_variable = max(i for i, c in enumerate(api.calls) if c[0] == "add_space_variable" and c[1][0] == rollout)
+    assert last_variable < names.index("upload_folder")
+    # The interval is read by what the Space runs: start.sh passes it to `deltasync serve`.
+    assert api.uploads["me/deltasync-rollout"]["spaces/vllm/start.sh"] == (SPACES / "vllm" / "start.sh").read_bytes()
+    assert plan.train_command.endswith("--bucket hf://buckets/me/deltasync-wordle \\\n    --follow")
+    printed = "\n".join(out)
+    assert plan.train_command.replace("\n", "\n  ") in printed
+    assert "every 5 s (720 reads an hour)" in printed and "DeltaSyncConfig(follow=True)" in printed
+    # The example takes the flag it is told to (its command line is tested in tests/unit/examples).
+    assert 'add_argument("--follow"' in (REPO_ROOT / "examples" / "async_wordle.py").read_text()
+    # Without follow: no flag, no note; with follow and no interval: the server's default, 2 s.
+    plain = deploy_spaces(SpacesConfig(namespace="me", token_file=str(tmp_path / "t")), api=RecordingApi(),
+                          environ={"HF_TOKEN": "x"}, echo=lambda _: None)  # fmt: skip
+    assert "--follow" not in plain.train_command and "follows the bucket by itself" not in plain.next_steps()
+    # The default interval is the server's (2 s).
+    default = deploy_spaces(SpacesConfig(namespace="me", token_file=str(tmp_path / "t"), follow=True),
+                            api=RecordingApi(), environ={"HF_TOKEN": "x"}, echo=lambda _: None)  # fmt: skip
+    follow_variables = [s.args[1:] for s in default.steps if s.method == "add_space_variable" and "FOLLOW" in s.args[1]]
+    assert follow_variables == [("DELTASYNC_FOLLOW", "1"), ("DELTASYNC_FOLLOW_INTERVAL", "2.0")]
+    assert "every 2 s (1,800 reads an hour)" in default.next_steps()
+
+
 def test_deploy_refuses_a_private_bucket_the_space_cannot_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
     api = RecordingApi()
@@ -316,6 +400,9 @@ def test_deploy_refuses_a_private_bucket_the_space_cannot_read(tmp_path: Path, m
         ({"rollout_space": "same", "env_space": "same"}, "need different names"),
         ({"bucket": "bad--name"}, "bucket='bad--name' is not a valid Hub name"),
         ({"token_env": "1X"}, "not an environment variable name"),
+        ({"follow_interval": 5.0}, "follow_interval is set but follow is not"),
+        ({"follow": True, "follow_interval": 0}, "give a positive number of seconds"),
+        ({"follow": True, "follow_interval": float("nan")}, "give a positive number of seconds"),
     ],
 )
 def test_config_checks(options: dict[str, Any], message: str) -> None:
@@ -356,6 +443,18 @@ def test_cli_dry_run_prints_the_plan_and_calls_nothing(tmp_path: Path, monkeypat
     assert "nothing was created" in printed
     assert "--rollout-url https://me-deltasync-rollout.hf.space" in printed
     assert not token_file.exists()
+
+
+def test_cli_follow_options_reach_the_plan(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _no_hub(monkeypatch)
+    monkeypatch.setenv("DELTASYNC_TOKEN", "tok")
+    assert cli_main(["spaces", "--dry-run", "--public-bucket", "--follow", "--follow-interval", "10"]) == 0
+    printed = capsys.readouterr().out
+    assert "add_space_variable('your-namespace/deltasync-rollout', 'DELTASYNC_FOLLOW', '1')" in printed
+    assert "add_space_variable('your-namespace/deltasync-rollout', 'DELTASYNC_FOLLOW_INTERVAL', '10.0')" in printed
+    assert "--follow" in printed and "every 10 s (360 reads an hour)" in printed
+    assert cli_main(["spaces", "--dry-run", "--public-bucket", "--follow-interval", "10"]) != 0
+    assert "follow_interval is set but follow is not" in capsys.readouterr().err
 
 
 def test_cli_dry_run_never_shows_a_token_from_the_environment(monkeypatch: pytest.MonkeyPatch,
