@@ -25,7 +25,7 @@ from deltasync._lora import (
     merged_state_dict,
 )
 
-from _sharded_workers import assert_exact, process_group  # this folder is on sys.path (the test puts it there)
+from _sharded_workers import assert_exact, follow, process_group  # this folder is on sys.path (the test puts it there)
 
 STEPS = 5
 
@@ -84,9 +84,10 @@ def _fsdp(model: torch.nn.Module, world: int) -> torch.nn.Module:
 
 
 def _anchor_metadata(root: Path, version: int) -> dict[str, str]:
+    """The metadata of the newest anchor (0, then the one beside version 3)."""
     pointer = Pointer.from_bytes(open_store(root).read_bytes(POINTER_PATH))
-    entry = pointer.chain[0]
-    assert entry.version <= version
+    entry = pointer.anchors[-1]
+    assert entry.version == version - version % 3, (entry.version, version)
     path = entry.parts[0].path if entry.parts else entry.path
     return read_metadata((root / path).read_bytes(), where=path)
 
@@ -102,12 +103,15 @@ def _run(rank: int, world: int, root: Path, mode: str, parallel: str, report: di
     want_layout = "FSDP2, 2 shards" if parallel == "fsdp2" else f"replicated (DDP), {world} ranks"
     assert layout is not None and layout.description.replace(f"{world} shards", "2 shards") == want_layout, layout
     receiver = DeltaReceiver(bucket) if rank == 0 else None
-    kinds = []
+    kinds, scheduled = [], []
     for i in range(STEPS + 1):
         if i:
             step(wrapped, opt, seed=100 * i + rank)  # different data per rank: DDP averages, FSDP2 reduces
         result = pub.publish()
+        pub.flush()  # the anchor beside version 3 commits
         kinds.append(result.kind)
+        if result.anchor_scheduled:
+            scheduled.append(result.version)
         state = full_state(model)
         if rank != 0:
             continue
@@ -119,7 +123,11 @@ def _run(rank: int, world: int, root: Path, mode: str, parallel: str, report: di
             merged = copy.deepcopy(ref).merge_and_unload()
             want = {n: p.detach().to(torch.bfloat16) for n, p in merged.named_parameters()}
             assert all(torch.equal(want[n], t) for n, t in merged_state_dict(ref).items())
-        assert receiver is not None and receiver.sync() == result.version
+        assert receiver is not None
+        if result.version:
+            follow(receiver, result.version)
+        else:
+            receiver.sync()
         assert_exact(receiver, want, f"{parallel} {mode} version {result.version}")
         assert result.fingerprint == fingerprint(want)
         if mode == "adapter":
@@ -128,10 +136,19 @@ def _run(rank: int, world: int, root: Path, mode: str, parallel: str, report: di
             # the reference's own base weights, hashed in this process alone (base_fingerprint
             # is collective when torch.distributed has several ranks)
             assert meta[BASE_FINGERPRINT_KEY] == fingerprint(dict(_base_parameters(ref)))
-    assert kinds == ["anchor", "delta", "delta", "anchor", "delta", "delta"], kinds
+    assert kinds == ["anchor"] + ["delta"] * STEPS and scheduled == [3], (kinds, scheduled)
     if rank == 0:
         pointer = Pointer.from_bytes(open_store(bucket).read_bytes(POINTER_PATH))
-        report[f"{parallel}-{mode}"] = {"parts": [len(e.parts) for e in pointer.chain], "changed": result.changed}
+        late = DeltaReceiver(bucket)  # from the anchor beside version 3
+        staged = late.stage()
+        assert (staged.kind, staged.versions) == ("anchor", [3, 4, 5]), staged.versions
+        late.apply(staged)
+        assert_exact(late, want, f"{parallel} {mode} late receiver")
+        report[f"{parallel}-{mode}"] = {
+            "parts": [len(e.parts) for e in pointer.chain],
+            "anchor_parts": [len(e.parts) for e in pointer.anchors],
+            "changed": result.changed,
+        }
     pub.close()
 
 

@@ -28,7 +28,7 @@ from deltasync import (
     fingerprint,
     open_store,
 )
-from deltasync._format import POINTER_PATH, Change, Pointer, encode_anchor, encode_delta
+from deltasync._format import POINTER_PATH, Change, Pointer, anchor_path, encode_anchor, encode_delta, part_path
 from deltasync.stores import Store
 
 
@@ -76,6 +76,14 @@ def gathered(net: nn.Module) -> dict[str, torch.Tensor]:
         full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
         out[name.removeprefix("module.")] = full.to(torch.bfloat16)
     return out
+
+
+def follow(receiver: DeltaReceiver, version: int) -> None:
+    """Sync a follower to ``version``: by the deltas after its own version only (it never reads
+    an anchor, whichever are written beside)."""
+    staged = receiver.stage()
+    assert (staged.kind, staged.versions) == ("delta", list(range(staged.from_version + 1, version + 1))), staged
+    receiver.apply(staged)
 
 
 def assert_exact(receiver: DeltaReceiver, want: dict[str, torch.Tensor], where: str) -> None:
@@ -154,7 +162,7 @@ def _fsdp_runs(rank: int, world: int, root: Path) -> dict[str, object]:
     opt = torch.optim.AdamW(net.parameters(), lr=3e-5)
     report: dict[str, object] = {}
 
-    # -------- run A: publish after every step, zstd, anchors every 10 versions, failures injected
+    # -------- run A: publish after every step, zstd, an anchor beside every 10th version, failures injected
     store = FlakyStore(root / "a")
     pub = DeltaPublisher(store, net, opt, anchor_every=10, anchor_bytes_ratio=0)
     layout = pub.detector.layout
@@ -174,16 +182,19 @@ def _fsdp_runs(rank: int, world: int, root: Path) -> dict[str, object]:
         receiver.sync()
         assert_exact(receiver, want, "anchor 0")
         assert result.fingerprint == fingerprint(want)
-    # (version at which to fail, what to fail, rank that fails)
+    # (version at which to fail, what to fail, rank that fails): a delta part or the pointer fails
+    # the version, nothing is committed; an anchor part fails only the anchor beside version 10
+    # (its delta is committed, and the next version gets an anchor at once).
     failures = {4: ("deltas/", world - 1), 9: (POINTER_PATH, 0), 10: ("anchors/", world - 1)}
-    kinds, failed = [], []
+    kinds, failed, scheduled, warnings = [], [], [], []
+    split_files = world if world > 1 else 0
     for i in range(1, 33):
         step(net, opt, seed=1000 * i + rank)
         next_version = pub.version + 1
         plan = failures.pop(next_version, None) if i > 1 else None
         if plan is not None and rank == plan[1]:
             store.fail = plan[0]
-        if plan is not None:
+        if plan is not None and plan[0] != "anchors/":
             try:
                 pub.publish()
             except PublishError as exc:
@@ -198,22 +209,41 @@ def _fsdp_runs(rank: int, world: int, root: Path) -> dict[str, object]:
                 assert receiver.sync() == next_version - 1
             continue
         result = pub.publish()
+        pub.flush()  # the anchor beside it, if one is due, commits (or fails) before the next version
         kinds.append(result.kind)
+        warnings.extend(result.warnings)
+        if result.anchor_scheduled:
+            scheduled.append(result.version)
         want = gathered(net)
         if receiver is not None:
-            assert receiver.sync() == result.version
+            follow(receiver, result.version)
             assert_exact(receiver, want, f"version {result.version}")
             assert result.fingerprint == fingerprint(want)
             pointer = Pointer.from_bytes(open_store(root / "a").read_bytes(POINTER_PATH))
-            assert len(pointer.chain[-1].parts) == (world if world > 1 else 0)
-    assert failed == [4, 9, 10], failed
-    assert "anchor" in kinds and "delta" in kinds
+            assert len(pointer.chain[-1].parts) == split_files
+            assert all(len(a.parts) == split_files for a in pointer.anchors)
+            assert (pointer.anchor == 0) == (result.version < 11), (pointer.anchor, result.version)
+    assert failed == [4, 9], failed
+    assert set(kinds) == {"delta"} and scheduled == [10, 11, 21], (kinds, scheduled)
+    (lost,) = [w for w in warnings if w.startswith("the anchor of version 10 was not committed (the deltas are): ")]
+    assert f"failed on 1 of {world} ranks" in lost and f"injected failure writing anchors/00000010.part{world - 1}." in lost, lost
     if rank == 0:
         late = DeltaReceiver(root / "a")  # catch up from a split anchor and split deltas
-        late.sync()
+        staged = late.stage()
+        assert (staged.kind, staged.versions) == ("anchor", list(range(21, pub.version + 1))), staged.versions
+        late.apply(staged)
         assert_exact(late, want, "late receiver")
+        pointer = Pointer.from_bytes(open_store(root / "a").read_bytes(POINTER_PATH))
         report["versions_a"] = pub.version
-        report["chain_a"] = len(Pointer.from_bytes(open_store(root / "a").read_bytes(POINTER_PATH)).chain)
+        report["anchors_a"] = [a.version for a in pointer.anchors]
+        report["base_a"] = pointer.base
+        report["chain_a"] = len(pointer.chain)
+        # Retention after anchor 21: the parts of anchor 0, of the anchor 11 and of the failed
+        # anchor 10 (one part was written) are gone, and the deltas up to the base.
+        files = open_store(root / "a").list("anchors/") + open_store(root / "a").list("deltas/")
+        kept = [part_path("anchor", 21, p) for p in range(world)]
+        kept += [part_path("delta", v, p) for v in range(pointer.base + 1, pub.version + 1) for p in range(world)]
+        assert sorted(files) == sorted(kept), sorted(set(files) ^ set(kept))
     pub.close()
 
     # -------- run B: publish every 3rd step, raw codec, anchors by size
@@ -229,10 +259,16 @@ def _fsdp_runs(rank: int, world: int, root: Path) -> dict[str, object]:
         result = pub.publish()
         want = gathered(net)
         if receiver is not None:
-            assert receiver.sync() == result.version
+            follow(receiver, result.version)
             assert_exact(receiver, want, f"run B version {result.version}")
+    pub.close()  # the anchors in flight commit
+    if receiver is not None:
+        late = DeltaReceiver(root / "b")  # from the newest anchor the size rule wrote
+        staged = late.stage()
+        assert staged.kind == "anchor" and staged.versions[0] > 0, staged.versions
+        late.apply(staged)
+        assert_exact(late, want, "run B late receiver")
     report["versions_b"] = pub.version
-    pub.close()
     return report
 
 
@@ -248,14 +284,23 @@ def _ddp_and_hsdp(rank: int, world: int, root: Path) -> None:
     assert (pub.detector.snapshot_bytes > 0) == (rank == 0)
     receiver = DeltaReceiver(root / "ddp") if rank == 0 else None
     before = bf16_state_dict(net)
+    scheduled = []
     for i in range(8):
         if i:
             step(net, opt, seed=i)
         result = pub.publish()
+        pub.flush()
         after = bf16_state_dict(net)
+        if result.anchor_scheduled:
+            scheduled.append(result.version)
         if rank == 0:
             data = open_store(root / "ddp").read_bytes(result.path)
+            if result.anchor_scheduled:  # the anchor beside: a single process's bytes too
+                assert open_store(root / "ddp").read_bytes(anchor_path(result.version)) == encode_anchor(
+                    after, version=result.version, fingerprint=fingerprint(after)
+                ), f"DDP anchor {result.version} differs from a single process's bytes"
             if result.kind == "anchor":
+                assert result.version == 0
                 expected = encode_anchor(after, version=result.version, fingerprint=fingerprint(after))
             else:
                 changes = {}
@@ -263,15 +308,20 @@ def _ddp_and_hsdp(rank: int, world: int, root: Path) -> None:
                     index = torch.nonzero(new.view(-1).view(torch.int16) != before[name].view(-1).view(torch.int16)).reshape(-1)
                     if index.numel():
                         changes[name] = Change(index=index, new=new.view(-1)[index], old=before[name].view(-1)[index])
-                expected = encode_delta(
-                    changes, version=result.version, anchor=result.version - result.version % 4, codec="zstd",
+                expected = encode_delta(  # every delta names the chain's root, version 0
+                    changes, version=result.version, anchor=0, codec="zstd",
                     total=result.total, fingerprint=fingerprint(after), base_fingerprint=fingerprint(before),
                     numels={n: t.numel() for n, t in after.items()},
                 )
             assert data == expected, f"DDP version {result.version} differs from a single process's bytes"
-            assert receiver is not None and receiver.sync() == result.version
+            assert receiver is not None
+            if result.version:
+                follow(receiver, result.version)
+            else:
+                receiver.sync()
             assert_exact(receiver, after, f"DDP version {result.version}")
         before = after
+    assert scheduled == [4], scheduled
     files = open_store(root / "ddp").list("")
     assert not any(".part" in f for f in files), files
     pub.close()
@@ -343,21 +393,33 @@ def run_hsdp(rank: int, world: int, init_file: str, root: str, out: str) -> None
         assert (layout.writer, layout.part, layout.parts) == (rank < 2, rank % 2 if rank < 2 else 0, 2)
         assert (pub.detector.snapshot_bytes > 0) == (rank < 2)
         receiver = DeltaReceiver(Path(root) / "h") if rank == 0 else None
-        kinds = []
+        kinds, scheduled = [], []
         for i in range(7):
             if i:
                 step(net, opt, seed=300 * i + rank)
             result = pub.publish()
+            pub.flush()
             kinds.append(result.kind)
+            if result.anchor_scheduled:
+                scheduled.append(result.version)
             want = gathered(net)
             if receiver is not None:
-                assert receiver.sync() == result.version
+                if result.version:
+                    follow(receiver, result.version)
+                else:
+                    receiver.sync()
                 assert_exact(receiver, want, f"HSDP 2x2 version {result.version}")
                 pointer = Pointer.from_bytes(open_store(Path(root) / "h").read_bytes(POINTER_PATH))
-                assert [p.path.rsplit("/", 1)[1] for p in pointer.chain[-1].parts] == [
-                    f"{result.version:08d}.part0.safetensors", f"{result.version:08d}.part1.safetensors"
-                ]
-        assert kinds == ["anchor", "delta", "delta", "delta", "anchor", "delta", "delta"], kinds
-        if rank == 0:
+                for entry in (pointer.entry(result.version), pointer.anchors[-1]):
+                    assert [p.path.rsplit("/", 1)[1] for p in entry.parts] == [
+                        f"{entry.version:08d}.part0.safetensors", f"{entry.version:08d}.part1.safetensors"
+                    ]
+        assert kinds == ["anchor"] + ["delta"] * 6 and scheduled == [4], (kinds, scheduled)
+        if receiver is not None:
+            late = DeltaReceiver(Path(root) / "h")  # from the split anchor beside version 4
+            staged = late.stage()
+            assert (staged.kind, staged.versions) == ("anchor", [4, 5, 6]), staged.versions
+            late.apply(staged)
+            assert_exact(late, want, "HSDP 2x2 late receiver")
             Path(out).write_text("ok")
         pub.close()

@@ -1,10 +1,11 @@
 """FSDP2, DDP and HSDP trainers on 2 and 3 gloo processes publish exactly, collectively.
 
 One process group per world size runs every check (see ``_sharded_workers.py``): construction
-refusals, 32 steps publishing after each (zstd, split anchors every 10 versions, a failure
-injected on a delta part, on the pointer and on an anchor part), 30 steps publishing every 3rd
-(raw codec, anchors by size), a late receiver catching up from split files, DDP (rank 0 alone
-writes, bytes identical to a single process's) and HSDP with 2 replica groups.
+refusals, 32 steps publishing after each (zstd, a split anchor beside every 10th version, a
+failure injected on a delta part and on the pointer, which commit nothing, and on an anchor
+part, which loses only that anchor), 30 steps publishing every 3rd (raw codec, anchors by
+size), followers reading deltas only, late receivers catching up from split anchors, DDP (rank 0
+alone writes, deltas and anchors identical to a single process's) and HSDP with 2 replica groups.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ def test_sharded_publish_is_exact(tmp_path: Path, world: int) -> None:
     # Each rank keeps 2 bytes per element of its own shard: about 1/W of a single process's.
     assert sum(report["snapshot_bytes"]) == 2 * total
     assert max(report["snapshot_bytes"]) <= 2 * total / world * 1.1
-    assert report["versions_a"] == 32 - 3  # three publishes failed and committed nothing
-    assert report["chain_a"] == report["versions_a"] % 10 + 1  # anchors at versions 0, 10 and 20
+    assert report["versions_a"] == 32 - 2  # two publishes failed and committed nothing
+    # Anchors beside 10 (lost: a part failed), 11 (due at once) and 21; one kept, and the deltas
+    # back to the anchor before it.
+    assert (report["anchors_a"], report["base_a"]) == ([21], 11)
+    assert report["chain_a"] == report["versions_a"] - 11
     assert report["versions_b"] == 10
 
 
