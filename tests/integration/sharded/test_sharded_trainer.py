@@ -76,20 +76,20 @@ def run_trainer(setup, mode: str, steps: int) -> dict:
 def test_ddp_trainer_two_processes(setup) -> None:
     report = run_trainer(setup, "ddp", steps=3)
     assert not report["sharded"] and report["layout"] == "replicated (DDP), 2 ranks"
-    assert set(report["parts"]) == {0}  # rank 0 alone writes: single files
+    assert set(report["parts"]) == set(report["anchor_parts"]) == {0}  # rank 0 alone writes: single files
 
 
 def test_ddp_trainer_two_processes_with_lora_in_merged_mode(setup) -> None:
     # The server runs without --enable-lora: the PEFT model ships merged weights, rank 0 writing.
     report = run_trainer(setup, "ddp-lora", steps=2)
     assert report["peft_sync"] == "merged" and report["layout"] == "replicated (DDP), 2 ranks"
-    assert set(report["parts"]) == {0}
+    assert set(report["parts"]) == set(report["anchor_parts"]) == {0}
 
 
 def test_fsdp2_trainer_two_processes_and_the_server_is_exact(setup) -> None:
     report = run_trainer(setup, "fsdp2", steps=3)
     assert report["sharded"] and report["layout"] == "FSDP2, 2 shards"
-    assert set(report["parts"]) == {2}  # every version in 2 part files
+    assert set(report["parts"]) == set(report["anchor_parts"]) == {2}  # every version in 2 part files
     model_dir, bucket, server, root = setup
     served = [greedy(server.url), greedy(server.url, [list(range(3, 300))])]
     reference = root / "reference"
