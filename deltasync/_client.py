@@ -33,7 +33,7 @@ import concurrent.futures
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._auth import update_tag
@@ -79,6 +79,10 @@ class ServerResult:
     request to its answer (one route), or from sending ``/pause`` to ``/resume`` answering."""
     error: str | None = None
     """What went wrong, in the server's words; None when ok."""
+    mode: str | None = None
+    """How the update was applied ("pause" or "inflight"), where the server says."""
+    note: str | None = None
+    """Why an "inflight" update paused instead, where it did."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,11 +275,18 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ public
 
-    def update(self, version: int) -> UpdateReport:
-        """Make every server serve committed ``version``; waits until each has applied it or failed."""
+    def update(self, version: int, *, mode: str | None = None) -> UpdateReport:
+        """Make every server serve committed ``version``; waits until each has applied it or failed.
+
+        ``mode``: "inflight" (written between two engine steps, no pause; servers with
+        ``vllm_ext.UpdateMiddleware`` whose parameters are all patched in place, else they pause
+        and say so) or "pause"; None: each server's own ``--update-mode``.
+        """
         version = _check_version(version)
+        if mode not in (None, "pause", "inflight"):
+            raise ConfigError(f"mode must be 'pause', 'inflight' or None (the server's own), got {mode!r}")
         tag = self._tag(version)
-        results = self._each(lambda server: self._update_one(server, version, tag))
+        results = self._each(lambda server: self._update_one(server, version, tag, mode))
         return UpdateReport(version=version, results=results)
 
     def prefetch(self, version: int) -> dict[str, ServerResult]:
@@ -336,12 +347,16 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ per server
 
-    def _update_one(self, server: _Server, version: int, tag: str | None) -> ServerResult:
+    def _update_one(self, server: _Server, version: int, tag: str | None, mode: str | None = None) -> ServerResult:
         error: str | None = None
         start = time.perf_counter()
         if self._one_route.get(server.url, True):
+            body: dict[str, Any] = {"version": version, "auth": tag}
+            if mode is not None:
+                body["mode"] = mode
+            answer: Any = None
             try:
-                server.post(UPDATE_ROUTE, body={"version": version, "auth": tag})
+                answer = server.post(UPDATE_ROUTE, body=body)
             except _RequestError as exc:
                 if exc.status == 404:  # a server without vllm_ext.UpdateMiddleware: vLLM's routes
                     self._one_route[server.url] = False
@@ -350,7 +365,10 @@ class RolloutClient:
             else:
                 self._one_route[server.url] = True
             if self._one_route.get(server.url) is not False:
-                return self._report(server, version, error, time.perf_counter() - start)
+                result = self._report(server, version, error, time.perf_counter() - start)
+                if isinstance(answer, dict):
+                    result = replace(result, mode=answer.get("mode"), note=answer.get("note"))
+                return result
             start = time.perf_counter()
         refused_pause = False
         try:

@@ -22,6 +22,7 @@ __all__ = [
     "FOLLOW_ENV",
     "FOLLOW_INTERVAL_ENV",
     "PLAIN_GEMM_ENV",
+    "UPDATE_MODE_ENV",
     "add_parser",
     "extension_args",
     "run",
@@ -33,6 +34,9 @@ BUCKET_ENV = "DELTASYNC_BUCKET"
 FOLLOW_ENV = "DELTASYNC_FOLLOW"
 #: Seconds between two reads of the bucket's pointer in follow mode (``--follow-interval``).
 FOLLOW_INTERVAL_ENV = "DELTASYNC_FOLLOW_INTERVAL"
+#: How the server applies updates: "pause" (the default) or "inflight" (``--update-mode``).
+UPDATE_MODE_ENV = "DELTASYNC_UPDATE_MODE"
+UPDATE_MODES = ("pause", "inflight")
 #: Set to "1" in a vLLM-CPU server's environment to keep plain linear weights, so deltas are
 #: written in place there (a test, demo and benchmark setting; see ``vllm_ext._plain_gemm``).
 PLAIN_GEMM_ENV = "DELTASYNC_CPU_PLAIN_GEMM"
@@ -71,6 +75,7 @@ def serve_command(
     environ: Mapping[str, str] | None = None,
     follow: bool = False,
     follow_interval: float | None = None,
+    update_mode: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that ``deltasync serve`` runs.
 
@@ -118,6 +123,10 @@ def serve_command(
         env[FOLLOW_INTERVAL_ENV] = repr(float(follow_interval))
     if follow:
         env[FOLLOW_ENV] = "1"
+    if update_mode is not None:
+        if update_mode not in UPDATE_MODES:
+            raise ConfigError(f"--update-mode must be one of {', '.join(UPDATE_MODES)}, got {update_mode!r}")
+        env[UPDATE_MODE_ENV] = update_mode
     return command + list(vllm_args), env
 
 
@@ -150,6 +159,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds between two reads of the bucket's pointer in follow mode (default 2: 1,800 reads an hour)",
     )
     p.add_argument(
+        "--update-mode",
+        choices=UPDATE_MODES,
+        help="how updates are applied: 'pause' (default: the scheduler pauses, in-flight requests recompute their KV) "
+        "or 'inflight' (written in place between two engine steps, no pause; requests keep their KV)",
+    )
+    p.add_argument(
         "--token-env",
         metavar="NAME",
         help=f"environment variable holding the shared token (default: {TOKEN_ENV}, when set)",
@@ -160,7 +175,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     command, env = serve_command(
         args.model, args.bucket, token_env=args.token_env, vllm_args=args.extra, follow=args.follow,
-        follow_interval=args.follow_interval,
+        follow_interval=args.follow_interval, update_mode=args.update_mode,
     )
     if TOKEN_ENV not in env:
         print(

@@ -26,11 +26,13 @@ pause and resume are the caller's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +40,9 @@ from deltasync import DeltaReceiver
 from deltasync._auth import TOKEN_ENV, update_tag
 from deltasync._errors import ConfigError, UpdateError
 from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus
-from deltasync._serve import FOLLOW_ENV, FOLLOW_INTERVAL_ENV
+from deltasync._serve import FOLLOW_ENV, FOLLOW_INTERVAL_ENV, UPDATE_MODE_ENV, UPDATE_MODES
 
-__all__ = ["FOLLOW_ENV", "FOLLOW_INTERVAL_ENV", "FollowConfig", "ServerSync", "UpdateOutcome"]
+__all__ = ["UPDATE_MODE_ENV", "UPDATE_MODES", "FollowConfig", "ServerSync", "UpdateOutcome", "cache_salt"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,15 @@ DEFAULT_INTERVAL = 2.0
 MAX_BACKOFF = 60.0
 #: How often the flow asks the workers whether a staged version is ready.
 _POLL_S = 0.02
+
+
+
+
+def update_mode_from_env(environ: Mapping[str, str] = os.environ) -> str:
+    mode = environ.get(UPDATE_MODE_ENV) or "pause"
+    if mode not in UPDATE_MODES:
+        raise ConfigError(f"{UPDATE_MODE_ENV} must be one of {', '.join(UPDATE_MODES)}, got {mode!r}")
+    return mode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,15 +110,23 @@ class UpdateOutcome:
     error: str | None = None
     status: int = 200
     """The HTTP status the push route answers with."""
+    mode: str = "pause"
+    """How it was applied: "pause" or "inflight"."""
+    note: str | None = None
+    """Why an "inflight" update was applied with a pause instead."""
 
 
 class ServerSync:
     """The update flow and the follower of one API-server process (see the module)."""
 
-    def __init__(self, engine: Any, *, token: str | None, follow: FollowConfig) -> None:
+    def __init__(self, engine: Any, *, token: str | None, follow: FollowConfig, update_mode: str = "pause") -> None:
+        if update_mode not in UPDATE_MODES:
+            raise ConfigError(f"update mode must be one of {', '.join(UPDATE_MODES)}, got {update_mode!r}")
         self.engine = engine
         self.token = token
         self.config = follow
+        self.update_mode = update_mode
+        """The server's mode, for follow mode and for pushes that name none."""
         self.served: int | None = None
         """The version every worker serves (None before the first update)."""
         self.latest_seen: int | None = None
@@ -124,9 +143,17 @@ class ServerSync:
 
     # ------------------------------------------------------------------ the flow
 
-    async def bring_to(self, version: object, auth: object = None, *, origin: str = "push") -> UpdateOutcome:
-        """Stage ``version`` while generating, then pause, apply on every worker, label, resume."""
+    async def bring_to(
+        self, version: object, auth: object = None, *, origin: str = "push", mode: str | None = None
+    ) -> UpdateOutcome:
+        """Stage ``version`` while generating, then apply it on every worker: between two engine
+        steps with no pause (``mode="inflight"``), or paused with the caches emptied ("pause");
+        label it, and resume."""
         start = time.perf_counter()
+        mode = mode or self.update_mode
+        if mode not in UPDATE_MODES:
+            return UpdateOutcome(version=-1, ok=False, status=400,
+                                 error=f"mode must be one of {', '.join(UPDATE_MODES)}, got {mode!r}")  # fmt: skip
         async with self._lock:
             workers = await self.workers()
             served = _served(workers)
@@ -135,7 +162,7 @@ class ServerSync:
                 return UpdateOutcome(version=version, ok=True, noop=True, seconds=time.perf_counter() - start)
             if auth is None and self.token is not None and origin == "follow" and isinstance(version, int):
                 auth = update_tag(self.token, version)  # the follower acts for the server itself
-            outcome = await self._stage_and_apply(version, auth)
+            outcome = await self._stage_and_apply(version, auth, mode, workers)
             outcome = _replace(outcome, seconds=time.perf_counter() - start)
             if outcome.ok:
                 self.served = outcome.version
@@ -146,8 +173,18 @@ class ServerSync:
                 logger.warning("deltasync: %s update to version %s failed: %s", origin, version, outcome.error)
             return outcome
 
-    async def _stage_and_apply(self, version: object, auth: object) -> UpdateOutcome:
+    async def _stage_and_apply(self, version: object, auth: object, mode: str, workers: list[WorkerStatus]) -> UpdateOutcome:
         safe_version = version if isinstance(version, int) and not isinstance(version, bool) else -1
+        note = None
+        if mode == "inflight":
+            reload = [w for w in workers if w.mode != "in-place"]
+            if reload:
+                # The reload path rebuilds whole modules: only the in-place writer can run between
+                # two engine steps without a pause.
+                fallback = sorted({name for w in reload for name in w.fallback})
+                note = (f"in-flight updates need every parameter patched in place; {len(fallback)} fall back to the "
+                        f"reload (e.g. {fallback[0] if fallback else 'all'}), so this update paused")  # fmt: skip
+                mode = "pause"
         # Stage while the engine generates: download, decode and check on every worker.
         try:
             answers = await self.engine.collective_rpc("deltasync_prefetch", args=(version, auth))
@@ -161,6 +198,31 @@ class ServerSync:
         if failed is not None:
             # The version cannot be staged (a bad file, a hostile pointer): nothing is paused.
             return UpdateOutcome(version=safe_version, ok=False, error=failed, status=500)
+        if mode == "inflight":
+            return await self._apply_inflight(safe_version, version, auth)
+        outcome = await self._apply_paused(safe_version, version, auth)
+        return _replace(outcome, note=note)
+
+    async def _apply_inflight(self, safe_version: int, version: object, auth: object) -> UpdateOutcome:
+        """The in-place write as one ``collective_rpc``, which the engine core runs between two
+        steps: no forward pass runs on any rank meanwhile, and running requests keep their KV.
+        New requests are salted with the version they are admitted at, so none reuses the
+        prefix cache of older weights (see :func:`cache_salt`)."""
+        start = time.perf_counter()
+        try:
+            raw = await self.engine.collective_rpc("deltasync_apply", args=(version, auth))
+            results = tuple(UpdateAnswer.from_answer(r) for r in raw)
+            failed_one = next((r for r in results if r.error), None)
+            if failed_one is None:
+                await self.engine.update_weight_version(str(version))
+        except Exception as exc:  # noqa: BLE001  (the worker's own message names what was wrong)
+            return UpdateOutcome(version=safe_version, ok=False, error=str(exc), status=500, mode="inflight")
+        if failed_one is not None:
+            return UpdateOutcome(version=safe_version, ok=False, error=failed_one.error, status=500, mode="inflight")
+        return UpdateOutcome(version=safe_version, ok=True, results=results, mode="inflight",
+                             seconds=time.perf_counter() - start)  # fmt: skip
+
+    async def _apply_paused(self, safe_version: int, version: object, auth: object) -> UpdateOutcome:
         paused = False
         pause_start = time.perf_counter()
         try:
@@ -206,9 +268,28 @@ class ServerSync:
         return [WorkerStatus.from_answer(a) for a in answers]
 
     async def admitted(self) -> int | None:
-        """The version a request admitted now is served by (waits out an update's pause)."""
+        """The version a request admitted now is served by (waits out an update's pause, and a
+        weight change made through vLLM's own routes until the served version is known again)."""
         await self._resumed.wait()
         return self.served
+
+    @contextlib.asynccontextmanager
+    async def outside_update(self) -> AsyncIterator[None]:
+        """Around a request that may change the weights behind the flow (vLLM's weight-update
+        routes, ``deltasync_apply`` through ``/collective_rpc``): no request is admitted until it
+        is over and the served version has been read back from the workers, so no request is
+        admitted (and salted) at an older version than the weights it runs on."""
+        async with self._lock:
+            self._resumed.clear()
+            try:
+                yield
+            finally:
+                try:
+                    self.served = _served(await self.workers())
+                    self.metrics.served.set(-1 if self.served is None else self.served)
+                except Exception as exc:  # noqa: BLE001
+                    logger.warning("deltasync: cannot read the served version back: %s", exc)
+                self._resumed.set()
 
     # ------------------------------------------------------------------ follow mode
 
@@ -276,6 +357,16 @@ class ServerSync:
             "last_error": self.last_error,
             "last_update_at": self.last_update_at,
         }
+
+
+def cache_salt(version: int | None, client_salt: object = None) -> str:
+    """The prefix-cache salt of a request admitted at ``version``: requests admitted at
+    different versions never share prefix-cache blocks; a client's own salt still separates
+    its requests from others' (combined through a hash, within vLLM's 128 characters)."""
+    salt = f"deltasync-v{'base' if version is None else version}"
+    if isinstance(client_salt, str) and client_salt:
+        salt += "-" + hashlib.sha256(client_salt.encode()).hexdigest()[:40]
+    return salt
 
 
 def _served(workers: list[WorkerStatus]) -> int | None:

@@ -37,28 +37,40 @@ from deltasync._client import STATUS_ROUTE, UPDATE_ROUTE, VERSION_HEADER
 
 from ._asgi import answer, error_body, header, read_body, refused, unauthorized
 from ._middleware import route_path
-from ._server_sync import FollowConfig, ServerSync
+from ._server_sync import FollowConfig, ServerSync, cache_salt, update_mode_from_env
 
-__all__ = ["STATUS_ROUTE", "UPDATE_ROUTE", "VERSION_HEADER", "UpdateMiddleware"]
+__all__ = ["STATUS_ROUTE", "UPDATE_ROUTE", "VERSIONS_HEADER", "VERSION_HEADER", "UpdateMiddleware"]
 
 logger = logging.getLogger(__name__)
 
-#: The routes whose responses carry :data:`VERSION_HEADER`.
+#: The routes whose responses carry :data:`VERSION_HEADER` and :data:`VERSIONS_HEADER`, and
+#: whose requests are salted with the version they are admitted at.
 _INFERENCE_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+#: vLLM's routes that can change the weights behind the flow (the "delta" backend's apply).
+_WEIGHT_ROUTES = frozenset({"/collective_rpc", "/update_weights", "/finish_weight_update"})
+_APPLY_METHODS = frozenset({"deltasync_apply"})
+#: The first and last version that produced a response's tokens: a header of non-streamed
+#: answers, an SSE comment just before ``data: [DONE]`` of streamed ones.
+VERSIONS_HEADER = "x-deltasync-versions"
 
 
 class UpdateMiddleware:
     """ASGI middleware adding deltasync's routes, follow mode and response header (see the module)."""
 
-    def __init__(self, app: Any, token: str | None = None, follow: FollowConfig | None = None) -> None:
+    def __init__(
+        self, app: Any, token: str | None = None, follow: FollowConfig | None = None, update_mode: str | None = None
+    ) -> None:
         self.app = app
         self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self.follow = follow or FollowConfig.from_env()
+        self.update_mode = update_mode or update_mode_from_env()
         self.sync: ServerSync | None = None
 
     def _sync(self, scope: Any) -> ServerSync:
         if self.sync is None:
-            self.sync = ServerSync(scope["app"].state.engine_client, token=self.token, follow=self.follow)
+            self.sync = ServerSync(
+                scope["app"].state.engine_client, token=self.token, follow=self.follow, update_mode=self.update_mode
+            )
         return self.sync
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -74,10 +86,37 @@ class UpdateMiddleware:
         elif path == STATUS_ROUTE:
             await self._status(scope, send)
         elif path in _INFERENCE_ROUTES and "app" in scope:
-            version = await self._sync(scope).admitted()
-            await self.app(scope, receive, _with_header(send, VERSION_HEADER, "none" if version is None else str(version)))
+            await self._inference(scope, receive, send)
+        elif path in _WEIGHT_ROUTES and "app" in scope:
+            await self._weight_route(scope, receive, send, path)
         else:
             await self.app(scope, receive, send)
+
+    async def _inference(self, scope: Any, receive: Any, send: Any) -> None:
+        """A completion or chat request: admitted at the version served now (after any pause),
+        salted with it for the prefix cache, and answered with the versions that made it."""
+        sync = self._sync(scope)
+        body = await read_body(receive)
+        version = await sync.admitted()
+        body = _salted(body, version)
+        replay = _replay(body)
+        scope = {**scope, "headers": _with_length(scope.get("headers", []), len(body))}
+        await self.app(scope, replay, _versioned(send, version, lambda: sync.served))
+
+    async def _weight_route(self, scope: Any, receive: Any, send: Any, path: str) -> None:
+        """vLLM's weight-update routes and ``/collective_rpc``: a request that may change the
+        weights behind the flow holds admissions until the served version is read back."""
+        body = await read_body(receive)
+        if path == "/collective_rpc":
+            try:
+                method = json.loads(body or b"{}").get("method")
+            except (ValueError, AttributeError):
+                method = None
+            if method not in _APPLY_METHODS:
+                await self.app(scope, _replay(body), send)
+                return
+        async with self._sync(scope).outside_update():
+            await self.app(scope, _replay(body), send)
 
     def _lifespan(self, scope: Any, receive: Any) -> Any:
         """``receive`` for the lifespan scope: starts the follower once the app has started up
@@ -98,17 +137,18 @@ class UpdateMiddleware:
             return
         try:
             request = json.loads(await read_body(receive) or b"{}")
-            if not isinstance(request, dict) or set(request) - {"version", "auth"}:
-                raise ValueError('the body must be a JSON object {"version": N, "auth": TAG}')
+            if not isinstance(request, dict) or set(request) - {"version", "auth", "mode"}:
+                raise ValueError('the body must be a JSON object {"version": N, "auth": TAG, "mode": "pause"|"inflight"}')
         except ValueError as exc:
             await answer(send, 400, error_body(f"{UPDATE_ROUTE}: bad body ({exc})", "BadRequest", 400))
             return
-        outcome = await self._sync(scope).bring_to(request.get("version"), request.get("auth"))
+        outcome = await self._sync(scope).bring_to(request.get("version"), request.get("auth"), mode=request.get("mode"))
         if not outcome.ok:
             await answer(send, outcome.status, error_body(outcome.error or "the update failed", "UpdateError", outcome.status))
             return
         await answer(send, 200, {
             "results": [r.to_json() for r in outcome.results], "paused_s": outcome.paused_s, "noop": outcome.noop,
+            "mode": outcome.mode, "note": outcome.note,
         })  # fmt: skip
 
     async def _status(self, scope: Any, send: Any) -> None:
@@ -136,12 +176,68 @@ class UpdateMiddleware:
         })  # fmt: skip
 
 
-def _with_header(send: Any, name: str, value: str) -> Any:
-    """``send`` that adds a header to the response's start."""
+def _salted(body: bytes, version: int | None) -> bytes:
+    """The request body with its ``cache_salt`` bound to ``version`` (the client's own salt kept
+    inside it); a body that is not a JSON object goes on as it is, for vLLM to refuse."""
+    try:
+        request = json.loads(body or b"{}")
+    except ValueError:
+        return body
+    if not isinstance(request, dict):
+        return body
+    request["cache_salt"] = cache_salt(version, request.get("cache_salt"))
+    return json.dumps(request).encode()
+
+
+def _replay(body: bytes) -> Any:
+    """A ``receive`` that gives ``body`` once, then waits for the client to go."""
+    sent = False
+
+    async def receive() -> Any:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+def _with_length(headers: Any, length: int) -> list[tuple[bytes, bytes]]:
+    kept = [(k, v) for k, v in headers if k.lower() not in (b"content-length", b"transfer-encoding")]
+    return [*kept, (b"content-length", str(length).encode())]
+
+
+def _label(version: int | None) -> str:
+    return "none" if version is None else str(version)
+
+
+def _versioned(send: Any, admitted: int | None, served: Any) -> Any:
+    """``send`` that adds the admission version to the response's start, and the span of
+    versions: as a header of a non-streamed answer (complete when its start is sent), as an
+    SSE comment before ``data: [DONE]`` of a streamed one."""
+    streaming = False
+
+    def span() -> str:
+        last = served()
+        first = admitted if admitted is not None else last
+        return f"{_label(first)}-{_label(last if last is not None else first)}"
 
     async def wrapped(message: Any) -> None:
+        nonlocal streaming
         if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", []), (name.encode(), value.encode())]}
+            headers = list(message.get("headers", []))
+            streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+            headers.append((VERSION_HEADER.encode(), _label(admitted).encode()))
+            if not streaming:
+                headers.append((VERSIONS_HEADER.encode(), span().encode()))
+            message = {**message, "headers": headers}
+        elif message["type"] == "http.response.body" and streaming:
+            body = message.get("body", b"")
+            marker = body.find(b"data: [DONE]")
+            if marker >= 0:
+                comment = f": {VERSIONS_HEADER} {span()}\n\n".encode()
+                message = {**message, "body": body[:marker] + comment + body[marker:]}
         await send(message)
 
     return wrapped

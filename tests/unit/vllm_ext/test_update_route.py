@@ -145,7 +145,7 @@ def test_refusals_before_anything_happens():
         ({"authorization": "Bearer wrong"}, {"version": 1}, (401, "/deltasync/update: the bearer token is wrong")),
         ({"method": "GET"}, {"version": 1}, (405, "/deltasync/update takes POST")),
         ({}, b"{not json", (400, "/deltasync/update: bad body")),
-        ({}, [1], (400, 'the body must be a JSON object {"version": N, "auth": TAG}')),
+        ({}, [1], (400, 'the body must be a JSON object {"version": N, "auth": TAG, "mode": "pause"|"inflight"}')),
         ({}, {"version": 1, "path": "/etc"}, (400, "the body must be a JSON object")),
     ]:
         engine = Engine()

@@ -1,0 +1,125 @@
+"""In-flight updates on the API-server side, with the engine client recorded
+(``test_update_route.Engine``): no pause, the fallback to a pause where parameters reload, the
+prefix-cache salt of every request, the versions that made a response, and the weight routes
+that change weights behind the flow. Real servers: ``integration/vllm_ext/test_inflight_server.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from servers import requires_vllm
+from test_update_route import TOKEN, Engine, _post
+
+pytestmark = requires_vllm
+
+
+def test_an_inflight_update_applies_between_steps_without_a_pause():
+    engine = Engine()
+    status, answer, _ = _post(engine, {"version": 3, "auth": "tag", "mode": "inflight"})
+    assert status == 200 and answer["mode"] == "inflight" and answer["note"] is None
+    assert engine.calls == [("deltasync_prefetch", 3, "tag"), ("deltasync_apply", 3, "tag"), ("label", "3")]
+
+
+def test_inflight_falls_back_to_a_pause_where_parameters_reload_and_says_so():
+    engine = Engine()
+    original = engine.collective_rpc
+
+    async def reload_status(method, args=()):
+        answers = await original(method, args)
+        if method == "deltasync_status":
+            answers = [{**a, "mode": "reload", "fallback": ["model.layers.0.mlp.gate_proj.weight"]} for a in answers]
+        return answers
+
+    engine.collective_rpc = reload_status
+    status, answer, _ = _post(engine, {"version": 3, "auth": "tag", "mode": "inflight"})
+    assert status == 200 and answer["mode"] == "pause"
+    assert "fall back to the reload (e.g. model.layers.0.mlp.gate_proj.weight), so this update paused" in answer["note"]
+    assert ("pause", "keep", True) in engine.calls and engine.calls[-1] == "resume"
+
+
+def test_an_unknown_mode_is_refused_before_anything_happens():
+    engine = Engine()
+    status, answer, _ = _post(engine, {"version": 3, "mode": "sideways"})
+    assert status == 400 and "mode must be one of pause, inflight, got 'sideways'" in answer["error"]["message"]
+    assert engine.calls == []
+
+
+def test_cache_salt_separates_versions_and_keeps_the_clients_salt():
+    from vllm_ext._server_sync import cache_salt
+
+    assert cache_salt(None) == "deltasync-vbase" and cache_salt(7) == "deltasync-v7"
+    mine, theirs = cache_salt(7, "alice"), cache_salt(7, "bob")
+    assert mine != theirs and mine.startswith("deltasync-v7-") and len(mine) <= 128
+    assert cache_salt(8, "alice") != mine and cache_salt(7, "x" * 500) == cache_salt(7, "x" * 500)
+    assert not set("@/\\\x00") & set(cache_salt(7, "a/b@c"))
+
+
+def _inference(engine: Engine, path: str, body: dict, chunks: list[bytes], content_type: bytes, *, after=None):
+    """Run one inference request through the middleware; what the app received, and what was sent."""
+    from vllm_ext import UpdateMiddleware
+
+    received: list[dict] = []
+    sent: list[dict] = []
+
+    async def app(scope, receive, send):
+        message = await receive()
+        received.append(json.loads(message["body"]))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", content_type)]})
+        if after is not None:
+            after(middleware)  # e.g. an update lands while the answer is generated
+        for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    middleware = UpdateMiddleware(app, token=TOKEN)
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": [(b"content-length", b"2")],
+             "app": SimpleNamespace(state=SimpleNamespace(engine_client=engine))}  # fmt: skip
+    middleware._sync(scope).served = engine.served
+    raw = json.dumps(body).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(middleware(scope, receive, send))
+    return received[0], sent
+
+
+def _bump(middleware) -> None:
+    middleware.sync.served += 1
+
+
+def test_a_streamed_answer_ends_with_its_versions_before_done():
+    engine = Engine(served=4)
+    chunks = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n']
+    request, sent = _inference(engine, "/v1/completions", {"prompt": "hi", "stream": True, "cache_salt": "me"}, chunks,
+                               b"text/event-stream", after=_bump)  # fmt: skip
+    assert request["cache_salt"].startswith("deltasync-v4-") and request["prompt"] == "hi"
+    headers = dict(sent[0]["headers"])
+    assert headers[b"x-deltasync-version"] == b"4" and b"x-deltasync-versions" not in headers
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    assert body.endswith(b": x-deltasync-versions 4-5\n\ndata: [DONE]\n\n")  # OpenAI clients skip comments
+
+
+def test_a_whole_answer_carries_its_versions_in_a_header():
+    engine = Engine(served=2)
+    request, sent = _inference(engine, "/v1/chat/completions", {"messages": []}, [b'{"choices": []}'], b"application/json")
+    assert request["cache_salt"] == "deltasync-v2"
+    headers = dict(sent[0]["headers"])
+    assert (headers[b"x-deltasync-version"], headers[b"x-deltasync-versions"]) == (b"2", b"2-2")
+
+
+def test_weight_routes_hold_admissions_until_the_served_version_is_read_back():
+    engine = Engine(served=1)
+    for body, gated in [({"method": "deltasync_apply", "args": [2, None]}, True), ({"method": "deltasync_status"}, False)]:
+        engine.reads = 0
+        status, _, passed = _post(engine, body, path="/collective_rpc")
+        assert status == 200 and passed == ["/collective_rpc"]
+        assert engine.reads == (1 if gated else 0), body  # read back only after an apply
+    engine.reads = 0
+    status, _, passed = _post(engine, {"update_info": {"version": 2}}, path="/update_weights")
+    assert passed == ["/update_weights"] and engine.reads == 1
