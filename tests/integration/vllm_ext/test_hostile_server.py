@@ -5,7 +5,9 @@ CUDA) follows a bucket that an attacker (or a storage fault) rewrites: a pointer
 ``Infinity``, a zstd bomb, a file far larger than the pointer promises, a flipped bit, a
 truncated file, deltas that name an unknown parameter, write past a parameter's end or do not
 give the committed state (each committed with a matching size and SHA-256, so only their
-content can tell), a reshaped anchor and an anchor with an extra tensor. Each update must fail
+content can tell), a reshaped anchor and an anchor with an extra tensor (written beside the
+deltas, and the deltas kept then start past the served version, so the server must load it).
+Each update must fail
 with the refusal's message, leave the server healthy and unpaused, with the same greedy tokens
 and logprobs and the same reported version and fingerprint (in place: hashed again from the
 live weights); once the bucket is repaired, the next update is exact. Versions not committed
@@ -16,7 +18,6 @@ server's internals.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import struct
@@ -25,10 +26,11 @@ import pytest
 import requests
 import torch
 import zstandard
+from helpers import replace_file
 from safetensors.torch import load as st_load
 from servers import greedy, requires_vllm, running_server
 
-from deltasync import DeltaPublisher, Pointer, RolloutClient, bf16_state_dict, fingerprint
+from deltasync import DeltaPublisher, Pointer, RolloutClient, bf16_state_dict, fingerprint, open_store
 from deltasync import _format as F
 
 pytestmark = [pytest.mark.server, requires_vllm]
@@ -49,25 +51,31 @@ class Bucket:
         self.before = bf16_state_dict(self.model)  # the state the newest version was published on
 
     def step(self, *, anchor: bool = False) -> int:
-        """Change a few elements and publish them (as an anchor if asked); the new version."""
+        """Change a few elements and publish them (with an anchor beside if asked, committed
+        before this returns); the new version."""
         self.before = bf16_state_dict(self.model)
         with torch.no_grad():
             self.model.model.norm.weight[:8] += 0.25
-        return self.publisher.publish(anchor=anchor).version
+        result = self.publisher.publish(anchor=anchor)
+        self.publisher.flush()
+        assert (result.kind, result.anchor_scheduled) == ("delta", anchor), result
+        return result.version
+
+    def anchor_past(self, served: int) -> int:
+        """Two versions with an anchor beside each: the deltas kept then start past ``served``,
+        so a server there must load the newest anchor. Returns its version."""
+        self.step(anchor=True)
+        version = self.step(anchor=True)
+        pointer = self.pointer()
+        assert [a.version for a in pointer.anchors] == [version] and pointer.base == version - 1 > served
+        return version
 
     def pointer(self) -> Pointer:
         return Pointer.from_bytes((self.root / F.POINTER_PATH).read_bytes())
 
-    def commit_file(self, version: int, data: bytes) -> None:
-        """Overwrite a committed file and rewrite the pointer's size and checksum to match."""
-        pointer = self.pointer()
-        entry = pointer.entry(version)
-        (self.root / entry.path).write_bytes(data)
-        chain = tuple(
-            dataclasses.replace(e, nbytes=len(data), sha256=F.sha256_hex(data)) if e.version == version else e
-            for e in pointer.chain
-        )
-        (self.root / F.POINTER_PATH).write_bytes(dataclasses.replace(pointer, chain=chain).to_bytes())
+    def commit_file(self, version: int, data: bytes, kind: str = "delta") -> None:
+        """Overwrite a committed delta (or anchor) and rewrite the pointer's size and checksum to match."""
+        replace_file(open_store(self.root), version, data, kind=kind)
 
     def snapshot(self) -> dict[str, bytes]:
         return {p.relative_to(self.root).as_posix(): p.read_bytes() for p in self.root.rglob("*") if p.is_file()}
@@ -141,7 +149,7 @@ def _forged_anchor(edit):  # noqa: ANN001, ANN202
         state = edit(bf16_state_dict(bucket.model))
         fp = fingerprint(state)
         assert fp == bucket.pointer().entry(version).fingerprint  # the fingerprint cannot tell
-        bucket.commit_file(version, F.encode_anchor(state, version=version, fingerprint=fp))
+        bucket.commit_file(version, F.encode_anchor(state, version=version, fingerprint=fp), kind="anchor")
 
     return forge
 
@@ -246,7 +254,7 @@ def test_hostile_versions_are_refused_and_the_old_weights_stay_served(bucket, se
     served = _served(server, client)
     outputs = greedy(server.url)
     for name, (forge, kind, pattern) in HOSTILE.items():
-        version = bucket.step(anchor=kind == "anchor")
+        version = bucket.anchor_past(served[0]) if kind == "anchor" else bucket.step()
         honest = bucket.snapshot()
         forge(bucket, version)
         report = client.update(version)
