@@ -8,6 +8,7 @@ fresh from the same bf16 weights, the TP=2 server with one fresh TP=2 server at 
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import requests
@@ -283,7 +284,7 @@ def _publish_split(world, old: dict[str, torch.Tensor], parts: int = 2) -> int:
             if index.numel():
                 changes[name] = Change(index=index, new=flat[index], old=before[index])
         data = encode_delta(
-            changes, version=version, anchor=pointer.anchor, codec="zstd", total=pointer.total, fingerprint=fp,
+            changes, version=version, anchor=pointer.root, codec="zstd", total=pointer.total, fingerprint=fp,
             base_fingerprint=pointer.fingerprint, part=(part, parts), numels=numels,
         )  # fmt: skip
         path = part_path("delta", version, part)
@@ -294,8 +295,8 @@ def _publish_split(world, old: dict[str, torch.Tensor], parts: int = 2) -> int:
         version=version, kind="delta", path="", nbytes=sum(f.nbytes for f in files), sha256="", fingerprint=fp,
         changed=sum(f.changed for f in files), parts=tuple(files),
     )  # fmt: skip
-    store.write_bytes("latest.json", Pointer.from_chain(version=version, anchor=pointer.anchor, fingerprint=fp,
-                                             total=pointer.total, chain=(*pointer.chain, entry)).to_bytes())  # fmt: skip
+    new_pointer = dataclasses.replace(pointer, version=version, fingerprint=fp, chain=(*pointer.chain, entry))
+    store.write_bytes("latest.json", new_pointer.to_bytes())
     return version
 
 
@@ -307,12 +308,14 @@ def test_a_split_version_is_written_in_place_and_exact(world, server, client):
         world.model.get_parameter("model.layers.0.mlp.down_proj.weight")[::3] += 0.05
         world.model.get_parameter("model.embed_tokens.weight")[::7, :5] -= 0.05
         world.model.get_parameter("model.norm.weight")[-4:] += 0.25
+    world.publisher.flush()
     version = _publish_split(world, served)
-    # The publisher did not write this version: bring it up to the bucket (pointer and snapshot), so
-    # that tests after this one, in any order, publish on top of it.
-    world.publisher._pointer = Pointer.from_bytes(open_store(world.bucket).read_bytes("latest.json"))
-    world.publisher.detector.reset()
+    # The publisher did not write this version: bring it up to the bucket (pointer, chain and
+    # snapshot), so that tests after this one, in any order, publish on top of it.
     pointer = Pointer.from_bytes(open_store(world.bucket).read_bytes("latest.json"))
+    world.publisher._pointer = pointer
+    world.publisher._chain.version, world.publisher._chain.fingerprint = pointer.version, pointer.fingerprint
+    world.publisher.detector.reset()
     assert len(pointer.entry(version).parts) == 2 and all(p.changed for p in pointer.entry(version).parts)
     report = client.update(version)
     assert report.ok, report.failed
