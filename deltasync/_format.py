@@ -519,7 +519,7 @@ class Pointer:
                 f"got {[item.version for item in chain[:20]]}"
             )
         if chain[0].kind != "anchor":
-            raise FormatError(f"{where}: version {anchor} should be a anchor, not {chain[0].kind!r}")
+            raise FormatError(f"{where}: version {anchor} should be an anchor, not {chain[0].kind!r}")
         return cls(
             version=version, fingerprint=fingerprint, total=total, root=anchor, base=anchor,
             base_fingerprint=chain[0].fingerprint, anchors=tuple(chain[:1]), chain=tuple(chain[1:]),
@@ -613,7 +613,8 @@ class Pointer:
         for kind, items in (("anchor", self.anchors), ("delta", self.chain)):
             for item in items:
                 if item.kind != kind:
-                    raise FormatError(f"{where}: version {item.version} should be a {kind}, not {item.kind!r}")
+                    article = "an" if kind == "anchor" else "a"
+                    raise FormatError(f"{where}: version {item.version} should be {article} {kind}, not {item.kind!r}")
                 if item.parts:
                     _check_parts(item, where)
                 elif not _PATH_RE.match(item.path) or not item.path.startswith(kind + "s/"):

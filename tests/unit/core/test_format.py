@@ -1285,6 +1285,10 @@ BAD_POINTERS = {
         lambda: _pointer(chain=_chain(1, kind="anchor")),
         "version 1 should be a delta, not 'anchor'",
     ),
+    "an anchor listed as a delta": (
+        lambda: _pointer(chain=_chain(0, kind="delta")),
+        "version 0 should be an anchor, not 'delta'",
+    ),
     "a path outside the layout": (
         lambda: _pointer(chain=_chain(1, path="../secrets")),
         "version 1 names an invalid path '../secrets'",
@@ -1313,7 +1317,7 @@ BAD_POINTERS = {
     ),
     "3: an anchor listed as a delta": (
         lambda: _pointer3(anchors=_entries3("anchors", 0, kind="delta")),
-        "version 0 should be a anchor, not 'delta'",
+        "version 0 should be an anchor, not 'delta'",
     ),
     "3: an anchor whose fingerprint disagrees": (
         lambda: _pointer3(anchors=_entries3("anchors", 0, fingerprint=FP1)),
