@@ -243,8 +243,9 @@ class DeltaReceiver:
                     pointer = newer
             raise AssertionError("unreachable")
         except IntegrityError:
-            if not pointer.replays_from(self._version, self._fingerprint):
-                raise
+            target = pointer.version if version is None else version
+            if not pointer.replays_from(self._version, self._fingerprint) or pointer.anchor_for(target) is None:
+                raise  # no anchor at or below the target to rebuild from: the file's own error says why
             # Replaying on our own state failed a fingerprint check: the file may be fine and
             # our copy wrong. Rebuild from the anchor; if that fails too, the bucket is at fault.
             return self._stage(pointer, version, from_anchor=True)
