@@ -205,3 +205,36 @@ def test_receiver_recovers_once_the_bucket_is_repaired(chain) -> None:
     store.write_bytes("deltas/00000002.safetensors", good)
     store.write_bytes("latest.json", pointer)
     assert receiver.sync() == 2
+
+
+def test_a_bad_delta_before_every_anchor_is_named_not_hidden(tmp_path) -> None:
+    """Deltas are kept back to the anchor before the newest: a follower behind the newest
+    anchor replays them. A corrupt one is reported as such when no anchor can replace it, and
+    replaced by the newest anchor when one can."""
+    model = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    publisher = DeltaPublisher(tmp_path / "b", model, None, anchor_every=2, anchor_bytes_ratio=0)
+    publisher.publish()
+    follower = DeltaReceiver(tmp_path / "b")
+    for step in range(5):
+        with torch.no_grad():
+            model.weight.view(-1)[step] += 1
+        publisher.publish()
+        publisher.flush()
+        if step == 1:
+            follower.sync()
+    publisher.close()
+    pointer = publisher.pointer
+    assert ([a.version for a in pointer.anchors], pointer.base, follower.version) == ([4], 2, 2)
+    store = open_store(tmp_path / "b")
+    data = bytearray(store.read_bytes("deltas/00000003.safetensors"))
+    data[-1] ^= 1
+    store.write_bytes("deltas/00000003.safetensors", bytes(data))
+    before = snapshot(follower)
+    with pytest.raises(IntegrityError, match=r"deltas/00000003.safetensors \(version 3\): SHA-256"):
+        follower.sync(3)  # no anchor at or below 3: the delta's own error, not "older than every anchor"
+    assert (follower.version, follower.fingerprint) == before[:2] and before[0] == 2
+    assert all(torch.equal(follower.state_dict()[k].view(torch.int16), v.view(torch.int16)) for k, v in before[2].items())
+    staged = follower.stage()  # to the newest version: rebuilt from anchor 4
+    assert (staged.kind, staged.versions) == ("anchor", [4, 5])
+    follower.apply(staged)
+    assert follower.fingerprint == publisher.fingerprint and follower.verify()
