@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import struct
 
+import pytest
 import torch
+from helpers import old_pointer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load as st_load
@@ -129,29 +131,36 @@ POINTER = Pointer.from_chain(
         for v in range(3)
     ),
 ).to_bytes()  # fmt: skip
+# What writers write (format 3), and the same chain as an old bucket's pointer (format 1).
+POINTERS = {3: POINTER, 1: old_pointer(Pointer.from_bytes(POINTER), 1)}
 
 
 # --------------------------------------------------------------------------- the pointer
 
 
+@pytest.mark.parametrize("pointer_format", list(POINTERS))
 @BUDGET
 @given(choose=st.integers(min_value=0), raw=json_values)
-def test_any_pointer_value_is_checked_or_refused(choose: int, raw: str) -> None:
-    text = with_value(POINTER.decode(), choose, raw)
+def test_any_pointer_value_is_checked_or_refused(pointer_format: int, choose: int, raw: str) -> None:
+    text = with_value(POINTERS[pointer_format].decode(), choose, raw)
     try:
         pointer = Pointer.from_bytes(text.encode())
     except DeltaSyncError:
         return
-    for value in (pointer.version, pointer.anchor, pointer.total, *(e.nbytes for e in (*pointer.anchors, *pointer.chain))):
+    numbers = (pointer.version, pointer.anchor, pointer.root, pointer.base, pointer.total)
+    for value in (*numbers, *(e.nbytes for e in (*pointer.anchors, *pointer.chain))):
         assert type(value) is int and 0 <= value <= F.MAX_COUNT
+    assert pointer.root <= pointer.base <= min(a.version for a in pointer.anchors) <= pointer.anchor <= pointer.version
     assert [e.version for e in pointer.chain] == list(range(pointer.base + 1, pointer.version + 1))
 
 
+@pytest.mark.parametrize("pointer_format", list(POINTERS))
 @BUDGET
 @given(at=st.integers(min_value=0), insert=st.binary(max_size=64) | json_scalars.map(str.encode), cut=st.integers(0, 8))
-def test_any_pointer_bytes_are_parsed_or_refused(at: int, insert: bytes, cut: int) -> None:
-    at %= len(POINTER) + 1
-    data = POINTER[:at] + insert + POINTER[at + cut :]
+def test_any_pointer_bytes_are_parsed_or_refused(pointer_format: int, at: int, insert: bytes, cut: int) -> None:
+    text = POINTERS[pointer_format]
+    at %= len(text) + 1
+    data = text[:at] + insert + text[at + cut :]
     try:
         Pointer.from_bytes(data)
     except DeltaSyncError:
