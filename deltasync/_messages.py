@@ -43,7 +43,8 @@ class PrefetchState:
 
     version: int | None
     state: str
-    """"running", "ready", "failed" or "applied" (already served)."""
+    """"running", "ready", "failed", "applied" (already served) or "refused" (not started:
+    the version, tag or bucket was wrong; ``error`` says why)."""
     error: str | None = None
     kind: str | None = None
     nbytes: int = 0
@@ -60,6 +61,9 @@ class PrefetchState:
             nbytes=_take(d, "nbytes", (int,), where, 0),
             stage_s=_take(d, "stage_s", (int, float), where, 0.0),
         )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,16 +7,87 @@ another model's weights is refused instead of half-loaded. Only the JSON headers
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from deltasync import FormatError
+from deltasync import DeltaSyncError, FormatError, StagedUpdate
 
-__all__ = ["read_checkpoint_shapes", "resolve_model_dir"]
+__all__ = ["ServedCheckpoint", "read_checkpoint_shapes", "resolve_model_dir"]
+
+logger = logging.getLogger(__name__)
 
 _INDEX = "model.safetensors.index.json"
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+# Checkpoint tensors that are not parameters: vLLM skips them when loading, and a trainer's
+# state never holds them.
+_NOT_PARAMETERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_TIED_HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServedCheckpoint:
+    """The checkpoint a server started from, which every staged version must fit."""
+
+    path: str
+    """Its directory (or the model name, when its files were not found)."""
+    shapes: dict[str, tuple[int, ...]] | None
+    """Parameter name -> shape; None when unknown (updates are then not checked)."""
+    tied: bool
+    """Whether ``lm_head.weight`` is the embedding (an anchor may leave it out)."""
+
+    @classmethod
+    def of(cls, model_config: Any) -> ServedCheckpoint:
+        """Read the names and shapes of the checkpoint behind vLLM's ``model_config``."""
+        text_config = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+        tied = bool(getattr(text_config, "tie_word_embeddings", False))
+        model = str(model_config.model)
+        directory = resolve_model_dir(model, revision=getattr(model_config, "revision", None))
+        if directory is None:
+            logger.warning(
+                "deltasync: cannot find the safetensors files of %s; updates are not checked against its "
+                "parameter names and shapes", model,
+            )
+            return cls(path=model, shapes=None, tied=tied)
+        try:
+            return cls(path=str(directory), shapes=read_checkpoint_shapes(directory), tied=tied)
+        except (OSError, ValueError, DeltaSyncError) as exc:
+            logger.warning("deltasync: cannot read the checkpoint of %s (%s); updates are not checked against it",
+                           model, exc)
+            return cls(path=str(directory), shapes=None, tied=tied)
+
+    def check(self, staged: StagedUpdate) -> None:
+        """Refuse parameter names and shapes that the served checkpoint does not have."""
+        if staged.kind == "none" or self.shapes is None:
+            return
+        expected = self.shapes
+        names = sorted(staged.names)  # the first problem reported is always the same one
+        where = f"version {staged.version}"
+        if staged.kind == "anchor":
+            have = set(names)
+            missing = [
+                n for n in sorted(expected)
+                if n not in have and not n.endswith(_NOT_PARAMETERS) and not (n == _TIED_HEAD and self.tied)
+            ]  # fmt: skip
+        else:
+            missing = []
+        unknown = [n for n in names if n not in expected]
+        parts = [f"{len(missing)} parameters of the served checkpoint are missing (e.g. {missing[0]})"] if missing else []
+        parts += [f"{len(unknown)} are not in the served checkpoint (e.g. {unknown[0]})"] if unknown else []
+        if parts:
+            raise FormatError(
+                f"{where} does not fit the served model {self.path}: {'; '.join(parts)}. The bucket holds "
+                "another model's weights, or the server was started from another checkpoint"
+            )
+        for name in names:
+            shape = tuple(staged.shape(name))
+            if shape != expected[name]:
+                raise FormatError(
+                    f"{where}: {name} has shape {list(shape)}, the served checkpoint's is {list(expected[name])}"
+                )
 
 
 def resolve_model_dir(model: str, *, revision: str | None = None, cache_dir: str | None = None) -> Path | None:

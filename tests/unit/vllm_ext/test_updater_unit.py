@@ -90,7 +90,8 @@ def _trainer(model_dir: pathlib.Path) -> torch.nn.Module:
 
 
 class Recorder:
-    """Stands in for vllm_ext._reload.reload_weights: records what would be loaded."""
+    """Stands in for vllm_ext._reload.reload_weights (as the reload target calls it): records
+    what would be loaded."""
 
     def __init__(self) -> None:
         self.calls: list[dict[str, torch.Tensor]] = []
@@ -110,7 +111,7 @@ class World:
     """A tiny model directory, a bucket with version 0, a trainer and a worker updater."""
 
     def __init__(self, model_dir: pathlib.Path, root: pathlib.Path, monkeypatch, *, token: str | None = "tok") -> None:
-        from vllm_ext import _updater
+        from vllm_ext import _reload_target
 
         self.model_dir = model_dir
         self.bucket = root / "bucket"
@@ -118,7 +119,7 @@ class World:
         self.publisher = DeltaPublisher(self.bucket, self.model, None)
         self.publisher.publish()
         self.reload = Recorder()
-        monkeypatch.setattr(_updater, "reload_weights", self.reload)
+        monkeypatch.setattr(_reload_target, "reload_weights", self.reload)
         self.token = token
         self.updater = self.make_updater(bucket=str(self.bucket), token=token)
 
@@ -308,7 +309,7 @@ class _TwoWorkers:
 
 
 def test_with_several_workers_all_agree_and_only_the_last_raises(world, monkeypatch):
-    from vllm_ext import _updater
+    from vllm_ext import _ranks
     from vllm_ext._updater import UpdateError
 
     peer_errors = iter([None, None, "(IntegrityError): the peer read a bad file", None,
@@ -317,7 +318,7 @@ def test_with_several_workers_all_agree_and_only_the_last_raises(world, monkeypa
     def all_gather_object(out, obj, group=None):
         out[:] = [next(peer_errors), obj]
 
-    monkeypatch.setattr(_updater, "_parallel_groups", lambda: [_TwoWorkers()])
+    monkeypatch.setattr(_ranks, "parallel_groups", lambda: [_TwoWorkers()])
     monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
     world.update(0)  # two agreements: staged everywhere, loaded everywhere
 
@@ -335,7 +336,7 @@ def test_with_several_workers_all_agree_and_only_the_last_raises(world, monkeypa
     # A worker that is not the last returns the error instead of raising it, so that vLLM
     # reads every worker's answer (it stops at the first error).
     world.updater.last_rank = False
-    monkeypatch.setattr(_updater, "_parallel_groups", lambda: [])
+    monkeypatch.setattr(_ranks, "parallel_groups", lambda: [])
     answer = world.update(99)
     assert answer["version"] == 99 and "version 99 is not committed" in answer["error"]
     assert world.updater.status()["last_error"]["error"] == answer["error"]

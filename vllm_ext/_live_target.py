@@ -1,0 +1,233 @@
+"""The live target: deltas written straight into the served weights (:mod:`._inplace`).
+
+Staging decodes, for the elements this rank holds, the deltas from the served version on (or,
+when the served weights cannot be built on, the newest anchor and the deltas after it, for a
+dense load). Before anything is written, the ranks sum their fingerprint moves: a delta is
+written only if the sum is what the bucket committed, and otherwise the newest anchor is staged
+instead. A failed write is rolled back from the undo log on every rank; a failed anchor load
+leaves weights that are no version (``tainted``), and the next update loads an anchor again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from deltasync import DeltaReceiver, IntegrityError, VersionError
+from deltasync._errors import UpdateError
+
+from ._checkpoint import ServedCheckpoint
+from ._inplace import InPlaceState, LiveStaged, release_freed_memory, release_later
+from ._plain_gemm import PLAIN_GEMM_ENV, plain_gemm_enabled
+from ._ranks import agree, gather, rank_index
+from ._reload import reload_groups, reload_weights
+from ._target import Applied, Refused, UpdateTarget
+from ._weight_map import discover
+
+__all__ = ["LiveTarget", "plan_in_place"]
+
+logger = logging.getLogger(__name__)
+
+
+class LiveTarget(UpdateTarget):
+    """Applies versions by writing into the live weights of one rank.
+
+    Args:
+        live: this rank's served weights, mapped onto the checkpoint.
+        checkpoint: what every anchor loaded densely must fit.
+        rank: this worker's global rank (named in messages).
+        after_write: called after a delta is written (a test hook may raise there).
+    """
+
+    answer_mode = "in-place"
+
+    def __init__(self, live: InPlaceState, checkpoint: ServedCheckpoint, rank: int,
+                 after_write: Callable[[], None]) -> None:  # fmt: skip
+        self.live = live
+        self.checkpoint = checkpoint
+        self.rank = rank
+        self.after_write = after_write
+        self.receiver: DeltaReceiver | None = None
+        """The server's receiver, used only to read and check files (known from the first staging on)."""
+
+    @property
+    def mode(self) -> str:
+        # Parameters that fall back to the layerwise reload make the whole server "reload".
+        return "reload" if self.live.host else "in-place"
+
+    def served(self) -> tuple[int | None, str | None]:
+        return self.live.version, self.live.fingerprint
+
+    @property
+    def tainted(self) -> str | None:
+        return self.live.tainted
+
+    @property
+    def host_copy_bytes(self) -> int:
+        return self.live.host_bytes
+
+    def stage(self, version: int, receiver: DeltaReceiver, *, dense: bool = False) -> LiveStaged:
+        """Deltas on the served weights, or (catch-up, or ``dense``) the newest anchor and the
+        deltas after it, decoded in full for a dense load."""
+        live = self.live
+        self.receiver = receiver
+        pointer = receiver.pointer()
+        if version > pointer.version:
+            raise VersionError(f"version {version} is not committed in {receiver.store.url} (the newest is {pointer.version})")
+        if not dense and live.tainted is None and pointer.replays_from(live.version, live.fingerprint):
+            return live.stage_deltas(receiver, pointer, version)
+        full = DeltaReceiver(receiver.store).stage(version)  # a transient copy, dropped after the load
+        self.checkpoint.check(full)
+        return LiveStaged(
+            from_version=live.version,
+            from_fingerprint=live.fingerprint,
+            version=full.version,
+            kind="anchor",
+            fingerprint=full.fingerprint,
+            names=full.names,
+            changed=full.changed,
+            nbytes=full.nbytes,
+            seconds=full.seconds,
+            dense=full,
+        )
+
+    def agree(self, error: str | None, staged: LiveStaged | None) -> LiveStaged:  # type: ignore[override]
+        # One round trip: every rank's error and fingerprint shares.
+        answers = gather((error, None if staged is None else staged.shares))
+        error = next((e for e, _ in answers if e is not None), None)
+        if error is not None:
+            raise Refused(f"refused {error}")
+        assert staged is not None
+        if staged.kind != "delta":
+            return staged
+        try:
+            staged.fingerprint = self.live.check_chain(staged, [shares for _, shares in answers])
+            return staged
+        except IntegrityError as exc:  # the same on every rank: all shares are known to all
+            logger.warning("deltasync: %s; loading the newest anchor instead", exc)
+            broken = exc
+        error = None
+        anchor: LiveStaged | None = None
+        try:
+            assert self.receiver is not None
+            anchor = self.stage(staged.version, self.receiver, dense=True)
+        except Exception as exc2:  # noqa: BLE001
+            error = f"({type(exc2).__name__}): {exc2}"
+        error = agree(error)
+        if error is not None:
+            raise Refused(f"refused: {broken}; loading the anchor instead failed {error}")
+        assert anchor is not None
+        return anchor
+
+    def apply(self, staged: LiveStaged) -> Applied:  # type: ignore[override]
+        applied = Applied(changed=len(staged.names), sent=len(staged.writes), undo=[])
+        what, start = "writing", time.perf_counter()
+        try:
+            if staged.kind == "delta":
+                applied.undo = self.live.write(staged)
+                self.after_write()
+            elif staged.kind == "anchor":
+                what = "loading"
+                self.live.load_anchor(staged.dense.tensors())
+        except Exception as exc:  # noqa: BLE001  (every rank must reach the agreement)
+            applied.undo = getattr(exc, "undo", applied.undo)
+            applied.error = f"{what} version {staged.version} on rank {self.rank} failed ({type(exc).__name__}: {exc})"
+        if staged.kind == "anchor":
+            staged.dense = None  # drop the transient copy, and give its memory back to the system
+            release_freed_memory()
+            applied.extra = {"load_s": time.perf_counter() - start, "served_hash": "after the pause"}
+        return applied
+
+    def rollback(self, staged: LiveStaged, applied: Applied, error: str) -> str:  # type: ignore[override]
+        live = self.live
+        if staged.kind == "anchor":
+            served = live.full_fingerprint()
+            live.tainted, live.fingerprint = error, served
+            return "the served weights are not those of any version: the next update loads the newest anchor again"
+        try:
+            live.rollback(applied.undo)  # every rank, those whose writes worked too
+        except Exception as exc:  # noqa: BLE001  (a module of the host part could not be rebuilt)
+            live.tainted = f"restoring the previous weights failed ({type(exc).__name__}: {exc})"
+            return f"{live.tainted}: the next update loads the newest anchor again"
+        return f"every rank put its previous values back: still serving {self.served_text()}"
+
+    def commit(self, staged: LiveStaged, applied: Applied) -> None:  # type: ignore[override]
+        self.live.commit(staged.version, staged.fingerprint)
+        if staged.kind == "anchor":
+            # The full hash of the served weights runs after the pause, while the engine generates;
+            # the next call of any kind waits for it (``settle``) before trusting the state.
+            self.live.start_full_hash()
+        else:
+            release_later(staged.writes, applied.undo)  # after the pause: freeing tens of MB is not free
+
+    def settle(self) -> None:
+        """Finish the full hash of the served weights started after an anchor."""
+        if self.live.pending is not None:
+            self.live.settle()
+
+    def verify(self) -> dict[str, Any]:
+        expected = self.live.fingerprint
+        return {**self.live.verify(), "expected": expected, "mode": "in-place"}
+
+
+def plan_in_place(
+    model: torch.nn.Module, vllm_config: Any, packed: dict[str, list[str]], checkpoint: ServedCheckpoint
+) -> tuple[InPlaceState | None, dict[str, str]]:
+    """Map the checkpoint onto the live weights: the in-place state (None: reload mode, when
+    no name maps) and the parameters that fall back to the layerwise reload, with why."""
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+
+    expected = checkpoint.shapes
+    reason = None
+    if expected is None:
+        reason = "the served checkpoint's parameter names and shapes are unknown"
+    elif current_platform.is_cpu() and not plain_gemm_enabled():
+        reason = f"vLLM's CPU build repacks linear weights for its kernels (set {PLAIN_GEMM_ENV}=1 to keep them plain)"
+    if reason is not None:
+        logger.info("deltasync: reload mode: %s", reason)
+        return None, {name: reason for name in expected or {"*": ()}}
+    assert expected is not None
+    start = time.perf_counter()
+    with set_current_vllm_config(vllm_config):
+        weight_map = discover(model, expected)
+    fallback: dict[str, str] = {}
+    for theirs in gather(weight_map.fallback):  # every rank decides alike
+        fallback.update(theirs)
+    names = [n for n in expected if n not in weight_map.ignored]
+    # A parameter that falls back takes the rest of its vLLM module along: the layerwise
+    # reload rebuilds a module only from all of its parts.
+    host = reload_groups(sorted(n for n in fallback if n in names), names, packed) if fallback else []
+    reasons = {n: fallback.get(n, "reloaded with the rest of its vLLM module") for n in host}
+    if len(host) == len(names):
+        name, why = next(iter(sorted(fallback.items())))
+        logger.warning("deltasync: reload mode: no parameter can be patched in place (e.g. %s: %s)", name, why)
+        return None, reasons
+
+    def reload_host(weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Rebuild whole modules from the host copy of the parameters that fall back."""
+        _, partial = reload_weights(model, vllm_config, iter(weights))
+        if partial:
+            raise UpdateError(f"modules {', '.join(partial[:5])} were loaded only in part")
+
+    def load_dense(weights: Any) -> None:
+        with set_current_vllm_config(vllm_config), torch.no_grad():
+            model.load_weights(weights)
+
+    live = InPlaceState(
+        model, weight_map, gather, rank_index(), load_dense,
+        host={n: expected[n] for n in host}, reload=reload_host,
+        groups=lambda changed: reload_groups(changed, host, packed),
+    )  # fmt: skip
+    if host:
+        name, why = next(iter(sorted(fallback.items())))
+        logger.warning("deltasync: %d of %d checkpoint tensors fall back to the layerwise reload (e.g. %s: %s); "
+                       "the other %d are patched in place", len(host), len(names), name, why,
+                       len(names) - len(host))  # fmt: skip
+    logger.info("deltasync: in-place mode: %d checkpoint tensors mapped in %.2f s; served fingerprint %s",
+                len(names) - len(host), time.perf_counter() - start, live.fingerprint)  # fmt: skip
+    return live, reasons

@@ -1,0 +1,59 @@
+"""The workers of one engine agreeing with each other: every update is all ranks or none.
+
+Each tensor- or pipeline-parallel rank runs its own update; before any rank touches its
+model, and again before any rank commits, they exchange their outcomes over the engine's own
+process groups (CPU side), so that every rank takes the same decision.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["agree", "gather", "is_last_rank", "parallel_groups", "rank_index"]
+
+
+def parallel_groups() -> list[Any]:
+    """This engine's tensor- and pipeline-parallel groups (none in a plain process)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return [get_tp_group(), get_pp_group()]
+    except (ImportError, AssertionError):  # vLLM's distributed state is not initialised
+        return []
+
+
+def is_last_rank() -> bool:
+    """Whether this worker answers last in vLLM's executor (rank order: pipeline, then tensor)."""
+    return all(group.rank_in_group == group.world_size - 1 for group in parallel_groups())
+
+
+def rank_index() -> int:
+    """This worker's position in :func:`gather`'s answer."""
+    index, size = 0, 1
+    for group in parallel_groups():
+        index += group.rank_in_group * size
+        size *= group.world_size
+    return index
+
+
+def gather(obj: Any) -> list[Any]:
+    """``obj`` of every worker of this engine, in :func:`rank_index` order (the same list on all)."""
+    items = [obj]
+    for group in parallel_groups():
+        if group.world_size > 1:
+            out: list[Any] = [None] * group.world_size
+            torch.distributed.all_gather_object(out, items, group=group.cpu_group)
+            items = [x for sub in out for x in sub]
+    return items
+
+
+def agree(error: str | None) -> str | None:
+    """The first error any worker of this engine reports (the same answer on every worker)."""
+    for group in parallel_groups():
+        if group.world_size > 1:
+            errors: list[str | None] = [None] * group.world_size
+            torch.distributed.all_gather_object(errors, error, group=group.cpu_group)
+            error = next((e for e in errors if e is not None), None)
+    return error
