@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 
+import threading
+
 import torch
+
+from deltasync import NotFoundError, StoreError
+from deltasync.stores import LocalStore
 
 def small_transformer(seed: int = 0) -> torch.nn.Module:
     """A 2-layer Qwen2-style causal LM with tied embeddings, fp32, built from a config."""
@@ -86,3 +91,66 @@ def replace_file(store, version: int, data: bytes, *, kind: str = "delta", fix_p
     if fix_pointer:
         items = tuple(dataclasses.replace(e, nbytes=len(data), sha256=sha256_hex(data)) if e is entry else e for e in items)
         store.write_bytes(POINTER_PATH, dataclasses.replace(pointer, **{key: items}).to_bytes())
+
+
+class GatedStore(LocalStore):
+    """A local bucket for background-publishing tests: writes of paths starting with ``gated``
+    wait for ``gate`` (``waiting`` is set once one does), a write of a path starting with
+    ``fail`` fails once, and every read is recorded in ``reads``."""
+
+    def __init__(self, root) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(root)
+        self.gated, self.fail = "", ""
+        self.gate, self.waiting = threading.Event(), threading.Event()
+        self.gate.set()
+        self.reads: list[str] = []
+
+    def _before_write(self, path: str) -> None:
+        if self.fail and path.startswith(self.fail):
+            self.fail = ""
+            raise StoreError(f"injected failure writing {path!r}")
+        if self.gated and path.startswith(self.gated):
+            self.waiting.set()
+            assert self.gate.wait(60), "the gate was never opened"
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self._before_write(path)
+        super().write_bytes(path, data)
+
+    def write_stream(self, path, chunks) -> None:  # type: ignore[no-untyped-def]
+        self._before_write(path)
+        super().write_stream(path, chunks)
+
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        self.reads.append(path)
+        return super().read_bytes(path, limit)
+
+    def read_buffer(self, path: str, limit: int) -> bytearray:
+        self.reads.append(path)
+        return super().read_buffer(path, limit)
+
+
+class FiveMethodStore:
+    """A custom store with only the protocol's five methods (no streaming, no read limit)."""
+
+    def __init__(self) -> None:
+        self.url = "custom://five"
+        self.files: dict[str, bytes] = {}
+
+    def read_bytes(self, path: str) -> bytes:
+        if path not in self.files:
+            raise NotFoundError(path)
+        return self.files[path]
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self.files[path] = bytes(data)
+
+    def exists(self, path: str) -> bool:
+        return path in self.files
+
+    def list(self, prefix: str = "") -> list[str]:
+        return sorted(p for p in self.files if p.startswith(prefix))
+
+    def delete(self, paths) -> None:  # type: ignore[no-untyped-def]
+        for path in paths:
+            self.files.pop(path, None)

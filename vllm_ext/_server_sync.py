@@ -210,17 +210,23 @@ class ServerSync:
         prefix cache of older weights (see :func:`cache_salt`)."""
         start = time.perf_counter()
         try:
-            raw = await self.engine.collective_rpc("deltasync_apply", args=(version, auth))
-            results = tuple(UpdateAnswer.from_answer(r) for r in raw)
-            failed_one = next((r for r in results if r.error), None)
-            if failed_one is None:
-                await self.engine.update_weight_version(str(version))
+            results, failed_one = await self._apply_and_label(version, auth)
         except Exception as exc:  # noqa: BLE001  (the worker's own message names what was wrong)
             return UpdateOutcome(version=safe_version, ok=False, error=str(exc), status=500, mode="inflight")
         if failed_one is not None:
             return UpdateOutcome(version=safe_version, ok=False, error=failed_one.error, status=500, mode="inflight")
         return UpdateOutcome(version=safe_version, ok=True, results=results, mode="inflight",
                              seconds=time.perf_counter() - start)  # fmt: skip
+
+    async def _apply_and_label(self, version: object, auth: object) -> tuple[tuple[UpdateAnswer, ...], UpdateAnswer | None]:
+        """Apply on every worker and label the served version; the answers, and the first
+        worker that reports a failure without raising (only the last worker raises)."""
+        raw = await self.engine.collective_rpc("deltasync_apply", args=(version, auth))
+        results = tuple(UpdateAnswer.from_answer(r) for r in raw)
+        failed_one = next((r for r in results if r.error), None)
+        if failed_one is None:
+            await self.engine.update_weight_version(str(version))
+        return results, failed_one
 
     async def _apply_paused(self, safe_version: int, version: object, auth: object) -> UpdateOutcome:
         paused = False
@@ -229,11 +235,7 @@ class ServerSync:
             self._resumed.clear()
             await _pause(self.engine)
             paused = True
-            raw = await self.engine.collective_rpc("deltasync_apply", args=(version, auth))
-            results = tuple(UpdateAnswer.from_answer(r) for r in raw)
-            failed_one = next((r for r in results if r.error), None)
-            if failed_one is None:
-                await self.engine.update_weight_version(str(version))
+            results, failed_one = await self._apply_and_label(version, auth)
         except Exception as exc:  # noqa: BLE001  (the worker's own message names what was wrong)
             status = 500 if paused else 503
             message = str(exc) if paused else f"pausing the server failed ({type(exc).__name__}: {exc})"

@@ -11,11 +11,20 @@ from __future__ import annotations
 import hashlib
 import inspect
 from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from typing import BinaryIO, Protocol, runtime_checkable
 
 from .._errors import ConfigError
 
-__all__ = ["Store", "StreamingStore", "check_path", "check_prefix", "read_buffer", "read_limited", "write_stream"]
+__all__ = [
+    "Store",
+    "StreamingStore",
+    "check_path",
+    "check_prefix",
+    "read_buffer",
+    "read_into_buffer",
+    "read_limited",
+    "write_stream",
+]
 
 _EXAMPLE = "'anchors/00000000.safetensors'"
 
@@ -77,6 +86,20 @@ class StreamingStore(Protocol):
         """The file's first ``limit + 1`` bytes at most, read into one new writable buffer
         (so that tensors can be views of it); errors as :meth:`Store.read_bytes`."""
         ...
+
+
+def read_into_buffer(f: BinaryIO, size: int) -> bytearray:
+    """At most ``size`` bytes of an open binary file, read into one new buffer (no second copy)."""
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    del view
+    del buffer[got:]
+    return buffer
 
 
 def write_stream(store: Store, path: str, chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:

@@ -15,7 +15,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from .._errors import ConfigError, NotFoundError, StoreError
-from ._base import check_path, check_prefix
+from ._base import check_path, check_prefix, read_into_buffer
 
 __all__ = ["FsspecStore", "check_protocol"]
 
@@ -124,16 +124,7 @@ class FsspecStore:
         full = self._full(path)
         try:
             with self.fs.open(full, "rb") as f:
-                buffer = bytearray(min(limit + 1, self.fs.size(full)))
-                view, got = memoryview(buffer), 0
-                while got < len(buffer):
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-                del view
-                del buffer[got:]
-                return buffer
+                return read_into_buffer(f, min(limit + 1, self.fs.size(full)))
         except FileNotFoundError as e:
             raise NotFoundError(f"{path!r} is not in bucket {self.url}") from e
         except IsADirectoryError as e:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from huggingface_hub.errors import BucketBatchError, BucketNotFoundError, EntryNotFoundError
 
 from .._errors import ConfigError, NotFoundError, StoreError
-from ._base import check_path, check_prefix
+from ._base import check_path, check_prefix, read_into_buffer
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -92,10 +92,7 @@ class HfBucketStore:
 
     def read_buffer(self, path: str, limit: int) -> bytearray:
         with self._download(path) as f:
-            buffer = bytearray(min(limit + 1, os.fstat(f.fileno()).st_size))
-            got = f.readinto(buffer)
-            del buffer[got:]
-            return buffer
+            return read_into_buffer(f, min(limit + 1, os.fstat(f.fileno()).st_size))
 
     @contextlib.contextmanager
     def _download(self, path: str) -> Iterator[BinaryIO]:

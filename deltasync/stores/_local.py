@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .._errors import NotFoundError, StoreError
-from ._base import check_path, check_prefix
+from ._base import check_path, check_prefix, read_into_buffer
 
 __all__ = ["LocalStore"]
 
@@ -59,16 +59,7 @@ class LocalStore:
         target = self._file(path)
         try:
             with open(target, "rb") as f:
-                buffer = bytearray(min(limit + 1, os.fstat(f.fileno()).st_size))
-                view, got = memoryview(buffer), 0
-                while got < len(buffer):
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-                del view
-                del buffer[got:]
-                return buffer
+                return read_into_buffer(f, min(limit + 1, os.fstat(f.fileno()).st_size))
         except FileNotFoundError as e:
             raise NotFoundError(f"{path!r} is not in bucket {self.url} (no file {target})") from e
         except IsADirectoryError as e:

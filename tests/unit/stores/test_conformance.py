@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from fake_hf import BUCKET_ID, USED_METHODS, FakeBucketApi
+from helpers import FiveMethodStore
 from huggingface_hub import HfApi
 
 from deltasync._errors import ConfigError, NotFoundError, StoreError
@@ -415,34 +416,8 @@ def test_read_buffer_of_a_missing_file_is_not_found(store: Store) -> None:
         read_buffer(store, "latest.json", 100)
 
 
-class _FiveMethodStore:
-    """A custom store with only the protocol's five methods (no streaming, no limit)."""
-
-    def __init__(self) -> None:
-        self.url = "custom://five"
-        self.files: dict[str, bytes] = {}
-
-    def read_bytes(self, path: str) -> bytes:
-        if path not in self.files:
-            raise NotFoundError(path)
-        return self.files[path]
-
-    def write_bytes(self, path: str, data: bytes) -> None:
-        self.files[path] = bytes(data)
-
-    def exists(self, path: str) -> bool:
-        return path in self.files
-
-    def list(self, prefix: str = "") -> list[str]:
-        return sorted(p for p in self.files if p.startswith(prefix))
-
-    def delete(self, paths) -> None:
-        for path in paths:
-            self.files.pop(path, None)
-
-
 def test_a_five_method_store_still_streams_and_reads_buffers() -> None:
-    store = _FiveMethodStore()
+    store = FiveMethodStore()
     assert isinstance(store, Store) and not isinstance(store, StreamingStore)
     size, digest = write_stream(store, "a/b", iter([b"x", memoryview(b"yz")]))
     assert (size, store.files["a/b"]) == (3, b"xyz")
