@@ -99,7 +99,7 @@ class UpdateMiddleware:
         body = await read_body(receive)
         version = await sync.admitted()
         body = _salted(body, version)
-        replay = _replay(body)
+        replay = _replay(body, receive)
         scope = {**scope, "headers": _with_length(scope.get("headers", []), len(body))}
         await self.app(scope, replay, _versioned(send, version, lambda: sync.served))
 
@@ -113,10 +113,10 @@ class UpdateMiddleware:
             except (ValueError, AttributeError):
                 method = None
             if method not in _APPLY_METHODS:
-                await self.app(scope, _replay(body), send)
+                await self.app(scope, _replay(body, receive), send)
                 return
         async with self._sync(scope).outside_update():
-            await self.app(scope, _replay(body), send)
+            await self.app(scope, _replay(body, receive), send)
 
     def _lifespan(self, scope: Any, receive: Any) -> Any:
         """``receive`` for the lifespan scope: starts the follower once the app has started up
@@ -189,18 +189,19 @@ def _salted(body: bytes, version: int | None) -> bytes:
     return json.dumps(request).encode()
 
 
-def _replay(body: bytes) -> Any:
-    """A ``receive`` that gives ``body`` once, then waits for the client to go."""
+def _replay(body: bytes, receive: Any) -> Any:
+    """A ``receive`` that gives the (already read) ``body`` once, then the client's own messages
+    (a disconnect, when it goes: vLLM aborts a request whose client left)."""
     sent = False
 
-    async def receive() -> Any:
+    async def replay() -> Any:
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        return {"type": "http.disconnect"}
+        return await receive()
 
-    return receive
+    return replay
 
 
 def _with_length(headers: Any, length: int) -> list[tuple[bytes, bytes]]:
