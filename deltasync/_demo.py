@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._errors import DeltaSyncError
+
 __all__ = ["add_parser", "run", "reward_target_letter"]
 
 TARGET = "e"
@@ -232,7 +234,7 @@ def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, ur
     # In-place mode hashes the fingerprint from the weights being served; only then is it proof.
     exact = status.ok and status.mode == "in-place" and status.fingerprint == want
     _say("[5/5] summary")
-    _say(_summary(rows, history))
+    _say(_summary(rows, history, _anchor_sizes(bucket)))
     _say(f"  served weights ({status.mode} mode): version {status.version}, fingerprint {status.fingerprint}; "
          f"trainer bf16 fingerprint {want}: " + ("EXACT" if exact else "MISMATCH"))
     _say(_plot_line(rows, history, out / "demo.png"))
@@ -245,19 +247,39 @@ def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, ur
     return 0
 
 
-def _summary(rows: list[dict[str, Any]], history: list[dict[str, Any]]) -> str:
-    """The run in figures: sparsity of the deltas, anchors, bytes against full copies, reward."""
+def _anchor_sizes(bucket: str) -> dict[int, int]:
+    """Version -> size of its anchor file, from the bucket's history (anchors beside deltas are
+    written in the background: the sync records do not know their size)."""
+    from .stores import open_store
+
+    sizes: dict[int, int] = {}
+    try:
+        text = open_store(bucket).read_bytes("history.jsonl").decode()
+    except DeltaSyncError:
+        return sizes
+    for line in text.splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if record.get("kind") == "anchor":
+            sizes[int(record["version"])] = int(record["nbytes"])
+        elif "anchor_nbytes" in record:
+            sizes[int(record["version"])] = int(record["anchor_nbytes"])
+    return sizes
+
+
+def _summary(rows: list[dict[str, Any]], history: list[dict[str, Any]], anchors: dict[int, int]) -> str:
+    """The run in figures: sparsity of the deltas, anchors, bytes against full copies, reward.
+    ``anchors``: version -> anchor size of every anchor written (first version included)."""
     import statistics
 
     deltas = [h for h in history if h["kind"] == "delta"]
-    anchors = [h["version"] for h in history if h["kind"] == "anchor"]
-    scheduled = [v for v in anchors if v % ANCHOR_EVERY == 0]
-    shipped = sum(h["nbytes"] for h in history)
-    anchor_bytes = max((h["nbytes"] for h in history if h["kind"] == "anchor"), default=0)
-    full = anchor_bytes * len(history)
+    beside = sorted(v for v in anchors if any(h["version"] == v and h["kind"] == "delta" for h in history))
+    scheduled = [v for v in beside if v % ANCHOR_EVERY == 0]
+    shipped = sum(h["nbytes"] for h in deltas) + sum(anchors.values())
+    full = max(anchors.values(), default=0) * len(history)
     paused = [h["paused_s"] for h in history[1:]] or [0.0]
-    lines = [f"  versions published: {len(history)}: {len(deltas)} deltas, {len(anchors)} anchors (versions "
-             f"{', '.join(map(str, anchors))}; {len(scheduled)} on the every-{ANCHOR_EVERY} schedule)"]
+    lines = [f"  versions published: {len(history)}: {len(history) - len(deltas)} with an anchor only "
+             f"(the first), {len(deltas)} deltas; {len(beside)} anchors written beside deltas (versions "
+             f"{', '.join(map(str, beside)) or 'none'}; {len(scheduled)} on the every-{ANCHOR_EVERY} schedule)"]
     if deltas:
         changed = sorted(100 * h["changed_fraction"] for h in deltas)
         lines.append(f"  changed per delta: median {statistics.median(changed):.2f}% of the bf16 elements "
@@ -293,8 +315,8 @@ def _plot(rows: list[dict[str, Any]], history: list[dict[str, Any]], path: Path)
     versions = [h["version"] for h in history]
     colors = ["tab:red" if h["kind"] == "anchor" else "tab:blue" for h in history]
     ax1.bar(versions, [h["nbytes"] / 1e3 for h in history], color=colors)
-    ax1.set_ylabel("KB shipped")
-    ax1.set_xlabel("version (red: anchor, blue: delta)")
+    ax1.set_ylabel("KB a follower downloads")
+    ax1.set_xlabel("version (red: the first, an anchor; blue: deltas)")
     ax1.set_title("deltasync demo: bytes per sync and reward per step")
     steps, rewards = [r["step"] for r in rows], [r["reward"] for r in rows]
     ax2.plot(steps, rewards, marker="o", linestyle="", color="tab:green", alpha=0.5, label="per step")

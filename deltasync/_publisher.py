@@ -327,12 +327,18 @@ class DeltaPublisher:
         self._jobs.submit(self._run, future, capture)
         return future
 
-    def flush(self) -> None:
-        """Wait for the version and the anchor in flight (raising a failure nobody looked at)."""
+    def flush(self) -> list[str]:
+        """Wait for the version and the anchor in flight (raising a failure nobody looked at).
+
+        Returns the warnings that came after the last result (a failed background anchor, a
+        failed retention delete); they are not repeated in the next result."""
         self._wait_inflight()
         anchor = self._anchor_inflight
         if anchor is not None:
             anchor.result()
+        with self._commit_lock:
+            warnings, self._late_warnings = self._late_warnings, []
+        return warnings
 
     def _wait_inflight(self) -> None:
         previous = self._inflight
@@ -509,7 +515,8 @@ class DeltaPublisher:
         chain.anchor_nbytes = entry.nbytes
         if layout.rank == 0:
             for warning in self._housekeep(version):
-                self._late_warnings.append(warning)
+                with self._commit_lock:
+                    self._late_warnings.append(warning)
 
     def _write_anchor(self, version: int, expected: str | None, group: Any) -> tuple[ChainEntry, str]:
         """Stream this rank's part of the anchor of ``version`` from the snapshot (pinned by the
@@ -623,7 +630,8 @@ class DeltaPublisher:
         seconds = time.perf_counter() - capture.started
         if self._layout.rank == 0 and capture.version in self._history:
             self._history[capture.version]["seconds"] = seconds
-        warnings, self._late_warnings = tuple(self._late_warnings), []
+        with self._commit_lock:
+            warnings, self._late_warnings = tuple(self._late_warnings), []
         return PublishResult(
             version=capture.version, kind="delta", path=entry.path or entry.parts[0].path, nbytes=entry.nbytes,
             changed=entry.changed, total=total, fingerprint=capture.fingerprint, seconds=seconds,
@@ -632,7 +640,8 @@ class DeltaPublisher:
 
     def _warn(self, message: str) -> None:
         logger.warning("deltasync: %s", message)
-        self._late_warnings.append(message)
+        with self._commit_lock:
+            self._late_warnings.append(message)
 
     def _housekeep(self, version: int) -> list[str]:
         """Retention and temp-file cleaning after the anchor of ``version`` was committed:

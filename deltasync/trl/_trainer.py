@@ -331,6 +331,7 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
             "prefetch_s": prefetch_s,
             "paused_s": report.paused_s,
             "capture_s": result.blocked_s,
+            "anchor_scheduled": result.anchor_scheduled,
             "served": [r.version for r in report.results],
             "failed": {r.url: r.error for r in report.results if not r.ok},
             "fingerprint": result.fingerprint,

@@ -42,9 +42,10 @@ def test_inspect_anchor_in_a_bucket_url(bucket, capsys) -> None:
 def test_verify_ok_then_names_the_first_bad_version(bucket, tmp_path, capsys) -> None:
     assert main(["verify", str(bucket)]) == 0
     out = capsys.readouterr().out
-    # The anchor beside version 4 retired anchor 0: the walk starts there (deltas 1..4 stay,
-    # for followers behind it).
-    assert "versions 4..5 (anchors 4)" in out and "ok: 2 files verified" in out
+    # The anchor beside version 4 retired anchor 0: deltas 1..4 stay for followers behind it
+    # (checked as files), and the replay starts from anchor 4.
+    assert "versions 1..5 (anchors 4)" in out and "ok: 6 versions and anchors verified" in out
+    assert "version 3: ok  delta" in out and "(before the oldest anchor: size, SHA-256 and header checked)" in out
     assert "version 4: ok  anchor" in out and "version 5: ok  delta" in out
     import shutil
 
@@ -112,10 +113,10 @@ def test_verify_checks_every_kept_anchor(tmp_path, capsys) -> None:
     assert [a.version for a in publisher.pointer.anchors] == [4, 6] and publisher.pointer.base == 2
     assert main(["verify", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
-    assert "versions 4..6 (anchors 4, 6)" in out
+    assert "versions 3..6 (anchors 4, 6)" in out
     assert "version 4: ok  anchor" in out and "version 6: ok  delta" in out
     assert "anchor 6: ok" in out and f"fingerprint {publisher.fingerprint}" in out
-    assert "ok: 4 files verified" in out  # anchor 4, deltas 5 and 6, anchor 6
+    assert "ok: 6 versions and anchors verified" in out  # deltas 3 and 4, anchor 4, deltas 5 and 6, anchor 6
     data = bytearray((tmp_path / "b/anchors/00000006.safetensors").read_bytes())
     data[-1] ^= 1
     (tmp_path / "b/anchors/00000006.safetensors").write_bytes(bytes(data))
@@ -124,3 +125,12 @@ def test_verify_checks_every_kept_anchor(tmp_path, capsys) -> None:
     assert "version 6: ok  delta" in captured.out  # the deltas are fine ...
     assert "anchor 6: BAD:" in captured.out and "SHA-256" in captured.out  # ... the anchor beside is not
     assert "error: the anchor of version 6 is bad (anchors/00000006.safetensors)" in captured.err
+    # A delta that only followers replay (before the oldest anchor) is checked too.
+    (tmp_path / "b/anchors/00000006.safetensors").write_bytes(bytes(data[:-1]) + bytes([data[-1] ^ 1]))
+    early = bytearray((tmp_path / "b/deltas/00000003.safetensors").read_bytes())
+    early[-1] ^= 1
+    (tmp_path / "b/deltas/00000003.safetensors").write_bytes(bytes(early))
+    assert main(["verify", str(tmp_path / "b")]) == 1
+    captured = capsys.readouterr()
+    assert "version 3: BAD:" in captured.out and "SHA-256" in captured.out
+    assert "error: the first bad version is 3 (deltas/00000003.safetensors)" in captured.err

@@ -8,30 +8,33 @@ from deltasync._demo import ANCHOR_EVERY, _plot_line, _summary, reward_target_le
 
 
 def _run(n: int = 2 * ANCHOR_EVERY + 1):
+    """A run whose first version has an anchor only and whose every ANCHOR_EVERY-th version an
+    anchor beside its delta (the sizes the bucket's history gives)."""
     history = [
-        {"version": v, "kind": "anchor" if v % ANCHOR_EVERY == 0 else "delta", "paused_s": 0.1,
-         "nbytes": 1000 if v % ANCHOR_EVERY == 0 else 10, "changed_fraction": 1.0 if v % ANCHOR_EVERY == 0 else 0.03}
+        {"version": v, "kind": "anchor" if v == 0 else "delta", "paused_s": 0.1,
+         "nbytes": 1000 if v == 0 else 10, "changed_fraction": 1.0 if v == 0 else 0.03}
         for v in range(n)
     ]  # fmt: skip
     rows = [{"step": v, "reward": 0.1 + 0.01 * v} for v in range(1, n)]
-    return rows, history
+    anchors = {v: 1000 for v in range(0, n, ANCHOR_EVERY)}
+    return rows, history, anchors
 
 
 def test_summary_reports_sparsity_anchors_bytes_and_reward() -> None:
-    rows, history = _run()
+    rows, history, anchors = _run()
     n = len(history)
-    text = _summary(rows, history)
-    assert f"versions published: {n}: {n - 3} deltas, 3 anchors " in text
-    assert f"(versions 0, {ANCHOR_EVERY}, {2 * ANCHOR_EVERY}; 3 on the every-{ANCHOR_EVERY} schedule)" in text
+    text = _summary(rows, history, anchors)
+    assert f"versions published: {n}: 1 with an anchor only (the first), {n - 1} deltas; 2 anchors written " in text
+    assert f"beside deltas (versions {ANCHOR_EVERY}, {2 * ANCHOR_EVERY}; 2 on the every-{ANCHOR_EVERY} schedule)" in text
     assert "median 3.00% of the bf16 elements" in text
-    assert f"({n * 1000 / (3 * 1000 + (n - 3) * 10):.1f}x more)" in text
+    assert f"({n * 1000 / (3 * 1000 + (n - 1) * 10):.1f}x more)" in text
     first = sum(0.1 + 0.01 * v for v in range(1, 11)) / 10
     last = sum(0.1 + 0.01 * v for v in range(n - 10, n)) / 10
     assert f"reward: {first:.3f} (mean of the first 10 steps) -> {last:.3f} (last 10), +{last - first:.3f}" in text
 
 
 def test_plot_line_says_when_and_how_the_plot_is_skipped(tmp_path, monkeypatch) -> None:
-    rows, history = _run()
+    rows, history, _ = _run()
     assert _plot_line(rows, history, tmp_path / "a.png") == f"  plot: {tmp_path / 'a.png'}"
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError

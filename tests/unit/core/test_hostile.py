@@ -574,15 +574,22 @@ def test_a_retention_failure_after_the_commit_is_reported_not_raised(tmp_path, c
     with caplog.at_level(logging.WARNING, logger="deltasync"):
         result = publisher.publish(anchor=True)  # anchor 1 beside delta 1 retires anchor 0
         assert result.version == 1 and result.kind == "delta" and result.anchor_scheduled
-        publisher.flush()
+        assert publisher.flush() == [warning]  # the background anchor's warning, handed over once
     assert warning in caplog.text
     assert [a.version for a in publisher.pointer.anchors] == [1]  # committed all the same
     assert (tmp_path / "anchors/00000000.safetensors").exists()  # left behind
     set_bits(model, "w", 1, 0x4000)
-    later = publisher.publish()  # the background anchor's warning comes with the next result
-    assert later.version == 2 and later.warnings == (warning,)
+    later = publisher.publish()  # flush() handed the warning over: not repeated here
+    assert later.version == 2 and later.warnings == ()
+    set_bits(model, "w", 2, 0x4000)
+    assert publisher.publish(anchor=True).anchor_scheduled  # anchor 3 cannot retire anchor 0 either
+    while not publisher._anchor_inflight.done():  # its warning exists once it is done
+        time.sleep(0.01)
+    set_bits(model, "w", 3, 0x4000)
+    later = publisher.publish()  # without a flush, the warning comes with the next result
+    assert later.version == 4 and later.warnings == (warning.replace("version 1", "version 3"),)
     receiver = DeltaReceiver(tmp_path)
-    assert receiver.sync() == 2 and receiver.fingerprint == later.fingerprint
+    assert receiver.sync() == 4 and receiver.fingerprint == later.fingerprint
     assert "warnings" not in json.loads((tmp_path / "history.jsonl").read_text().splitlines()[-1])
 
 
