@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
             "pause it and make it load the versions in its bucket",
             file=sys.stderr,
         )
-    how = "following (by itself)" if env.get(FOLLOW_ENV) == "1" else "on updates from"
+    how = "following (by itself)" if env.get(FOLLOW_ENV, "").strip().lower() in ("1", "true", "yes") else "on updates from"
     print(f"deltasync serve: {how} {env[BUCKET_ENV]}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
     os.execvpe(command[0], command, env)
     return 0  # pragma: no cover - execvpe does not return

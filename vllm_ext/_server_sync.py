@@ -339,7 +339,7 @@ class ServerSync:
             raise
         except Exception as exc:  # noqa: BLE001  (reported through the status route; serving goes on)
             self.last_error = f"{type(exc).__name__}: {exc}"
-            self._failures += 1
+            self._failures = min(self._failures + 1, 32)  # a bounded exponent: it may fail for days
             return min(self.config.interval * 2**self._failures, max(MAX_BACKOFF, self.config.interval))
         self.last_error = None
         self._failures = 0

@@ -64,6 +64,8 @@ def test_a_bucket_that_fails_backs_off_keeps_serving_and_recovers(tmp_path):
     assert asyncio.run(sync.follow_once()) == 8.0
     assert "latest.json" in sync.last_error and "version" in sync.last_error
     assert engine.calls == [] and sync.served is None  # nothing was staged or paused
+    sync._failures = 10_000  # days of failures: the wait stays at its bound, the follower goes on
+    assert asyncio.run(sync.follow_once()) == 60.0
     (bucket / "latest.json").unlink()
     _publish(bucket, 2)
     engine.results = [{"version": 1}]
