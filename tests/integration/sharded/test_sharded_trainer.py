@@ -64,6 +64,8 @@ def run_trainer(setup, mode: str, steps: int) -> dict:
     assert report["history"][0]["kind"] == "anchor"
     for h in report["history"]:
         assert h["served"] == [h["version"]] and not h["failed"], h
+        # In the background (the default) the loop waited for the capture, not the whole sync.
+        assert 0 < h["blocked_s"] < h["total_s"], h
     # exact at the end: the server serves the trainer's (gathered) bf16 weights
     assert report["server_fingerprint"] == report["trainer_fingerprint"]
     assert report["server_version"] == report["publisher_version"] == report["model_version"] == versions[-1]
