@@ -7,6 +7,7 @@ tests check that the real reload is exact.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ from servers import requires_vllm
 
 from deltasync import DeltaPublisher, bf16_state_dict, fingerprint
 from deltasync._auth import update_tag
+from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus
 
 pytestmark = requires_vllm
 
@@ -180,6 +182,11 @@ def test_first_update_loads_every_parameter_then_deltas_send_whole_fused_groups(
     status = world.updater.status()
     assert (status["version"], status["fingerprint"]) == (version, fingerprint(world.state()))
     assert status["last_update"]["version"] == version and status["auth"] is True
+    # The answers are the typed messages' plain data: they parse back whole.
+    typed = WorkerStatus.from_answer(status)
+    assert typed.last_update is not None and typed.last_update.time is not None
+    assert dataclasses.replace(typed.last_update, time=None) == UpdateAnswer.from_answer(result)
+    assert (typed.mode, typed.last_update.mode, typed.last_update.kind) == ("reload", "reload", "delta")
 
     # The same version again is a no-op that loads nothing.
     assert world.update(version)["kind"] == "none"
@@ -340,7 +347,8 @@ def test_with_several_workers_all_agree_and_only_the_last_raises(world, monkeypa
     answer = world.update(99)
     assert answer["version"] == 99 and "version 99 is not committed" in answer["error"]
     assert world.updater.status()["last_error"]["error"] == answer["error"]
-    assert "is not committed" in world.updater.prefetch(99, world.tag(99))["error"]
+    refused = PrefetchState.from_answer(world.updater.prefetch(99, world.tag(99)))
+    assert refused.state == "refused" and "is not committed" in refused.error
 
 
 def test_a_failed_prefetch_is_reported_and_retried(world):
