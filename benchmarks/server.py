@@ -4,8 +4,8 @@ Builds a ~0.36B Qwen2-shaped model offline (hidden 896, 24 layers, 14 heads, 2 K
 intermediate 4864, tied embeddings, :func:`deltasync.tiny.build_tiny_model`). For each mode in
 turn, it starts one server from the model and a trainer-side copy publishing into a local
 bucket: ``--rounds`` times an anchor and then ``--updates`` deltas of about ``--density``
-changed elements each (each changed element moves by one bf16 step; the same versions for
-both modes). The server follows the bucket the way the TRL integration does: every version is
+changed elements each (each changed element moves by one bf16 step, to a finite value; the
+same versions for both modes). The server follows the bucket the way the TRL integration does: every version is
 prefetched first, then applied in one ``/deltasync/update`` request (pause emptying the
 caches, apply, resume). Publishing happens while the server idles, outside every figure.
 
@@ -62,6 +62,10 @@ TARGETS = {
     "delta_pause_vs_anchor_pause": ("delta pause / anchor pause", 0.25),
     "rss_growth_vs_bf16": ("RSS growth / bf16 model bytes", 0.10),
 }
+#: The peer's target, at 1%: deltasync's in-place apply over load_checkpoint_weight_patches'.
+PEER_TARGET = (0.01, 0.5)
+#: deltasync's worker extension plus the peer's benchmark methods (``benchmarks/_peer_ext.py``).
+PEER_EXTENSION = "benchmarks._peer_ext.PeerExtension"
 
 
 def log(message: str) -> None:
@@ -122,12 +126,32 @@ class Trainer:
                         n = max(1, int(flat.numel() * density))
                         idx = torch.randint(0, flat.numel(), (n,), generator=self.gen)
                         step = torch.where(torch.rand(n, generator=self.gen) < 0.5, -1, 1).to(torch.int16)
-                        flat[idx] = flat[idx] + step  # the neighbouring bf16 value (bit pattern +-1)
+                        new = flat[idx] + step  # the neighbouring bf16 value (bit pattern +-1) ...
+                        # ... but never a NaN or an infinity (+0.0 - 1 is 0xFFFF, a NaN): the other
+                        # neighbour there (vLLM's sparse path cannot carry NaN values).
+                        flat[idx] = torch.where((new & 0x7F80) == 0x7F80, flat[idx] - step, new)
             result = self.publisher.publish(anchor=density is None)
-            assert result.kind == ("anchor" if density is None else "delta"), result
+            # Past a chain's first version an anchor is written beside the version's delta (format 3).
+            assert result.kind == "anchor" or (result.kind == "delta" and (density is not None or result.anchor_scheduled)), result
             out.append({**result.__dict__, "density": density})
             log(f"published version {result.version} ({result.kind}): {result.changed} changed, {result.nbytes} bytes")
         return out
+
+
+def server_env(bucket: Path, *, in_place: bool) -> dict[str, str]:
+    """The environment of a benchmark server following ``bucket`` (in place: plain linear weights);
+    the repository root on ``PYTHONPATH``, so workers import the package and ``benchmarks._peer_ext``."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "DELTASYNC_BUCKET": str(bucket),
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+    }
+    if in_place:
+        env["DELTASYNC_CPU_PLAIN_GEMM"] = "1"
+    return env
 
 
 def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -135,17 +159,12 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
     sweep = args.sweep if mode == "in-place" else []
     trainer = Trainer(model_dir, bucket, args.updates, args.density, args.seed,
                       anchor_every=1 + max(args.updates, args.sweep_updates * len(sweep)))  # fmt: skip
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "DELTASYNC_BUCKET": str(bucket),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")) if p),
-    }
-    if mode == "in-place":
-        env["DELTASYNC_CPU_PLAIN_GEMM"] = "1"
-    server = VLLMServer(model_dir, env=env, extra_args=["--enforce-eager", *extension_args()],
-                        log_file=root / f"server-{mode}.log")  # fmt: skip
+    peer = bool(sweep) and args.peer
+    extension = extension_args()
+    if peer:  # deltasync's worker extension plus the peer's benchmark methods
+        extension[extension.index("--worker-extension-cls") + 1] = PEER_EXTENSION
+    server = VLLMServer(model_dir, env=server_env(bucket, in_place=mode == "in-place"),
+                        extra_args=["--enforce-eager", *extension], log_file=root / f"server-{mode}.log")  # fmt: skip
     server.start(timeout=900)
     published: list[dict[str, Any]] = []
     try:
@@ -158,12 +177,16 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
         rows: list[dict[str, Any]] = []
         sweep_rows: list[dict[str, Any]] = []
 
-        def follow(versions: list[dict[str, Any]], into: list[dict[str, Any]]) -> None:
+        def follow(versions: list[dict[str, Any]], into: list[dict[str, Any]], with_peer: bool = False) -> None:
+            previous = published[-len(versions) - 1]["fingerprint"] if len(published) > len(versions) else None
             for v in versions:
                 version = v["version"]
                 (pre,) = client.prefetch(version).values()
                 assert pre.ok, pre.error
                 assert client.wait_prefetched(version, timeout=600) == {server.url: True}
+                through_peer = with_peer and v["density"] is not None
+                if through_peer:  # the peer's staging: the same delta, decoded against the served weights
+                    peer_rpc(server.url, "deltasync_bench_peer_prepare", version)
                 report = client.update(version)
                 assert report.ok, report.failed
                 (r,) = report.results
@@ -175,6 +198,12 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
                              "prefetched": last.get("prefetched"), "changed": v["changed"],
                              "density": v["density"]})  # fmt: skip
                 log(f"{mode}: version {version} ({r.kind}): paused {r.paused_s:.3f} s, apply {r.apply_s:.3f} s")
+                if through_peer:
+                    first = not any(row["density"] == v["density"] and "peer_apply_s" in row for row in into)
+                    into[-1].update(peer_round(server.url, version, previous, v["fingerprint"], check_back=first))
+                    log(f"{mode}: version {version} through vLLM's load_checkpoint_weight_patches: apply "
+                        f"{into[-1]['peer_apply_s']:.3f} s (back to the version before: {into[-1]['peer_revert_s']:.3f} s)")  # fmt: skip
+                previous = v["fingerprint"]
 
         for round_ in range(args.rounds):
             versions = trainer.publish_round()  # while the server idles: not in any figure
@@ -187,7 +216,8 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
         noop = []
         for _ in range(5):
             report = client.update(published[-1]["version"])
-            assert report.ok and report.results[0].kind == "none", report.results
+            # (RolloutClient reports the last real update's kind for a no-op through the route.)
+            assert report.ok and report.results[0].version == published[-1]["version"], report.results
             noop.append(report.results[0].paused_s)
         pause_resume = []
         with httpx.Client(timeout=60) as http:  # one connection, as RolloutClient keeps
@@ -203,7 +233,8 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
         if sweep:
             versions = trainer.publish([None] + [d for d in sweep for _ in range(args.sweep_updates)])
             published += versions
-            follow(versions, sweep_rows)
+            follow(versions, sweep_rows, with_peer=peer)
+        nan_probe = peer_rpc(server.url, "deltasync_bench_peer_nan") if peer else None
     finally:
         server.stop()
     deltas = [row for row in rows if row["kind"] == "delta"]
@@ -214,6 +245,9 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
         by_density.append({"density": d, "changed": int(statistics.median(r["changed"] for r in group)),
                            "delta_apply_s": statistics.median(r["apply_s"] for r in group),
                            "delta_paused_s": statistics.median(r["paused_s"] for r in group)})  # fmt: skip
+        if peer:
+            by_density[-1].update({key: statistics.median(r[key] for r in group) for key in ("peer_apply_s", "peer_revert_s")})
+            by_density[-1]["apply_vs_peer"] = by_density[-1]["delta_apply_s"] / by_density[-1]["peer_apply_s"]
     return {
         "mode": mode,
         "rows": rows,
@@ -231,7 +265,31 @@ def run_mode(mode: str, model_dir: Path, root: Path, args: argparse.Namespace) -
         "pause_resume_s": statistics.median(pause_resume),
         "sweep_rows": sweep_rows,
         "sweep": by_density,
+        "peer_nan": nan_probe,
     }
+
+
+def peer_rpc(url: str, method: str, *args: Any) -> dict[str, Any]:
+    """One method of ``benchmarks._peer_ext.PeerExtension`` on the (single) worker."""
+    response = httpx.post(url + "/collective_rpc", json={"method": method, "args": list(args)}, timeout=600)
+    response.raise_for_status()
+    (answer,) = response.json()["results"]
+    return answer
+
+
+def peer_round(url: str, version: int, before: str, after: str, check_back: bool) -> dict[str, float]:
+    """After deltasync applied ``version``: the peer writes the prepared delta's old values back
+    (with ``check_back``, the live weights must then hash to ``before``: a full hash, ~seconds),
+    then its new values, each timed; ``deltasync_verify`` (the live weights hashed in full) and
+    the status route must then report ``after`` for the served weights."""
+    back = peer_rpc(url, "deltasync_bench_peer_apply", version, "old", check_back)
+    assert back["error"] is None and back["fingerprint"] == (before if check_back else None), f"the peer's way back: {back}"
+    forward = peer_rpc(url, "deltasync_bench_peer_apply", version, "new")
+    assert forward["error"] is None, f"the peer's write: {forward}"
+    check = peer_rpc(url, "deltasync_verify")
+    served = httpx.get(url + "/deltasync/status", timeout=600).json()
+    assert check["ok"] and check["fingerprint"] == after == served["fingerprint"], (check, served["fingerprint"])
+    return {"peer_apply_s": forward["apply_s"], "peer_revert_s": back["apply_s"]}
 
 
 def floors(bf16_bytes: int, counts: list[int], seed: int) -> tuple[float, list[dict[str, float]]]:
@@ -267,6 +325,14 @@ def floors(bf16_bytes: int, counts: list[int], seed: int) -> tuple[float, list[d
         torch.set_num_threads(threads)
 
 
+def density_axis(ax: Any, xs: list[float]) -> None:
+    """A log axis of densities (in %), ticked at ``xs``."""
+    ax.set_xscale("log")
+    ax.minorticks_off()
+    ax.set_xticks(xs, [f"{x:g}%" for x in xs])
+    ax.set_xlabel("changed elements per delta")
+
+
 def plot(summary: dict[str, Any], path: Path) -> None:
     """Paused and apply seconds of every update, per mode, the RSS growth and, when measured, the
     in-place ratios by density against their targets and the write floor, in one figure."""
@@ -278,8 +344,10 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     modes = summary["modes"]
     rows = next(iter(modes.values()))["rows"]
     sweep = modes.get("in-place", {}).get("sweep", [])
+    peer = bool(sweep) and "peer_apply_s" in sweep[0]
     ratios = [3, 1, 1.6] if sweep else [3, 1]
-    fig, axes = plt.subplots(1, len(ratios), figsize=(max(11, 0.55 * len(rows) + 4) + 4 * bool(sweep), 4),
+    ratios += [1.4] if peer else []
+    fig, axes = plt.subplots(1, len(ratios), figsize=(max(11, 0.55 * len(rows) + 4) + 4 * bool(sweep) + 4 * peer, 4),
                              gridspec_kw={"width_ratios": ratios})  # fmt: skip
     ax, bx = axes[:2]
     width = 0.2
@@ -313,15 +381,43 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         cx.plot(xs, [100 * p["lines_touched"] for p in sweep], color="0.6", linewidth=1, label="64-byte lines touched")
         for (_, limit), color in zip(list(TARGETS.values())[:2], ("C0", "C1")):
             cx.axhline(100 * limit, color=color, linestyle="--", linewidth=1)
-        cx.set_xscale("log")
-        cx.minorticks_off()
-        cx.set_xticks(xs, [f"{x:g}%" for x in xs])
-        cx.set_xlabel("changed elements per delta")
+        density_axis(cx, xs)
         cx.set_ylabel("% (dashed: the targets)")
         cx.set_title("in place, by density")
         cx.legend(fontsize=7)
+    if peer:
+        dx = axes[3]
+        xs = [100 * point["density"] for point in sweep]
+        dx.plot(xs, [p["delta_apply_s"] for p in sweep], "o-", color="C0", label="deltasync in-place write")
+        dx.plot(xs, [p["peer_apply_s"] for p in sweep], "s-", color="C3", label="vLLM load_checkpoint_weight_patches")
+        dx.plot(xs, [PEER_TARGET[1] * p["peer_apply_s"] for p in sweep], "--", color="C3", linewidth=1,
+                label=f"target: {PEER_TARGET[1]}x the peer (at {PEER_TARGET[0]:.0%})")  # fmt: skip
+        density_axis(dx, xs)
+        dx.set_yscale("log")
+        dx.set_ylabel("apply seconds (worker)")
+        dx.set_title("the same deltas, same server: vs vLLM's sparse path")
+        dx.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def print_peer(sweep: list[dict[str, Any]], nan_probe: dict[str, Any]) -> None:
+    print("\nthe same deltas through vLLM's load_checkpoint_weight_patches on the same server (medians; each "
+          "version applied by deltasync, written back to the version before and forward again by the peer, with "
+          "the served fingerprint checked after each)")  # fmt: skip
+    print("| density | changed | deltasync apply s | peer apply s | peer back to the version before s "
+          "| deltasync / peer |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for point in sweep:
+        print(f"| {point['density']:.2%} | {point['changed']} | {point['delta_apply_s']:.3f} | {point['peer_apply_s']:.3f} "
+              f"| {point['peer_revert_s']:.3f} | {point['apply_vs_peer']:.2f}x |")  # fmt: skip
+    density, limit = PEER_TARGET
+    at = next((p for p in sweep if p["density"] == density), None)
+    if at is not None:
+        verdict = "PASS" if at["apply_vs_peer"] <= limit else "FAIL"
+        print(f"\n- deltasync apply / peer apply at {density:.0%}: {at['apply_vs_peer']:.2f}x (target <= {limit}x): {verdict}")
+    carried = "yes" if nan_probe["carried"] else f"no ({nan_probe['error']})"
+    print(f"- the peer carries a NaN payload: {carried}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", type=float, nargs="*", default=[0.0025, 0.005, 0.01, 0.02],
                         help="in-place mode, at the end: deltas of each of these densities (none: skip)")
     parser.add_argument("--sweep-updates", type=int, default=2, help="deltas per density of --sweep")
+    parser.add_argument("--no-peer", dest="peer", action="store_false",
+                        help="skip vLLM's load_checkpoint_weight_patches beside the sweep's deltas")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="+", default=["in-place", "reload"], choices=["in-place", "reload"])
     parser.add_argument("--out", type=Path)
@@ -408,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"| {point['scatter_s']:.3f} | {point['scatter_vs_anchor_apply']:.0%} "
                       f"| {point['delta_apply_s'] / point['scatter_s']:.2f}x | {point['delta_paused_s']:.3f} "
                       f"| {point['delta_pause_vs_anchor_pause']:.0%} |")  # fmt: skip
+            if "peer_apply_s" in sweep[0]:
+                print_peer(sweep, r["peer_nan"])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(summary, indent=1, default=str) + "\n")

