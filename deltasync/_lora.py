@@ -568,7 +568,8 @@ class AdapterRolloutClient(RolloutClient):
     def wait_prefetched(self, version: int, *, timeout: float = 600.0, poll: float = 0.05) -> dict[str, bool]:
         return {url: True for url in self.urls}
 
-    def _update_one(self, server: _Server, version: int, tag: str | None) -> ServerResult:
+    def _update_one(self, server: _Server, version: int, tag: str | None, mode: str | None = None) -> ServerResult:
+        # ``mode`` does not apply: a new adapter version is a new adapter name, loaded without a pause.
         body = {"version": version, "auth": tag, "name": self.lora_name, "keep": self.keep}
         try:
             answer = server.post(UPDATE_ROUTE, body=body)
