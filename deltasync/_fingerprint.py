@@ -33,7 +33,7 @@ __all__ = [
 _MASK = (1 << 64) - 1
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
 _C2 = np.uint64(0x94D049BB133111EB)
-_CHUNK = 1 << 22
+_CHUNK = 1 << 18
 
 
 def _seed(name: str) -> np.uint64:
