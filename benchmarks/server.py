@@ -395,7 +395,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         density_axis(dx, xs)
         dx.set_yscale("log")
         dx.set_ylabel("apply seconds (worker)")
-        dx.set_title("the same deltas, same server: vs vLLM's sparse path")
+        dx.set_title("vs vLLM's sparse path (same deltas)")
         dx.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -403,8 +403,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 def print_peer(sweep: list[dict[str, Any]], nan_probe: dict[str, Any]) -> None:
     print("\nthe same deltas through vLLM's load_checkpoint_weight_patches on the same server (medians; each "
-          "version applied by deltasync, written back to the version before and forward again by the peer, with "
-          "the served fingerprint checked after each)")  # fmt: skip
+          "version applied by deltasync, written back to the version before and forward again by the peer; the "
+          "served weights hashed in full after each forward write, and after the way back on a density's first)")  # fmt: skip
     print("| density | changed | deltasync apply s | peer apply s | peer back to the version before s "
           "| deltasync / peer |")  # fmt: skip
     print("|---|---|---|---|---|---|")
