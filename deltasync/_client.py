@@ -75,8 +75,9 @@ class ServerResult:
     apply_s: float = 0.0
     """Seconds the server spent loading the new values into the model."""
     paused_s: float = 0.0
-    """Seconds the server could not generate, as the client sees it: from sending the update
-    request to its answer (one route), or from sending ``/pause`` to ``/resume`` answering."""
+    """Seconds the server could not generate: as the server measured it on the one-request route
+    (from its pause to its resume; in "inflight" mode, the write between two engine steps), or
+    as the client sees vLLM's five routes (from sending ``/pause`` to ``/resume`` answering)."""
     error: str | None = None
     """What went wrong, in the server's words; None when ok."""
     mode: str | None = None
@@ -368,6 +369,10 @@ class RolloutClient:
                 result = self._report(server, version, error, time.perf_counter() - start)
                 if isinstance(answer, dict):
                     result = replace(result, mode=answer.get("mode"), note=answer.get("note"))
+                    if isinstance(answer.get("paused_s"), (int, float)):
+                        result = replace(result, paused_s=float(answer["paused_s"]))  # what the server measured
+                    if answer.get("noop") is True and result.ok:  # already served: nothing was done
+                        result = replace(result, kind="none", nbytes=0, stage_s=0.0, apply_s=0.0, paused_s=0.0)
                 return result
             start = time.perf_counter()
         refused_pause = False

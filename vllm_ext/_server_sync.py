@@ -213,10 +213,13 @@ class ServerSync:
             results, failed_one = await self._apply_and_label(version, auth)
         except Exception as exc:  # noqa: BLE001  (the worker's own message names what was wrong)
             return UpdateOutcome(version=safe_version, ok=False, error=str(exc), status=500, mode="inflight")
+        # No pause, but the engine stands still while the write runs between two of its steps:
+        # that is the stall reported.
+        stalled = time.perf_counter() - start
         if failed_one is not None:
-            return UpdateOutcome(version=safe_version, ok=False, error=failed_one.error, status=500, mode="inflight")
-        return UpdateOutcome(version=safe_version, ok=True, results=results, mode="inflight",
-                             seconds=time.perf_counter() - start)  # fmt: skip
+            return UpdateOutcome(version=safe_version, ok=False, error=failed_one.error, status=500, mode="inflight",
+                                 paused_s=stalled)  # fmt: skip
+        return UpdateOutcome(version=safe_version, ok=True, results=results, mode="inflight", paused_s=stalled)
 
     async def _apply_and_label(self, version: object, auth: object) -> tuple[tuple[UpdateAnswer, ...], UpdateAnswer | None]:
         """Apply on every worker and label the served version; the answers, and the first
