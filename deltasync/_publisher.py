@@ -331,14 +331,13 @@ class DeltaPublisher:
         """Wait for the version and the anchor in flight (raising a failure nobody looked at).
 
         Returns the warnings that came after the last result (a failed background anchor, a
-        failed retention delete); they are not repeated in the next result."""
+        failed retention delete); the next result carries them too."""
         self._wait_inflight()
         anchor = self._anchor_inflight
         if anchor is not None:
             anchor.result()
         with self._commit_lock:
-            warnings, self._late_warnings = self._late_warnings, []
-        return warnings
+            return list(self._late_warnings)
 
     def _wait_inflight(self) -> None:
         previous = self._inflight

@@ -574,13 +574,13 @@ def test_a_retention_failure_after_the_commit_is_reported_not_raised(tmp_path, c
     with caplog.at_level(logging.WARNING, logger="deltasync"):
         result = publisher.publish(anchor=True)  # anchor 1 beside delta 1 retires anchor 0
         assert result.version == 1 and result.kind == "delta" and result.anchor_scheduled
-        assert publisher.flush() == [warning]  # the background anchor's warning, handed over once
+        assert publisher.flush() == [warning]  # the background anchor's warning, once it ended
     assert warning in caplog.text
     assert [a.version for a in publisher.pointer.anchors] == [1]  # committed all the same
     assert (tmp_path / "anchors/00000000.safetensors").exists()  # left behind
     set_bits(model, "w", 1, 0x4000)
-    later = publisher.publish()  # flush() handed the warning over: not repeated here
-    assert later.version == 2 and later.warnings == ()
+    later = publisher.publish()  # and the next result carries it
+    assert later.version == 2 and later.warnings == (warning,)
     set_bits(model, "w", 2, 0x4000)
     assert publisher.publish(anchor=True).anchor_scheduled  # anchor 3 cannot retire anchor 0 either
     while not publisher._anchor_inflight.done():  # its warning exists once it is done
