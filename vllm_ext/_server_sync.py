@@ -262,7 +262,11 @@ class ServerSync:
                 return None
             failed = next((j for j in jobs if j is not None and j.state == "failed"), None)
             if failed is not None:
-                return f"staging version {version} failed: {failed.error}"
+                # The workers' own wording for a refused update (the push route has always said it).
+                kind, _, detail = (failed.error or "").partition(": ")
+                reason = f"({kind}): {detail}" if detail and kind.isidentifier() else f": {failed.error}"
+                served = "the checkpoint it started with" if self.served is None else f"version {self.served}"
+                return f"deltasync: update to version {version} refused {reason}; still serving {served}"
             if all(j is not None and j.state in ("ready", "applied") for j in jobs):
                 return None
             await asyncio.sleep(_POLL_S)

@@ -79,7 +79,8 @@ def test_a_file_that_fails_to_stage_is_reported_and_retried(tmp_path):
     engine = Engine(stage_error="IntegrityError: deltas/00000001.safetensors: SHA-256 does not match")
     sync = _sync(engine, bucket)
     assert asyncio.run(sync.follow_once()) == 1.0
-    assert "staging version 1 failed: IntegrityError: deltas/00000001.safetensors" in sync.last_error
+    assert "update to version 1 refused (IntegrityError): deltas/00000001.safetensors" in sync.last_error
+    assert sync.last_error.endswith("; still serving the checkpoint it started with")
     assert all(call[0] == "deltasync_prefetch" for call in engine.calls)  # never paused
     engine.stage_error, engine.results = None, [{"version": 1}]
     asyncio.run(sync.follow_once())

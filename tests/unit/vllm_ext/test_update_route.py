@@ -115,7 +115,8 @@ def test_a_version_already_served_is_a_noop_without_a_pause():
 def test_a_version_that_cannot_be_staged_pauses_nothing():
     engine = Engine(stage_error="IntegrityError: deltas/00000003.safetensors: SHA-256 ... (corrupted or tampered)")
     status, answer, _ = _post(engine, {"version": 3, "auth": "tag"})
-    assert status == 500 and "staging version 3 failed: IntegrityError: deltas/00000003" in answer["error"]["message"]
+    message = answer["error"]["message"]
+    assert status == 500 and "update to version 3 refused (IntegrityError): deltas/00000003" in message, message
     assert engine.calls == [STAGE] and engine.served is None
 
 
