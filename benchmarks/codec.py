@@ -574,18 +574,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def save_outputs(result: dict[str, Any], out: str | None, plot_to: str | None, plot_fn: Any) -> None:
+    """Write the results as JSON to ``out`` and ``plot_fn(result, plot_to)``'s plot, where asked
+    (shared by the benchmarks that import this module)."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+        log(f"results written to {out}")
+    if plot_to:
+        Path(plot_to).parent.mkdir(parents=True, exist_ok=True)
+        plot_fn(result, plot_to)
+        log(f"plot written to {plot_to}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
     print(table(result))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        log(f"results written to {args.out}")
-    if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        plot(result, args.plot)
-        log(f"plot written to {args.plot}")
+    save_outputs(result, args.out, args.plot, plot)
     return 0
 
 

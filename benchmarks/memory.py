@@ -402,14 +402,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result = run(args)
     print(table(result))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        log(f"results written to {args.out}")
-    if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        plot(result, args.plot)
-        log(f"plot written to {args.plot}")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from codec import save_outputs
+
+    save_outputs(result, args.out, args.plot, plot)
     for t in result["targets"]:
         print(f"{'PASS' if t['met'] else 'FAIL'}: {t['label']}: {t['value']:.2f} (bound <= {t['bound']})")
     return 0

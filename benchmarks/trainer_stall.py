@@ -56,7 +56,7 @@ except ImportError:  # a checkout without an install: import the package next to
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import deltasync._publisher as publisher_module  # noqa: E402
-from codec import DEFAULT_LR, ModelShape, SimulatedGradients, _machine, build_model, log  # noqa: E402
+from codec import DEFAULT_LR, ModelShape, SimulatedGradients, _machine, build_model, log, save_outputs  # noqa: E402
 from deltasync import DeltaPublisher, DeltaReceiver  # noqa: E402
 from deltasync._detector import named_parameters  # noqa: E402
 from deltasync.stores import LocalStore  # noqa: E402
@@ -626,14 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
     print(table(result))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        log(f"results written to {args.out}")
-    if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        plot(result, args.plot)
-        log(f"plot written to {args.plot}")
+    save_outputs(result, args.out, args.plot, plot)
     for t in result["targets"]:
         print(f"{'PASS' if t['met'] else 'FAIL'}: {t['label']}: {t['value']:.3f} (bound <= {t['bound']})")
     return 0
