@@ -188,16 +188,16 @@ class ServerSync:
         # Stage while the engine generates: download, decode and check on every worker.
         try:
             answers = await self.engine.collective_rpc("deltasync_prefetch", args=(version, auth))
-            staged = [PrefetchState.from_answer(a) for a in answers]
-        except Exception as exc:  # noqa: BLE001  (the worker's message names what was wrong)
-            return UpdateOutcome(version=safe_version, ok=False, error=str(exc), status=_status_of(exc))
-        refused = next((s.error for s in staged if s.error and s.state != "failed"), None)
-        if refused is not None:
-            return UpdateOutcome(version=safe_version, ok=False, error=refused, status=400)
-        failed = await self._wait_staged(safe_version)
-        if failed is not None:
-            # The version cannot be staged (a bad file, a hostile pointer): nothing is paused.
-            return UpdateOutcome(version=safe_version, ok=False, error=failed, status=500)
+            refused = any(PrefetchState.from_answer(a).state == "refused" for a in answers)
+        except Exception:  # noqa: BLE001  (the last worker raises its refusal)
+            refused = True
+        if not refused:
+            failed = await self._wait_staged(safe_version)
+            if failed is not None:
+                # The version cannot be staged (a bad file, a hostile pointer): nothing is paused.
+                return UpdateOutcome(version=safe_version, ok=False, error=failed, status=500)
+        # A refused staging (a wrong tag, a version not committed or older than served) goes on
+        # to the apply, which refuses it in the workers' own words before it writes anything.
         if mode == "inflight":
             return await self._apply_inflight(safe_version, version, auth)
         outcome = await self._apply_paused(safe_version, version, auth)
@@ -384,11 +384,6 @@ def _served(workers: list[WorkerStatus]) -> int | None:
     if not versions or any(v is None for v in versions):
         return None
     return min(v for v in versions if v is not None)
-
-
-def _status_of(exc: Exception) -> int:
-    text = str(exc)
-    return 400 if ("VersionError" in text or "AuthError" in text or "refused" in text) else 500
 
 
 def _replace(outcome: UpdateOutcome, **changes: Any) -> UpdateOutcome:
