@@ -212,6 +212,7 @@ def _assert_refused(client, server, version, expected_outputs, served, error_pat
 
 
 def test_tampered_missing_and_uncommitted_versions_are_refused(world, server, client):
+    _current(world, server)  # a version is served (alone, the server would serve its checkpoint)
     served = _status(client).version
     outputs = greedy(server.url)
     version = world.edit("model.norm.weight", slice(0, 32))
