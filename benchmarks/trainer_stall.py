@@ -34,6 +34,7 @@ benchmarks/README.md for the reference run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -84,6 +85,30 @@ class Op:
     end: float
 
 
+class CountedFile:
+    """A store's open file that counts what is read from it (and may pace it: ``pace(n)``
+    sleeps for ``n`` bytes and returns the seconds slept)."""
+
+    def __init__(self, f: Any, pace: Any = None) -> None:
+        self.f, self.pace = f, pace
+        self.nbytes, self.slept = 0, 0.0
+
+    def _count(self, n: int) -> None:
+        self.nbytes += n
+        if self.pace is not None:
+            self.slept += self.pace(n)
+
+    def readinto(self, view: Any) -> int:
+        n = self.f.readinto(view)
+        self._count(n or 0)
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.f.read(size)
+        self._count(len(data))
+        return data
+
+
 class EmulatedBucket:
     """A remote bucket emulated over a local directory (a :class:`~deltasync.stores.LocalStore`).
 
@@ -128,8 +153,16 @@ class EmulatedBucket:
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         return self._read("read", path, lambda: self.inner.read_bytes(path, limit))
 
-    def read_buffer(self, path: str, limit: int) -> bytearray:
-        return self._read("read", path, lambda: self.inner.read_buffer(path, limit))
+    @contextlib.contextmanager
+    def open_read(self, path: str) -> Iterator[Any]:
+        start = time.perf_counter()
+        slept = self._sleep(self.latency)
+        with self.inner.open_read(path) as f:
+            counted = CountedFile(f, lambda n: self._sleep(n / self.bandwidth))
+            try:
+                yield counted
+            finally:
+                self._record("read", path, counted.nbytes, slept + counted.slept, start)
 
     def write_bytes(self, path: str, data: bytes) -> None:
         self.write_stream(path, (data,))
@@ -191,10 +224,14 @@ class CountingStore:
         self.reads.append((path, len(data)))
         return data
 
-    def read_buffer(self, path: str, limit: int) -> bytearray:
-        data = self.inner.read_buffer(path, limit)
-        self.reads.append((path, len(data)))
-        return data
+    @contextlib.contextmanager
+    def open_read(self, path: str) -> Iterator[Any]:
+        with self.inner.open_read(path) as f:
+            counted = CountedFile(f)
+            try:
+                yield counted
+            finally:
+                self.reads.append((path, counted.nbytes))
 
     def write_bytes(self, path: str, data: bytes) -> None:
         raise AssertionError("a follower never writes")

@@ -14,7 +14,7 @@ from ._sharded import OwnedSlice, ShardLayout, check_not_zero3, shard_layout
 
 __all__ = ["BF16ChangeDetector", "checkpoint_name", "named_parameters", "bf16_state_dict"]
 
-CHUNK = 1 << 20
+CHUNK = 1 << 18
 """Elements compared (and streamed into an anchor) at a time: the detector's scratch buffers
 hold at most this many, whatever the largest parameter."""
 

@@ -52,6 +52,10 @@ __all__ = [
     "decode_anchor",
     "decode_delta",
     "read_header",
+    "parse_header",
+    "header_length",
+    "tensor_spans",
+    "TensorSpan",
     "sha256_hex",
 ]
 
@@ -895,11 +899,29 @@ def safetensors_stream(tensors: Sequence[TensorChunks], metadata: Mapping[str, s
 
 def read_header(data: bytes, *, where: str) -> FileHeader:
     """Parse only the header of a file (cheap: the tensors are not decoded)."""
-    if len(data) < 8:
-        raise FormatError(f"{where}: truncated ({len(data)} bytes; a safetensors file has at least 8)")
-    (length,) = struct.unpack("<Q", data[:8])
-    if length > len(data) - 8:
-        raise FormatError(f"{where}: truncated (header says {length} bytes, file has {len(data) - 8} after it)")
+    return parse_header(data, where=where)[1]
+
+
+def header_length(prefix: bytes, *, where: str, file_bytes: int) -> int:
+    """The length of the JSON header a file of ``file_bytes`` bytes announces in its first 8
+    bytes (``prefix``), checked against the file and the safetensors library's limit."""
+    if file_bytes < 8 or len(prefix) < 8:
+        raise FormatError(f"{where}: truncated ({file_bytes} bytes; a safetensors file has at least 8)")
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length > file_bytes - 8:
+        raise FormatError(f"{where}: truncated (header says {length} bytes, file has {file_bytes - 8} after it)")
+    if length > _MAX_HEADER_BYTES:
+        raise FormatError(f"{where}: the safetensors header is {length} bytes, more than {_MAX_HEADER_BYTES}")
+    return length
+
+
+def parse_header(data: bytes, *, where: str, file_bytes: int | None = None) -> tuple[dict[str, Any], FileHeader]:
+    """The checked tensor table and the header of a file. ``data`` is the whole file, or, with
+    ``file_bytes`` (the file's size), at least its first ``8 +`` :func:`header_length` bytes."""
+    size = len(data) if file_bytes is None else file_bytes
+    length = header_length(data, where=where, file_bytes=size)
+    if len(data) < 8 + length:
+        raise FormatError(f"{where}: truncated (header says {length} bytes, {len(data) - 8} were read)")
     try:
         table = parse_json(
             data[8 : 8 + length], where=where, what="the safetensors header", max_bytes=_MAX_HEADER_BYTES, max_depth=3
@@ -915,8 +937,43 @@ def read_header(data: bytes, *, where: str) -> FileHeader:
         not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())
     ):
         raise FormatError(f"{where}: unreadable safetensors header (__metadata__ is not an object of strings)")
-    _check_tensor_table(table, len(data) - 8 - length, where)
-    return FileHeader.from_metadata(meta, where=where)
+    _check_tensor_table(table, size - 8 - length, where)
+    return table, FileHeader.from_metadata(meta, where=where)
+
+
+@dataclass(frozen=True)
+class TensorSpan:
+    """Where a tensor's bytes lie in a file's data section (after the header)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def tensor_spans(table: Mapping[str, Any], *, where: str, data_bytes: int) -> list[TensorSpan]:
+    """The tensors of a table :func:`parse_header` checked, in data order; they must tile the
+    ``data_bytes`` data bytes exactly (no overlap, no gap, nothing after the last)."""
+    spans = sorted(
+        (
+            TensorSpan(name, _TORCH_DTYPES[info["dtype"]], tuple(info["shape"]), *info["data_offsets"])
+            for name, info in table.items()
+            if name != "__metadata__"
+        ),
+        key=lambda span: (span.begin, span.end),
+    )
+    position = 0
+    for span in spans:
+        if span.begin != position:
+            raise FormatError(
+                f"{where}: not a readable safetensors file (tensor {span.name[:80]!r} starts at data byte {span.begin}, "
+                f"the tensors before it end at {position}: overlapping or with gaps)"
+            )
+        position = span.end
+    if position != data_bytes:
+        raise FormatError(f"{where}: not a readable safetensors file ({data_bytes - position} bytes after the last tensor)")
+    return spans
 
 
 def _load(data: bytes, *, where: str) -> dict[str, torch.Tensor]:
@@ -939,32 +996,17 @@ def load_tensors(data: bytes | bytearray, *, where: str) -> dict[str, torch.Tens
         return _load(data, where=where)
     (length,) = struct.unpack("<Q", data[:8])
     start = 8 + length
-    table = json.loads(bytes(data[8:start]))
+    spans = tensor_spans(json.loads(bytes(data[8:start])), where=where, data_bytes=len(data) - start)
     out: dict[str, torch.Tensor] = {}
-    spans = []
-    for name, info in table.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        dtype = _TORCH_DTYPES[info["dtype"]]
-        if (start + begin) % _DTYPES[dtype][1]:
+    for span in spans:
+        itemsize = _DTYPES[span.dtype][1]
+        if (start + span.begin) % itemsize:
             return _load(data, where=where)  # misaligned: let the library copy it
-        spans.append((begin, end, name))
-        if end > begin:
-            flat = torch.frombuffer(data, dtype=dtype, count=(end - begin) // _DTYPES[dtype][1], offset=start + begin)
-            out[name] = flat.view(info["shape"])
+        if span.end > span.begin:
+            count = (span.end - span.begin) // itemsize
+            out[span.name] = torch.frombuffer(data, dtype=span.dtype, count=count, offset=start + span.begin).view(span.shape)
         else:
-            out[name] = torch.empty(info["shape"], dtype=dtype)
-    position = 0
-    for begin, end, name in sorted(spans):
-        if begin != position:
-            raise FormatError(
-                f"{where}: not a readable safetensors file (tensor {name[:80]!r} starts at data byte {begin}, "
-                f"the tensors before it end at {position}: overlapping or with gaps)"
-            )
-        position = end
-    if position != len(data) - start:
-        raise FormatError(f"{where}: not a readable safetensors file ({len(data) - start - position} bytes after the last tensor)")
+            out[span.name] = torch.empty(span.shape, dtype=span.dtype)
     return out
 
 
@@ -1153,46 +1195,54 @@ def encode_delta(
     return _safetensors_bytes(tensors, meta)
 
 
+_ENCODE_CHUNK = 1 << 16
+"""Elements of a parameter's changes that the zstd codec transforms at a time: its wide
+temporaries (int64 gaps, int32 differences) stay a few MiB however big the version is."""
+
+
 def _zstd_streams(items: list[tuple[str, Change]]) -> tuple[dict[str, bytes], list[int]]:
     counts = [change.index.numel() for _, change in items]
-    if not items:
-        return {key: b"" for key in _STREAMS}, counts
-    gaps = []
-    diffs = []
+    pieces: dict[str, list[np.ndarray]] = {key: [] for key in ("lo", "hi_nz", "hi", "big", "sym", "esc")}
     for name, change in items:
-        index = change.index.to(torch.int64).cpu()
-        gap = torch.empty_like(index)
-        gap[0] = index[0]
-        gap[1:] = index[1:] - index[:-1] - 1
-        gaps.append(gap)
         if change.old is None:
             raise FormatError(f"parameter {name!r}: the zstd codec needs the previous values")
-        diffs.append((_ordered(change.new) - _ordered(change.old)) & 0xFFFF)
-    g = torch.cat(gaps).numpy().astype(np.uint64)
-    lo = (g & np.uint64(0xFF)).astype(np.uint8)
-    hi = g >> np.uint64(8)
-    hi_nz = hi != 0
-    hv = hi[hi_nz]
-    big = hv[hv >= 255].astype("<u8")
-    hv_small = np.minimum(hv, 255).astype(np.uint8)
-    # New minus old ordered bit pattern modulo 2**16, as a signed 16-bit number, zigzag-mapped:
-    # -1 -> 1, +1 -> 2, -2 -> 3, +2 -> 4, ... Symbols 0..2 stand for zigzag 1..3; 3 escapes.
-    d = torch.cat(diffs).numpy().astype(np.int32)
-    d = np.where(d >= 0x8000, d - 0x10000, d)
-    zig = ((d << 1) ^ (d >> 31)).astype(np.uint32)
-    if (zig == 0).any():
-        raise FormatError("a delta lists changed elements only, but an element's new value equals its old one")
-    sym = np.where(zig <= 3, zig - 1, 3).astype(np.uint8)
-    esc = zig[zig > 3]
+        for start in range(0, change.index.numel(), _ENCODE_CHUNK):
+            stop = min(start + _ENCODE_CHUNK, change.index.numel())
+            index = change.index[start:stop].to(torch.int64).cpu()
+            gap = torch.empty_like(index)
+            gap[0] = index[0] if start == 0 else index[0] - int(change.index[start - 1]) - 1
+            gap[1:] = index[1:] - index[:-1] - 1
+            g = gap.numpy().astype(np.uint64)
+            pieces["lo"].append((g & np.uint64(0xFF)).astype(np.uint8))
+            hi = g >> np.uint64(8)
+            hi_nz = hi != 0
+            hv = hi[hi_nz]
+            pieces["hi_nz"].append(hi_nz)
+            pieces["big"].append(hv[hv >= 255].astype("<u8"))
+            pieces["hi"].append(np.minimum(hv, 255).astype(np.uint8))
+            # New minus old ordered bit pattern modulo 2**16, as a signed 16-bit number,
+            # zigzag-mapped: -1 -> 1, +1 -> 2, -2 -> 3, +2 -> 4, ... Symbols 0..2 stand for
+            # zigzag 1..3; 3 escapes.
+            d = ((_ordered(change.new[start:stop]) - _ordered(change.old[start:stop])) & 0xFFFF).numpy().astype(np.int32)
+            d = np.where(d >= 0x8000, d - 0x10000, d)
+            zig = ((d << 1) ^ (d >> 31)).astype(np.uint32)
+            if (zig == 0).any():
+                raise FormatError("a delta lists changed elements only, but an element's new value equals its old one")
+            pieces["sym"].append(np.where(zig <= 3, zig - 1, 3).astype(np.uint8))
+            pieces["esc"].append(zig[zig > 3])
+    if not items:
+        return {key: b"" for key in _STREAMS}, counts
+    sym = np.concatenate(pieces["sym"])
     padded = np.zeros(-(-sym.size // 4) * 4, dtype=np.uint8)
     padded[: sym.size] = sym
     quads = padded.reshape(-1, 4)
     packed = (quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)).astype(np.uint8)
+    esc = np.concatenate(pieces["esc"])
     streams = {
-        "gap_lo": lo.tobytes(),
-        "gap_hi_mask": np.packbits(hi_nz, bitorder="little").tobytes(),
-        "gap_hi": hv_small.tobytes(),
-        "gap_big": big.tobytes(),
+        "gap_lo": np.concatenate(pieces["lo"]).tobytes(),
+        "gap_hi_mask": np.packbits(np.concatenate(pieces["hi_nz"]), bitorder="little").tobytes(),
+        "gap_hi": np.concatenate(pieces["hi"]).tobytes(),
+        "gap_big": np.concatenate(pieces["big"]).tobytes(),
         "sym": packed.tobytes(),
         "esc_lo": (esc & 0xFF).astype(np.uint8).tobytes(),
         "esc_hi": (esc >> 8).astype(np.uint8).tobytes(),

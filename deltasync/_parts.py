@@ -3,17 +3,21 @@
 A version is one file (format version 1) or, when several sharded writers wrote it, one part
 file per writer (format version 2, docs/protocol.md section 18). Readers go through
 :func:`fetch_version` (every file of a chain entry, each checked against the pointer's size
-and SHA-256) and then :func:`iter_anchor_parts` / :func:`iter_delta_parts` (each part decoded
-and checked against the entry and the other parts) or :func:`decode_version` (the whole
-version assembled: full anchor tensors, or one merged :class:`Change` per parameter).
+and SHA-256) and then :func:`iter_delta_parts` (each part decoded and checked against the
+entry and the other parts) or :func:`decode_version` (the whole version assembled: full anchor
+tensors, or one merged :class:`Change` per parameter). Anchors, the big files, are read by
+:func:`fetch_anchor` straight from the store into their tensors, checked as they stream.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO, ContextManager, NoReturn
 
 import torch
 
@@ -24,25 +28,27 @@ from ._format import (
     ChainEntry,
     Change,
     FileHeader,
-    load_tensors,
+    PartEntry,
+    TensorSpan,
     anchor_stream,
-    decode_anchor,
     decode_delta,
-    read_header,
+    header_length,
+    parse_header,
     sha256_hex,
+    tensor_spans,
 )
-from .stores import read_buffer, read_limited
+from .stores import open_read, read_limited
 
 if TYPE_CHECKING:
     from .stores import Store
 
 __all__ = [
     "AnchorSlice",
-    "AnchorPart",
     "DeltaPart",
     "encode_anchor_part",
+    "fetch_anchor",
     "fetch_version",
-    "iter_anchor_parts",
+    "read_anchor",
     "iter_delta_parts",
     "decode_version",
 ]
@@ -58,15 +64,6 @@ class AnchorSlice:
     end: int
     values: torch.Tensor
     """bf16, 1-D, ``end - begin`` elements."""
-
-
-@dataclass(frozen=True)
-class AnchorPart:
-    """One decoded file of an anchor: a slice of every parameter (a single file has them whole)."""
-
-    number: int
-    header: FileHeader
-    slices: tuple[AnchorSlice, ...]
 
 
 @dataclass(frozen=True)
@@ -111,44 +108,194 @@ def fetch_version(store: Store, entry: ChainEntry) -> list[bytes]:
     return [fetch_file(store, entry, number) for number in range(len(entry.files))]
 
 
-class LazyFiles(Sequence[bytearray]):
-    """The files of a version, each fetched and checked (as :func:`fetch_file`) only when it is
-    reached, into a writable buffer: decoding an anchor part by part never holds every part."""
-
-    def __init__(self, store: Store, entry: ChainEntry) -> None:
-        self.store, self.entry = store, entry
-        self.nbytes = 0
-        """Bytes fetched so far."""
-
-    def __len__(self) -> int:
-        return len(self.entry.files)
-
-    def __getitem__(self, number: int) -> bytearray:  # type: ignore[override]
-        if not 0 <= number < len(self):
-            raise IndexError(number)
-        data = fetch_file(self.store, self.entry, number, buffer=True)
-        self.nbytes += len(data)
-        return data  # type: ignore[return-value]
-
-
-def fetch_file(store: Store, entry: ChainEntry, number: int, *, buffer: bool = False) -> bytes | bytearray:
-    """File ``number`` of ``entry``, checked against the pointer's size and SHA-256; with
-    ``buffer``, read into a writable ``bytearray`` (see :func:`~deltasync.stores.read_buffer`)."""
+def fetch_file(store: Store, entry: ChainEntry, number: int) -> bytes:
+    """File ``number`` of ``entry``, checked against the pointer's size and SHA-256."""
     item = entry.files[number]
-    label = f"part {number} of version {entry.version}" if entry.parts else f"version {entry.version}"
-    where = f"{store.url}/{item.path} ({label})"
+    where = _where(store.url, entry, number)
     # At most nbytes + 1, whatever the file holds.
-    data = read_buffer(store, item.path, item.nbytes) if buffer else read_limited(store, item.path, item.nbytes)
+    data = read_limited(store, item.path, item.nbytes)
     if len(data) != item.nbytes:
-        got = f"more than {item.nbytes}" if len(data) > item.nbytes else str(len(data))
-        raise IntegrityError(f"{where}: {got} bytes, the pointer says {item.nbytes} (truncated or replaced)")
-    digest = sha256_hex(data)
+        _wrong_size(where, item, len(data))
+    _check_digest(where, item, sha256_hex(data))
+    return data
+
+
+def _wrong_size(where: str, item: PartEntry, size: int) -> NoReturn:
+    got = f"more than {item.nbytes}" if size > item.nbytes else str(size)
+    raise IntegrityError(f"{where}: {got} bytes, the pointer says {item.nbytes} (truncated or replaced)")
+
+
+def _check_digest(where: str, item: PartEntry, digest: str) -> None:
     if digest != item.sha256:
         raise IntegrityError(
             f"{where}: SHA-256 {digest[:16]}... does not match the pointer's {item.sha256[:16]}... "
             "(corrupted or tampered)"
         )
-    return data
+
+
+class _CheckedFile:
+    """A file of a version read in pieces: each piece counted and hashed, so that the whole is
+    checked against the pointer's size and SHA-256 at :meth:`finish` without ever being held."""
+
+    _DRAIN = 1 << 20
+
+    def __init__(self, f: BinaryIO, item: PartEntry, where: str) -> None:
+        self.f, self.item, self.where = f, item, where
+        self.digest = hashlib.sha256()
+        self.nbytes = 0
+
+    def readinto(self, view: memoryview) -> None:
+        """Fill ``view`` entirely; a file that ends first is truncated."""
+        got = 0
+        while got < view.nbytes:
+            n = self.f.readinto(view[got:])
+            if not n:
+                _wrong_size(self.where, self.item, self.nbytes + got)
+            got += n
+        self.digest.update(view)
+        self.nbytes += got
+
+    def read(self, size: int) -> bytes:
+        buffer = bytearray(size)
+        self.readinto(memoryview(buffer))
+        return bytes(buffer)
+
+    def finish(self) -> None:
+        """Check that the file ends here and hashes to the pointer's digest."""
+        if self.f.read(1):
+            _wrong_size(self.where, self.item, self.item.nbytes + 1)
+        _check_digest(self.where, self.item, self.digest.hexdigest())
+
+    def refuse(self, exc: FormatError) -> NoReturn:
+        """A file that does not decode: if it is not the file the pointer names (its size or
+        digest differ) say so, which is the more useful error; else raise ``exc``."""
+        try:
+            while self.nbytes < self.item.nbytes:
+                self.readinto(memoryview(bytearray(min(self._DRAIN, self.item.nbytes - self.nbytes))))
+            self.finish()
+        except IntegrityError as integrity:
+            raise integrity from exc
+        raise exc
+
+
+@dataclass
+class _AnchorChecks:
+    """What the files of one anchor must agree on, checked file by file as they are read."""
+
+    entry: ChainEntry
+    url: str
+    first: FileHeader | None = None
+    shapes: dict[str, tuple[int, ...]] | None = None
+    covered: dict[str, int] | None = None
+
+    def slices(self, header: FileHeader, spans: Sequence[TensorSpan], number: int, where: str) -> dict[str, tuple[int, int]]:
+        """The flat range of its full parameter that each tensor of file ``number`` holds."""
+        if header.kind != "anchor":
+            raise FormatError(f"{where}: expected an anchor, found a {header.kind}")
+        _check_part(header, self.first, self.entry, number, where)
+        for span in spans:
+            if span.dtype != torch.bfloat16:
+                raise FormatError(f"{where}: parameter {span.name!r} is {span.dtype}, anchors hold bfloat16")
+        if not self.entry.parts:
+            total = sum(math.prod(span.shape) for span in spans)
+            if len(spans) != header.params or total != header.total:
+                raise FormatError(
+                    f"{where}: holds {len(spans)} parameters / {total} elements, "
+                    f"its metadata says {header.params} / {header.total}"
+                )
+            self.shapes = {span.name: span.shape for span in spans}
+            self.first = header
+            return {span.name: (0, math.prod(span.shape)) for span in spans}
+        assert header.slices is not None
+        names = [s[0] for s in header.slices]
+        if len(set(names)) != len(names) or {span.name for span in spans} != set(names):
+            raise FormatError(f"{where}: its tensors {sorted(span.name for span in spans)} are not the parameters its 'slices' lists")
+        listed = {name: shape for name, shape, _, _ in header.slices}
+        if self.shapes is None:
+            self.shapes, self.covered = listed, dict.fromkeys(listed, 0)
+            if sum(map(math.prod, listed.values())) != header.total:
+                raise FormatError(f"{where}: its parameters hold {sum(map(math.prod, listed.values()))} elements, its total says {header.total}")
+        elif listed != self.shapes:
+            raise FormatError(f"{where}: lists other parameters or shapes than part 0")
+        assert self.covered is not None
+        sizes = {span.name: span.shape for span in spans}
+        out = {}
+        for name, _, begin, end in header.slices:
+            if len(sizes[name]) != 1 or sizes[name][0] != end - begin:
+                raise FormatError(
+                    f"{where}: parameter {name!r} is {list(sizes[name])} values, its slice needs {end - begin} bfloat16 values"
+                )
+            if end > begin:
+                if begin != self.covered[name]:
+                    raise FormatError(
+                        f"{where}: parameter {name!r} continues at element {begin}, the parts before end at "
+                        f"{self.covered[name]} (parts must cover each parameter exactly once, in order)"
+                    )
+                self.covered[name] = end
+            out[name] = (begin, end)
+        self.first = self.first or header
+        return out
+
+    def finish(self) -> FileHeader:
+        """After the last file: every element was covered; the version's header."""
+        assert self.first is not None and self.shapes is not None
+        if self.covered is not None:
+            short = [name for name, end in self.covered.items() if end != math.prod(self.shapes[name])]
+            if short:
+                raise FormatError(
+                    f"{self.url} (version {self.entry.version}): the {len(self.entry.files)} parts leave elements of "
+                    f"{short[0]!r} uncovered ({self.covered[short[0]]} of {math.prod(self.shapes[short[0]])})"
+                )
+        return replace(self.first, part=None, parts=None, slices=None, params=len(self.shapes), changed=self.first.total)
+
+
+def read_anchor(
+    open_file: Callable[[int], ContextManager[BinaryIO]], entry: ChainEntry, *, url: str
+) -> tuple[FileHeader, dict[str, torch.Tensor]]:
+    """An anchor's full bf16 tensors, each file read straight into them.
+
+    ``open_file(number)`` opens file ``number`` of ``entry`` (see :func:`fetch_anchor`). Each
+    file's header is read and checked first; its tensor bytes then go directly into the
+    tensors' memory, so nothing but the tensors is ever held (a split anchor needs no buffer
+    per part). Every file is also checked against the pointer's size and SHA-256, as it is
+    read: a file that fails raises, and the tensors, which nobody else has seen, are dropped.
+    A file that does not decode and is not the pointer's file says so (``IntegrityError``).
+    """
+    checks = _AnchorChecks(entry, url)
+    tensors: dict[str, torch.Tensor] = {}
+    for number, item in enumerate(entry.files):
+        where = _where(url, entry, number)
+        with open_file(number) as f:
+            source = _CheckedFile(f, item, where)
+            try:
+                prefix = source.read(8)
+                head = prefix + source.read(header_length(prefix, where=where, file_bytes=item.nbytes))
+                table, header = parse_header(head, where=where, file_bytes=item.nbytes)
+                spans = tensor_spans(table, where=where, data_bytes=item.nbytes - len(head))
+                ranges = checks.slices(header, spans, number, where)
+                if not tensors:
+                    # Allocated from part 0's shapes, only once the files hold that many bytes.
+                    if 2 * header.total > sum(part.nbytes for part in entry.files):
+                        raise FormatError(f"{where}: {header.total} elements do not fit the {entry.nbytes} bytes of the version's files")
+                    assert checks.shapes is not None
+                    tensors = {name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in checks.shapes.items()}
+            except FormatError as exc:
+                source.refuse(exc)
+            for span in spans:
+                begin, end = ranges[span.name]
+                if end > begin:
+                    source.readinto(memoryview(tensors[span.name].view(-1)[begin:end].view(torch.uint8).numpy()))
+            source.finish()
+    return checks.finish(), tensors
+
+
+def fetch_anchor(store: Store, entry: ChainEntry) -> tuple[FileHeader, dict[str, torch.Tensor], int]:
+    """:func:`read_anchor` from ``store``, streamed where the store can (see
+    :func:`~deltasync.stores.open_read`); also the bytes read."""
+    header, tensors = read_anchor(
+        lambda number: open_read(store, entry.files[number].path, entry.files[number].nbytes), entry, url=store.url
+    )
+    return header, tensors, entry.nbytes
 
 
 def _where(url: str, entry: ChainEntry, number: int) -> str:
@@ -178,72 +325,6 @@ def _check_part(header: FileHeader, first: FileHeader | None, entry: ChainEntry,
                 raise FormatError(
                     f"{where}: {key} is {getattr(header, key)!r}, part 0 of the same version says {getattr(first, key)!r}"
                 )
-
-
-def iter_anchor_parts(files: Sequence[bytes], entry: ChainEntry, *, url: str) -> Iterator[AnchorPart]:
-    """Decode an anchor's files one at a time (from :func:`fetch_version`).
-
-    Each part is checked on its own and against part 0; that the parts together cover every
-    element exactly once is checked as they come, and completed after the last one. A caller
-    that applies parts as they come must still wait for the end of the iteration (and check
-    the fingerprint) before it exposes the result.
-    """
-    if not entry.parts:
-        where = _where(url, entry, 0)
-        data = files[0]
-        _check_part(read_header(data, where=where), None, entry, 0, where)
-        header, tensors = decode_anchor(data, where=where)
-        slices = tuple(
-            AnchorSlice(name, tuple(t.shape), 0, t.numel(), t.reshape(-1)) for name, t in tensors.items()
-        )
-        yield AnchorPart(0, header, slices)
-        return
-    first: FileHeader | None = None
-    covered: dict[str, int] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for number, data in enumerate(files):
-        where = _where(url, entry, number)
-        header = read_header(data, where=where)
-        if header.kind != "anchor":
-            raise FormatError(f"{where}: expected an anchor, found a {header.kind}")
-        _check_part(header, first, entry, number, where)
-        assert header.slices is not None
-        tensors = load_tensors(data, where=where)
-        names = [s[0] for s in header.slices]
-        if len(set(names)) != len(names) or set(tensors) != set(names):
-            raise FormatError(f"{where}: its tensors {sorted(tensors)} are not the parameters its 'slices' lists")
-        if first is None:
-            shapes = {name: shape for name, shape, _, _ in header.slices}
-            covered = dict.fromkeys(shapes, 0)
-            if sum(math.prod(s) for s in shapes.values()) != header.total:
-                raise FormatError(f"{where}: its parameters hold {sum(map(math.prod, shapes.values()))} elements, its total says {header.total}")
-        elif {name: shape for name, shape, _, _ in header.slices} != shapes:
-            raise FormatError(f"{where}: lists other parameters or shapes than part 0")
-        out = []
-        for name, shape, begin, end in header.slices:
-            values = tensors[name]
-            if values.dtype != torch.bfloat16 or values.dim() != 1 or values.numel() != end - begin:
-                raise FormatError(
-                    f"{where}: parameter {name!r} is {values.dtype} {tuple(values.shape)}, its slice needs "
-                    f"{end - begin} bfloat16 values"
-                )
-            if end > begin:
-                if begin != covered[name]:
-                    raise FormatError(
-                        f"{where}: parameter {name!r} continues at element {begin}, the parts before end at "
-                        f"{covered[name]} (parts must cover each parameter exactly once, in order)"
-                    )
-                covered[name] = end
-            out.append(AnchorSlice(name, shape, begin, end, values))
-        if first is None:
-            first = header
-        yield AnchorPart(number, header, tuple(out))
-    short = [name for name, end in covered.items() if end != math.prod(shapes[name])]
-    if short:
-        raise FormatError(
-            f"{url} (version {entry.version}): the {len(files)} parts leave elements of {short[0]!r} "
-            f"uncovered ({covered[short[0]]} of {math.prod(shapes[short[0]])})"
-        )
 
 
 def iter_delta_parts(
@@ -288,21 +369,7 @@ def decode_version(
     :func:`~deltasync._format.decode_delta`.
     """
     if entry.kind == "anchor":
-        tensors: dict[str, torch.Tensor] = {}
-        header: FileHeader | None = None
-        for part in iter_anchor_parts(files, entry, url=url):
-            header = header or part.header
-            for item in part.slices:
-                if not entry.parts:
-                    tensors[item.name] = item.values.view(item.shape)
-                    continue
-                full = tensors.get(item.name)
-                if full is None:
-                    full = tensors[item.name] = torch.empty(item.shape, dtype=torch.bfloat16)
-                full.view(-1)[item.begin : item.end] = item.values
-        assert header is not None
-        merged = replace(header, part=None, parts=None, slices=None, params=len(tensors), changed=header.total)
-        return merged, tensors
+        return read_anchor(lambda number: contextlib.nullcontext(io.BytesIO(files[number])), entry, url=url)
     assert numels is not None and base_values is not None
     changes: dict[str, Change] = {}
     pieces: dict[str, list[Change]] = {}

@@ -38,6 +38,7 @@ from ._format import (
     part_path,
     sha256_hex,
 )
+from ._memory import release_free_memory
 from ._sharded import ShardLayout, solo_layout
 from .stores import open_store, read_limited, write_stream
 
@@ -370,6 +371,7 @@ class DeltaPublisher:
         return changes, share
 
     def _run(self, future: PublishFuture, capture: _Capture) -> None:
+        release_free_memory()  # what the versions before freed, before this one allocates
         try:
             result = self._publish_root(capture) if self._chain is None else self._publish_delta(capture)
         except BaseException as exc:  # noqa: BLE001 - handed to the future

@@ -19,7 +19,7 @@ from ._format import (
     Change,
     Pointer,
 )
-from ._parts import LazyFiles, decode_version, fetch_version
+from ._parts import decode_version, fetch_anchor, fetch_version
 from .stores import open_store, read_limited
 
 if TYPE_CHECKING:
@@ -315,11 +315,10 @@ class DeltaReceiver:
             first = self._version + 1  # type: ignore[operator]
         else:
             assert anchor is not None
-            # Fetched part by part into buffers the tensors are views of: the encoded file
-            # and the decoded tensors are never both in memory.
-            files = LazyFiles(self.store, anchor)
+            # Streamed from the store straight into the tensors: the encoded file and the
+            # decoded tensors are never both in memory.
             where = self._where(anchor)
-            header, tensors = decode_version(files, anchor, url=url)  # type: ignore[assignment]
+            header, tensors, nbytes = fetch_anchor(self.store, anchor)
             self._check_header(header, anchor, pointer, where)
             got = fingerprint(tensors)
             if got != header.fingerprint:
@@ -331,7 +330,7 @@ class DeltaReceiver:
             staged._base = tensors
             staged.fingerprint = got
             staged.versions.append(anchor.version)
-            staged.nbytes += files.nbytes
+            staged.nbytes += nbytes
             first = anchor.version + 1
         numels = {name: t.numel() for name, t in staged._base.items()}
         for v in range(first, target + 1):

@@ -6,7 +6,7 @@ conformance suite (``tests/stores/test_conformance.py``).
 
 from __future__ import annotations
 
-from ._base import Store, StreamingStore, read_buffer, read_limited, write_stream
+from ._base import Store, StreamingStore, open_read, read_buffer, read_limited, write_stream
 from ._fsspec import FsspecStore
 from ._hf import HfBucketStore
 from ._local import LocalStore
@@ -18,6 +18,7 @@ __all__ = [
     "LocalStore",
     "Store",
     "StreamingStore",
+    "open_read",
     "open_store",
     "read_buffer",
     "read_limited",

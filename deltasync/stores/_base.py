@@ -8,21 +8,26 @@ this small is what lets one conformance suite prove every backend equivalent.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
-from collections.abc import Iterable
-from typing import BinaryIO, Protocol, runtime_checkable
+import io
+import os
+from collections.abc import Iterable, Iterator
+from typing import BinaryIO, ContextManager, Protocol, runtime_checkable
 
-from .._errors import ConfigError
+from .._errors import ConfigError, DeltaSyncError, StoreError
 
 __all__ = [
     "Store",
     "StreamingStore",
     "check_path",
     "check_prefix",
+    "open_read",
     "read_buffer",
     "read_into_buffer",
     "read_limited",
+    "reading",
     "write_stream",
 ]
 
@@ -75,16 +80,17 @@ class Store(Protocol):
 class StreamingStore(Protocol):
     """Optional capabilities a :class:`Store` may add, so that big files (anchors) never need
     to be whole in memory. A store without them works through :func:`write_stream` and
-    :func:`read_buffer`, which then hold one whole file."""
+    :func:`open_read`, which then hold one whole file."""
 
     def write_stream(self, path: str, chunks: Iterable[bytes | memoryview]) -> None:
         """Create or replace the file atomically with the concatenated chunks, holding at most
         one chunk at a time. If the iteration raises, the file is left as it was."""
         ...
 
-    def read_buffer(self, path: str, limit: int) -> bytearray:
-        """The file's first ``limit + 1`` bytes at most, read into one new writable buffer
-        (so that tensors can be views of it); errors as :meth:`Store.read_bytes`."""
+    def open_read(self, path: str) -> ContextManager[BinaryIO]:
+        """The file, open for reading (``read`` and ``readinto``), so that a reader can take it
+        in pieces of its choosing, straight into its own buffers. ``NotFoundError`` if it is
+        missing, ``StoreError`` if opening or a read fails."""
         ...
 
 
@@ -120,11 +126,48 @@ def write_stream(store: Store, path: str, chunks: Iterable[bytes | memoryview]) 
     return size, digest.hexdigest()
 
 
-def read_buffer(store: Store, path: str, limit: int) -> bytearray:
-    """:meth:`StreamingStore.read_buffer` where the store has it; else the bytes, copied."""
+def open_read(store: Store, path: str, limit: int) -> ContextManager[BinaryIO]:
+    """:meth:`StreamingStore.open_read` where the store has it; else the file's first
+    ``limit + 1`` bytes at most, read whole (:func:`read_limited`) and opened in memory."""
     if isinstance(store, StreamingStore):
-        return store.read_buffer(path, limit)
-    return bytearray(read_limited(store, path, limit))
+        return store.open_read(path)
+    return contextlib.nullcontext(io.BytesIO(read_limited(store, path, limit)))
+
+
+def read_buffer(store: Store, path: str, limit: int) -> bytearray:
+    """The file's first ``limit + 1`` bytes at most, in one new writable buffer (so that
+    tensors can be views of it), never allocating more than the file holds where its size is
+    known."""
+    with open_read(store, path, limit) as f:
+        return read_into_buffer(f, min(limit + 1, _size(f, limit + 1)))
+
+
+def _size(f: BinaryIO, default: int) -> int:
+    """The size of an open file, where it can tell (a local file, an fsspec file)."""
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        size = getattr(f, "size", None)
+        if isinstance(size, int):
+            return size
+        if isinstance(f, io.BytesIO):
+            return f.getbuffer().nbytes
+        return default
+
+
+@contextlib.contextmanager
+def reading(
+    f: BinaryIO, path: str, url: str, errors: tuple[type[BaseException], ...] = (OSError,)
+) -> Iterator[BinaryIO]:
+    """Yield an open file of a store, closing it after, and turning a failed read (one of
+    ``errors``) into a :class:`StoreError` (deltasync's own errors pass through)."""
+    with f:
+        try:
+            yield f
+        except errors as e:
+            if isinstance(e, DeltaSyncError):
+                raise
+            raise StoreError(f"cannot read {path!r} from bucket {url}: {e!r}") from e
 
 
 def read_limited(store: Store, path: str, limit: int) -> bytes:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, BinaryIO, ContextManager
 
 import fsspec
 from fsspec.core import url_to_fs
 
 from .._errors import ConfigError, NotFoundError, StoreError
-from ._base import check_path, check_prefix, read_into_buffer
+from ._base import check_path, check_prefix, reading
 
 __all__ = ["FsspecStore", "check_protocol"]
 
@@ -120,17 +120,18 @@ class FsspecStore:
                     "your credentials may write there"
                 ) from e
 
-    def read_buffer(self, path: str, limit: int) -> bytearray:
+    def open_read(self, path: str) -> ContextManager[BinaryIO]:
         full = self._full(path)
         try:
-            with self.fs.open(full, "rb") as f:
-                return read_into_buffer(f, min(limit + 1, self.fs.size(full)))
+            f = self.fs.open(full, "rb")
         except FileNotFoundError as e:
             raise NotFoundError(f"{path!r} is not in bucket {self.url}") from e
         except IsADirectoryError as e:
             raise NotFoundError(f"{path!r} in bucket {self.url} is a directory, not a file") from e
         except Exception as e:
             raise StoreError(f"cannot read {path!r} from bucket {self.url}: {e!r}") from e
+        # Backends raise their own types (botocore, aiohttp, ...) mid-read too.
+        return reading(f, path, self.url, (Exception,))
 
     def exists(self, path: str) -> bool:
         full = self._full(path)

@@ -17,12 +17,12 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, ContextManager
 
 from huggingface_hub.errors import BucketBatchError, BucketNotFoundError, EntryNotFoundError
 
 from .._errors import ConfigError, NotFoundError, StoreError
-from ._base import check_path, check_prefix, read_into_buffer
+from ._base import check_path, check_prefix, reading
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -90,9 +90,8 @@ class HfBucketStore:
             # read(n) allocates n bytes up front: never more than the file holds.
             return f.read(min(limit, os.fstat(f.fileno()).st_size) + 1)
 
-    def read_buffer(self, path: str, limit: int) -> bytearray:
-        with self._download(path) as f:
-            return read_into_buffer(f, min(limit + 1, os.fstat(f.fileno()).st_size))
+    def open_read(self, path: str) -> ContextManager[BinaryIO]:
+        return self._download(path)
 
     @contextlib.contextmanager
     def _download(self, path: str) -> Iterator[BinaryIO]:
@@ -120,7 +119,7 @@ class HfBucketStore:
                     f"cannot read {path!r} from bucket {self.url}: the download reported "
                     "success but wrote no file"
                 ) from e
-            with f:
+            with reading(f, path, self.url):
                 yield f
 
     def write_bytes(self, path: str, data: bytes) -> None:

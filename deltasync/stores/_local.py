@@ -8,9 +8,10 @@ import secrets
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO, ContextManager
 
 from .._errors import NotFoundError, StoreError
-from ._base import check_path, check_prefix, read_into_buffer
+from ._base import check_path, check_prefix, reading
 
 __all__ = ["LocalStore"]
 
@@ -55,17 +56,17 @@ class LocalStore:
         except OSError as e:
             raise StoreError(f"cannot read {path!r} from bucket {self.url}: {e}") from e
 
-    def read_buffer(self, path: str, limit: int) -> bytearray:
+    def open_read(self, path: str) -> ContextManager[BinaryIO]:
         target = self._file(path)
         try:
-            with open(target, "rb") as f:
-                return read_into_buffer(f, min(limit + 1, os.fstat(f.fileno()).st_size))
+            f = open(target, "rb")
         except FileNotFoundError as e:
             raise NotFoundError(f"{path!r} is not in bucket {self.url} (no file {target})") from e
         except IsADirectoryError as e:
             raise NotFoundError(f"{path!r} in bucket {self.url} is a directory, not a file ({target})") from e
         except OSError as e:
             raise StoreError(f"cannot read {path!r} from bucket {self.url}: {e}") from e
+        return reading(f, path, self.url)
 
     def write_bytes(self, path: str, data: bytes) -> None:
         self.write_stream(path, (data,))

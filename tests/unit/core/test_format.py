@@ -753,6 +753,17 @@ def test_round_trip(case: str, codec: str) -> None:
     check_round_trip(state, changes, codec)
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("case", list(CASES))
+def test_zstd_streams_are_the_same_when_transformed_in_chunks(case: str, chunk: int, monkeypatch) -> None:
+    """The codec transforms each parameter's changes a bounded chunk at a time (memory); the
+    streams, and so the file bytes, must not depend on the chunk."""
+    state, changes = CASES[case]()
+    whole = encode(changes, state, "zstd")
+    monkeypatch.setattr(F, "_ENCODE_CHUNK", chunk)
+    assert encode(changes, state, "zstd") == whole
+
+
 def test_gap_big_is_used_from_255_times_256() -> None:
     state, changes = CASES["gaps of 255*256 and more use gap_big"]()
     streams, _ = F._zstd_streams(list(changes.items()))

@@ -28,7 +28,7 @@ from deltasync import (
 )
 from deltasync._fingerprint import fingerprint_slice_share, format_fingerprint
 from deltasync._format import ChainEntry, Change, PartEntry, encode_delta, part_path, read_header, sha256_hex
-from deltasync._parts import AnchorSlice, encode_anchor_part, fetch_version, iter_anchor_parts
+from deltasync._parts import AnchorSlice, decode_version, encode_anchor_part, fetch_version
 from deltasync.cli import main
 
 
@@ -189,12 +189,14 @@ def test_receiver_reads_split_versions_exactly(tmp_path, codec: str) -> None:
     assert late.fingerprint == fingerprint(states[-1]) and late.verify()
 
 
-def test_iter_anchor_parts_gives_slices(split) -> None:
+def test_anchor_parts_hold_slices_and_decode_whole(split) -> None:
     (entry,) = Pointer.from_bytes(split.read_bytes("latest.json")).anchors
-    parts = list(iter_anchor_parts(fetch_version(split, entry), entry, url=split.url))
-    assert [(s.name, s.begin, s.end) for p in parts for s in p.slices] == [
+    files = fetch_version(split, entry)
+    assert [(name, begin, end) for data in files for name, _, begin, end in read_header(data, where="x").slices] == [
         ("a.weight", 0, 4), ("b.bias", 0, 1), ("a.weight", 4, 6), ("b.bias", 1, 1),
     ]  # fmt: skip
+    header, tensors = decode_version(files, entry, url=split.url)
+    assert (header.parts, header.params, fingerprint(tensors)) == (None, 2, entry.fingerprint)
 
 
 # --------------------------------------------------------------------------- refusals

@@ -195,6 +195,34 @@ def test_tampered_anchor_for_a_new_receiver(chain) -> None:
     assert fresh.version is None and fresh.state_dict() == {}
 
 
+ANCHOR = r"anchors/00000000.safetensors \(version 0\): "
+
+
+@pytest.mark.parametrize(
+    ("edit", "fix_pointer", "error", "pattern"),
+    [
+        # Streamed into the tensors as it is read: a file that is not the pointer's says so,
+        # wherever it differs, before anything else (even where its header no longer parses).
+        (lambda d: d[:-5], False, IntegrityError, r"\d+ bytes, the pointer says \d+ \(truncated or replaced\)"),
+        (lambda d: d[:100], False, IntegrityError, r"100 bytes, the pointer says \d+ \(truncated or replaced\)"),
+        (lambda d: d + b"x", False, IntegrityError, r"more than \d+ bytes, the pointer says \d+ \(truncated or replaced\)"),
+        (lambda d: d[:10] + b"!" + d[11:], False, IntegrityError, r"SHA-256 .* \(corrupted or tampered\)"),
+        (lambda d: d[:-1] + bytes([d[-1] ^ 1]), False, IntegrityError, r"SHA-256 .* \(corrupted or tampered\)"),
+        # The pointer rewritten to match: the file's own checks speak.
+        (lambda d: d[:10] + b"!" + d[11:], True, FormatError, r"not a readable safetensors file \(tensor .!_metadata__. has"),
+        (lambda d: d[: len(d) // 2], True, FormatError, r"not a readable safetensors file"),
+    ],
+    ids=["truncated", "header-only", "longer", "header-byte", "value-byte", "header-byte-matching", "half-matching"],
+)
+def test_a_bad_anchor_is_refused_while_streaming(chain, edit, fix_pointer, error, pattern) -> None:
+    store, _ = chain
+    replace_file(store, 0, edit(store.read_bytes("anchors/00000000.safetensors")), kind="anchor", fix_pointer=fix_pointer)
+    fresh = DeltaReceiver(store)
+    with pytest.raises(error, match=ANCHOR + pattern):
+        fresh.sync()
+    assert fresh.version is None and fresh.state_dict() == {}
+
+
 def test_receiver_recovers_once_the_bucket_is_repaired(chain) -> None:
     store, receiver = chain
     good = store.read_bytes("deltas/00000002.safetensors")

@@ -414,6 +414,24 @@ def test_failed_stream_leaves_the_old_file(store: Store) -> None:
 def test_read_buffer_of_a_missing_file_is_not_found(store: Store) -> None:
     with pytest.raises(NotFoundError, match="latest.json"):
         read_buffer(store, "latest.json", 100)
+    with pytest.raises(NotFoundError, match="latest.json"):
+        store.open_read("latest.json").__enter__()  # type: ignore[attr-defined]
+
+
+def test_open_read_reads_in_pieces_into_the_callers_buffers(store: Store) -> None:
+    whole = bytes(range(256)) * 40
+    store.write_bytes("anchors/00000003.safetensors", whole)
+    got = bytearray(len(whole))
+    with store.open_read("anchors/00000003.safetensors") as f:  # type: ignore[attr-defined]
+        view, filled = memoryview(got), 0
+        for size in (8, 1000, 3000, len(whole)):  # pieces of the reader's choosing
+            while filled < min(size, len(whole)):
+                n = f.readinto(view[filled : min(size, len(whole))])
+                assert n > 0
+                filled += n
+        del view
+        assert f.read(1) == b""
+    assert got == whole
 
 
 def test_a_five_method_store_still_streams_and_reads_buffers() -> None:
