@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -123,18 +124,59 @@ class BF16ChangeDetector:
                         "optimizer), or freeze them with requires_grad_(False)"
                     )
             self._tracked = {n: p for n, p in params.items() if p.requires_grad and id(p) in in_optimizer}
-            self._hook = inner.register_step_post_hook(self._on_step)
-            # name -> number of the last optimizer step that touched it
-            self._marks: dict[str, int] | None = {}
+            self._hook_optimizer(inner)
         else:
             self._tracked = {n: p for n, p in params.items() if p.requires_grad}
-            self._hook = None
-            self._marks = None
+            self._hook_optimizer(None)
         if self.layout is not None:
             # Only what this rank owns is compared here; other ranks own the rest.
             self._tracked = {n: p for n, p in self._tracked.items() if self._slices[n].end > self._slices[n].begin}
         self._by_id = {id(p): n for n, p in self._tracked.items()}
         self._init_state()
+
+    def _hook_optimizer(self, inner: torch.optim.Optimizer | None) -> None:
+        """Hook the optimizer that steps (``None``: no optimizer, every parameter may change)."""
+        self._hooks = [] if inner is None else [
+            inner.register_step_post_hook(self._on_step),
+            inner.register_step_pre_hook(self._before_step),
+        ]
+        # name -> number of the last optimizer step that touched it
+        self._marks: dict[str, int] | None = None if inner is None else {}
+        self._gate: threading.Event | None = None
+        self._gate_waiting: float | None = None
+
+    @property
+    def overlap_problem(self) -> str | None:
+        """Why :meth:`changes` may not run in another thread while the trainer goes on to its
+        next gradients, or None if it may (it needs the optimizer, whose next step it holds)."""
+        if not self._hooks:
+            return "the detector was built without the optimizer, whose next step it must hold"
+        return None
+
+    def hold_next_step(self) -> Callable[[], float]:
+        """Make the optimizer's next step wait, until the returned ``release()`` is called.
+
+        So a capture may run in another thread while the trainer computes its next gradients:
+        nothing changes the weights before the step. ``release()`` returns the seconds a step
+        waited for it (0 if none came in the meantime)."""
+        problem = self.overlap_problem
+        if problem is not None:
+            raise ConfigError(f"cannot hold the next step: {problem}")
+        gate = self._gate = threading.Event()
+
+        def release() -> float:
+            now, since = time.perf_counter(), self._gate_waiting
+            gate.set()
+            return 0.0 if since is None else now - since
+
+        return release
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        gate = self._gate
+        if gate is not None and not gate.is_set():
+            self._gate_waiting = time.perf_counter()
+            gate.wait()
+        self._gate, self._gate_waiting = None, None
 
     def _init_state(self) -> None:
         """State shared by every detector variant; takes the first snapshot."""
@@ -325,10 +367,10 @@ class BF16ChangeDetector:
             yield snap[lo : lo + CHUNK]
 
     def close(self) -> None:
-        """Remove the optimizer hook."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        """Remove the optimizer hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
 
 def _merge(old: tuple[torch.Tensor, torch.Tensor] | None, index: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

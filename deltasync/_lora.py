@@ -474,18 +474,18 @@ class MergedChangeDetector(BF16ChangeDetector):
             layer = layers[name]
             for param in (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight):
                 self._by_id[id(param)] = name
-        if optimizer is not None:
-            inner = _inner_optimizer(optimizer)
-            self._hook = inner.register_step_post_hook(self._on_step)
-            self._marks: dict[str, int] | None = {}
-        else:
-            self._hook = None
-            self._marks = None
+        self._hook_optimizer(None if optimizer is None else _inner_optimizer(optimizer))
         self._init_state()
 
     def reset(self) -> None:
         self._model.prepare()  # type: ignore[attr-defined]
         super().reset()
+
+    @property
+    def overlap_problem(self) -> str | None:
+        if self._model.__dict__["sharded"]:
+            return "merged LoRA weights under FSDP2 are gathered by a collective of the training process group"
+        return super().overlap_problem
 
     def changes(self) -> dict[str, Change]:
         self._model.prepare()  # type: ignore[attr-defined]

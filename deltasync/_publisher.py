@@ -78,6 +78,13 @@ class PublishOptions:
     snapshot_device: str | None = "cpu"
     """Where the detector keeps the last published bf16 state: "cpu", or None for each
     parameter's own device."""
+    capture: str = "submit"
+    """When a version's changes are found: "submit" (in :meth:`DeltaPublisher.submit`, which
+    returns once they are copied out) or "overlap" (in the background thread, while the
+    trainer computes its next gradients; the optimizer's next step waits until the capture is
+    done, so the version is still exactly the weights at ``submit()``). "overlap" needs the
+    optimizer, and nothing but the optimizer may change the weights between ``submit()`` and
+    the next step (a weight tie set by hand, a ``load_state_dict``)."""
     stale_temp_seconds: float = 3600.0
     """Temporary files of writes (local buckets) older than this are deleted when the publisher
     starts and after each anchor: a writer killed mid-write leaves one behind."""
@@ -95,6 +102,8 @@ class PublishOptions:
             raise ConfigError(f"zstd_level={self.zstd_level} is set but codec is {self.codec!r}; drop one of them")
         if not 1 <= self.keep_anchors <= MAX_ANCHORS:
             raise ConfigError(f"keep_anchors must be in 1..{MAX_ANCHORS} (the newest anchor is always kept), got {self.keep_anchors}")
+        if self.capture not in _CAPTURES:
+            raise ConfigError(f"capture must be one of {', '.join(map(repr, _CAPTURES))}, got {self.capture!r}")
         if not self.stale_temp_seconds > 0:
             raise ConfigError(f"stale_temp_seconds must be > 0, got {self.stale_temp_seconds}")
 
@@ -119,8 +128,9 @@ class PublishResult:
     seconds: float
     """Wall time from the capture to the commit."""
     blocked_s: float = 0.0
-    """Seconds the caller of :meth:`DeltaPublisher.submit` was held: waiting for the version
-    before it, and capturing this one."""
+    """Seconds the trainer was held for this version: in :meth:`DeltaPublisher.submit`,
+    waiting for the version before it and capturing this one; with ``capture="overlap"``,
+    the seconds its next optimizer step waited for the capture instead."""
     anchor_scheduled: bool = False
     """An anchor of this version is being written beside its delta, in the background."""
     warnings: tuple[str, ...] = ()
@@ -163,14 +173,19 @@ class _Chain:
     """The version of the newest anchor started (complete, or being written)."""
 
 
+_CAPTURES = ("submit", "overlap")
+
+
 @dataclass
 class _Capture:
     version: int
-    changes: dict[str, Change]
+    changes: dict[str, Change] | None
+    """None until found, when the capture overlaps the next step (``release`` then lets it go)."""
     fingerprint: str
     forced_anchor: bool
     started: float
     blocked_s: float
+    release: Callable[[], float] | None = None
 
 
 class DeltaPublisher:
@@ -217,6 +232,9 @@ class DeltaPublisher:
         self.detector = detector or BF16ChangeDetector(
             model, optimizer, snapshot_device=self.options.snapshot_device
         )
+        problem = self.detector.overlap_problem if self.options.capture == "overlap" else None
+        if problem is not None:
+            raise ConfigError(f"capture='overlap' is not possible here: {problem}; use capture='submit'")
         named = list(named_parameters(model))
         self._layout: ShardLayout = self.detector.layout or solo_layout(named)
         self._numels = {name: s.numel for name, s in self._layout.slices.items()}
@@ -357,10 +375,23 @@ class DeltaPublisher:
             # A new chain: its first version has an anchor and no delta.
             self.detector.reset()
             return _Capture(version, {}, "", True, start, time.perf_counter() - start)
-        chain = self._chain
-        changes, shares = layout.agree(f"detecting the changes of version {version}", self._local_changes)
-        fp = format_fingerprint(parse_fingerprint(chain.fingerprint) + sum(shares))
-        return _Capture(version, changes, fp, anchor, start, time.perf_counter() - start)
+        if self.options.capture == "overlap":
+            release = self.detector.hold_next_step()
+            return _Capture(version, None, "", anchor, start, time.perf_counter() - start, release)
+        return self._detect(_Capture(version, None, "", anchor, start, 0.0), None)
+
+    def _detect(self, capture: _Capture, group: Any) -> _Capture:
+        """``capture`` with its changes found (collective, over ``group``), and, overlapping
+        the next step, that step let go (it may have waited: that counts as blocked)."""
+        assert self._chain is not None
+        try:
+            changes, shares = self._layout.agree(
+                f"detecting the changes of version {capture.version}", self._local_changes, group
+            )
+        finally:
+            waited = capture.release() if capture.release is not None else time.perf_counter() - capture.started
+        fp = format_fingerprint(parse_fingerprint(self._chain.fingerprint) + sum(shares))
+        return replace(capture, changes=changes, fingerprint=fp, blocked_s=capture.blocked_s + waited, release=None)
 
     def _local_changes(self) -> tuple[dict[str, Change], int]:
         """This rank's changes and its share of the fingerprint's move (0 on ranks that own nothing)."""
@@ -373,6 +404,8 @@ class DeltaPublisher:
     def _run(self, future: PublishFuture, capture: _Capture) -> None:
         release_free_memory()  # what the versions before freed, before this one allocates
         try:
+            if capture.changes is None and self._chain is not None:
+                capture = self._detect(capture, self._delta_group)
             result = self._publish_root(capture) if self._chain is None else self._publish_delta(capture)
         except BaseException as exc:  # noqa: BLE001 - handed to the future
             future.set_exception(exc)
@@ -387,6 +420,7 @@ class DeltaPublisher:
         split = layout.parts > 1
         path = part_path("delta", version, layout.part) if split else delta_path(version)
         changes = capture.changes
+        assert changes is not None
 
         def write() -> tuple[None, PartEntry | None]:
             if not layout.writer:

@@ -285,3 +285,89 @@ def test_killed_mid_anchor_the_chain_is_as_the_last_commit_left_it(tmp_path: Pat
     receiver.sync()
     assert_state(receiver, expected)
     assert not [p for p in open_store(bucket).list() if p.startswith("anchors/00000002")]
+
+
+# --------------------------------------------------------------------------- capture="overlap"
+
+
+def slow_detector(publisher: DeltaPublisher, monkeypatch, fail: bool = False) -> tuple[threading.Event, threading.Event]:
+    """Make the publisher's next capture wait for ``go`` (and then fail, with ``fail``)."""
+    entered, go = threading.Event(), threading.Event()
+    real = publisher.detector.changes
+
+    def changes():  # type: ignore[no-untyped-def]
+        entered.set()
+        assert go.wait(10)
+        if fail:
+            raise RuntimeError("the detector broke")
+        return real()
+
+    monkeypatch.setattr(publisher.detector, "changes", changes)
+    return entered, go
+
+
+def stepping(model, opt, seed: int) -> tuple[threading.Thread, threading.Event]:  # type: ignore[no-untyped-def]
+    """The trainer's next step (gradients, then the optimizer) in a thread."""
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (train_step(model, opt, seed=seed), done.set()))
+    thread.start()
+    return thread, done
+
+
+def test_an_overlapping_capture_holds_the_next_step_not_the_submit(tmp_path: Path, monkeypatch) -> None:
+    model, opt = trainer()
+    receiver = DeltaReceiver(tmp_path / "bucket")
+    with DeltaPublisher(tmp_path / "bucket", model, opt, capture="overlap") as publisher:
+        publisher.publish()
+        train_step(model, opt, seed=1)
+        expected = bits(bf16_state_dict(model))
+        entered, go = slow_detector(publisher, monkeypatch)
+        future = publisher.submit()  # returns before the changes are found
+        assert entered.wait(10) and not future.done()
+        thread, stepped = stepping(model, opt, seed=2)  # the next gradients go on meanwhile
+        assert not stepped.wait(1.0)  # its optimizer step waits for the capture
+        assert all(torch.equal(v, expected[k]) for k, v in bits(bf16_state_dict(model)).items())  # untouched
+        go.set()
+        thread.join(10)
+        assert stepped.is_set()
+        result = future.result()
+        assert (result.version, result.kind) == (1, "delta")
+        assert 0.5 < result.blocked_s < result.seconds  # the step's wait counts as blocked
+        receiver.sync(1)
+        assert_state(receiver, expected)  # exactly the weights at submit(), not after the step
+        expected = bits(bf16_state_dict(model))
+        assert publisher.publish().version == 2  # the step after it is in the next version
+        receiver.sync()
+        assert_state(receiver, expected)
+
+
+def test_an_overlapping_capture_that_fails_lets_the_step_go(tmp_path: Path, monkeypatch) -> None:
+    model, opt = trainer()
+    receiver = DeltaReceiver(tmp_path / "bucket")
+    with DeltaPublisher(tmp_path / "bucket", model, opt, capture="overlap") as publisher:
+        publisher.publish()
+        train_step(model, opt, seed=1)
+        _, go = slow_detector(publisher, monkeypatch, fail=True)
+        future = publisher.submit()
+        thread, stepped = stepping(model, opt, seed=2)
+        go.set()
+        thread.join(10)
+        assert stepped.is_set()  # never left waiting on a capture that failed
+        with pytest.raises(RuntimeError, match="the detector broke"):
+            future.result()
+        monkeypatch.undo()
+        expected = bits(bf16_state_dict(model))
+        assert publisher.publish().version == 1  # both steps, exactly
+        receiver.sync()
+        assert_state(receiver, expected)
+
+
+def test_an_overlapping_capture_needs_the_optimizer(tmp_path: Path) -> None:
+    from deltasync import ConfigError, PublishOptions
+
+    model, _ = trainer()
+    with pytest.raises(ConfigError, match="capture='overlap' is not possible here: the detector was built without the optimizer"):
+        DeltaPublisher(tmp_path / "bucket", model, None, capture="overlap")
+    with pytest.raises(ConfigError, match="capture must be one of 'submit', 'overlap', got 'later'"):
+        PublishOptions(capture="later")
+    assert not open_store(tmp_path / "bucket").list()  # refused before anything was written
