@@ -92,4 +92,26 @@ def run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
             assert (staged.kind, staged.versions) == ("anchor", [9]), staged.versions
             late.apply(staged)
             assert_exact(late, states[9], "late joiner")
+        overlap(net, opt, rank, Path(root) / "overlap")
+        if rank == 0:
             Path(out).write_text("ok")
+
+
+def overlap(net, opt, rank: int, bucket: Path) -> None:  # type: ignore[no-untyped-def]
+    """capture="overlap": each rank's capture agrees over the publisher's own group in its
+    thread while the next forward and backward run FSDP2's collectives on the training group;
+    the optimizer step waits for the capture. Every version is the weights at its submit()."""
+    pub = DeltaPublisher(bucket, net, opt, capture="overlap", anchor_every=2, anchor_bytes_ratio=0)
+    states, futures = {}, {}
+    for version in range(5):
+        states[version] = gathered(net)
+        futures[version] = pub.submit()
+        step(net, opt, seed=700 + 10 * version + rank)  # beside the capture; its step waits for it
+    results = {version: future.result() for version, future in futures.items()}
+    pub.close()
+    assert [r.version for r in results.values()] == list(range(5)), results
+    if rank == 0:
+        receiver = DeltaReceiver(bucket)
+        for version in range(5):
+            receiver.sync(version)
+            assert_exact(receiver, states[version], f"overlap version {version}")
