@@ -101,7 +101,7 @@ def overlap(net, opt, rank: int, bucket: Path) -> None:  # type: ignore[no-untyp
     """capture="overlap": each rank's capture agrees over the publisher's own group in its
     thread while the next forward and backward run FSDP2's collectives on the training group;
     the optimizer step waits for the capture. Every version is the weights at its submit()."""
-    pub = DeltaPublisher(bucket, net, opt, capture="overlap", anchor_every=2, anchor_bytes_ratio=0)
+    pub = DeltaPublisher(bucket, net, opt, capture="overlap", anchor_every=10, anchor_bytes_ratio=0)
     states, futures = {}, {}
     for version in range(5):
         states[version] = gathered(net)
