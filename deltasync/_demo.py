@@ -18,15 +18,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import re
 import sys
 import time
+import warnings
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
 from ._errors import DeltaSyncError
 
-__all__ = ["add_parser", "run", "reward_target_letter"]
+__all__ = ["NOISE", "NOISE_LOGS", "TRAINER_ENV", "add_parser", "run", "reward_target_letter", "silence_noise"]
 
 TARGET = "e"
 #: Subjects of the prompts ("Say one word about the sea.").
@@ -81,11 +85,57 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
+#: Warnings the demo silences, each known to be noise here: (start of the message, category).
+NOISE: tuple[tuple[str, type[Warning]], ...] = (
+    # TRL 1.16 checks the installed vLLM against 0.22-0.31 each time one of its modules asks,
+    # in the trainer and in its rollout process. The demo's trainer never drives vLLM (rollouts
+    # go over HTTP, weights through the bucket), and deltasync's tests run TRL 1.16 against the
+    # vLLM it pins.
+    ("TRL currently supports vLLM versions", UserWarning),
+)
+#: Log records the demo drops, each known to be noise here: (logger, start of the message).
+NOISE_LOGS = (
+    # TRL's async GRPO trainer adds two StepIntervalCallbacks on purpose (weight sync and
+    # metrics, each on its own interval); transformers warns about any class added twice.
+    ("transformers.trainer_callback", "You are adding a <class 'trl.experimental.async_grpo"),
+)
+#: The trainer and TRL's rollout process import vLLM through TRL's helpers and run none of it;
+#: vLLM's log there is import-time notices about kernels for a GPU ("Triton is installed, but
+#: doesn't include CPU backend"). Set in the environment once the server runs, so the server's
+#: own log keeps its level, and the spawned rollout process inherits it.
+TRAINER_ENV = {"VLLM_LOGGING_LEVEL": "ERROR"}
+
+
+class _DropLog(logging.Filter):
+    """Drops the records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def silence_noise(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Silence :data:`NOISE` and :data:`NOISE_LOGS` in this process, and :data:`NOISE` in the
+    processes it starts (they read ``PYTHONWARNINGS``, TRL's spawned rollout worker too)."""
+    for message, category in NOISE:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category)
+    for name, prefix in NOISE_LOGS:
+        logging.getLogger(name).addFilter(_DropLog(prefix))
+    # -W syntax, action:message:category; the message is matched literally, at the start.
+    options = [f"ignore:{message}:{category.__name__}" for message, category in NOISE]
+    present = [o for o in environ.get("PYTHONWARNINGS", "").split(",") if o]
+    environ["PYTHONWARNINGS"] = ",".join(present + [o for o in options if o not in present])
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    silence_noise()
     import torch
 
     torch.set_num_threads(1)
@@ -124,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     )
     server.start(timeout=600)
     _say(f"      server ready at {server.url} (log: {out / 'vllm-server.log'})")
+    os.environ.update(TRAINER_ENV)
     try:
         code = _train(args, out, bucket, model_dir, server.url, started)
     finally:

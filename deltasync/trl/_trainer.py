@@ -25,6 +25,7 @@ from .._client import RolloutClient, ServerResult, UpdateReport
 from .._errors import ConfigError
 from .._publisher import DeltaPublisher, PublishFuture, PublishOptions, PublishResult
 from ._cpu_compat import async_grpo_cpu_patches, bf16_training_available, has_cuda
+from ._rollout import drain_on_stop
 
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "DeltaSyncConfig"]
 
@@ -164,6 +165,8 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         else:
             with async_grpo_cpu_patches():
                 super().__init__(*args, **kwargs)
+        if getattr(self, "rollout_worker", None) is not None:  # the main process's
+            drain_on_stop(self.rollout_worker)  # so the run ends when training does, not 15 s later
         self._peft_sync: str | None = None
         if delta_sync is not None:
             from ._lora import choose_peft_sync
