@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .._errors import NotFoundError, StoreError
-from ._base import check_path, check_prefix, read_into_buffer
+from ._base import LimitedReads, check_path, check_prefix, read_into_buffer
 
 __all__ = ["LocalStore"]
 
@@ -19,7 +19,7 @@ __all__ = ["LocalStore"]
 _TEMP_RE = re.compile(r"^\..+\.\d+\.[0-9a-f]+\.tmp$")
 
 
-class LocalStore:
+class LocalStore(LimitedReads):
     """Files under a root directory; the directory is created on the first write.
 
     Writes go to a temporary file in the target's own directory, are fsync'ed, then renamed
