@@ -30,7 +30,7 @@ from typing import Any
 
 from ._errors import DeltaSyncError
 
-__all__ = ["NOISE", "NOISE_LOGS", "TRAINER_ENV", "add_parser", "run", "reward_target_letter", "silence_noise"]
+__all__ = ["NOISE", "NOISE_LOGS", "add_parser", "run", "reward_target_letter", "silence_noise"]
 
 TARGET = "e"
 #: Subjects of the prompts ("Say one word about the sea.").
@@ -98,12 +98,11 @@ NOISE_LOGS = (
     # TRL's async GRPO trainer adds two StepIntervalCallbacks on purpose (weight sync and
     # metrics, each on its own interval); transformers warns about any class added twice.
     ("transformers.trainer_callback", "You are adding a <class 'trl.experimental.async_grpo"),
+    # The trainer imports vLLM only through TRL's helpers and runs none of its kernels. (TRL's
+    # spawned rollout process logs it once more: no setting of ours reaches it before it
+    # imports vLLM, and vLLM's own log level does not apply that early.)
+    ("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend"),
 )
-#: The trainer and TRL's rollout process import vLLM through TRL's helpers and run none of it;
-#: vLLM's log there is import-time notices about kernels for a GPU ("Triton is installed, but
-#: doesn't include CPU backend"). Set in the environment once the server runs, so the server's
-#: own log keeps its level, and the spawned rollout process inherits it.
-TRAINER_ENV = {"VLLM_LOGGING_LEVEL": "ERROR"}
 
 
 class _DropLog(logging.Filter):
@@ -139,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from ._serve import BUCKET_ENV, PLAIN_GEMM_ENV, extension_args
+    from ._env import BUCKET_ENV, PLAIN_GEMM_ENV
+    from ._serve import extension_args
     from ._server import VLLMServer
     from .stores import open_store
     from .tiny import build_tiny_model, fit_tiny_model
@@ -174,7 +174,6 @@ def run(args: argparse.Namespace) -> int:
     )
     server.start(timeout=600)
     _say(f"      server ready at {server.url} (log: {out / 'vllm-server.log'})")
-    os.environ.update(TRAINER_ENV)
     try:
         code = _train(args, out, bucket, model_dir, server.url, started)
     finally:

@@ -16,19 +16,20 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 from weakref import WeakKeyDictionary
 
 import torch
 
 from deltasync import ConfigError, DeltaReceiver, DeltaSyncError, VersionError
-from deltasync._auth import TOKEN_ENV, check_update_tag
+from deltasync._auth import check_update_tag
+from deltasync._env import BUCKET_ENV, TEST_HOOKS_ENV
 from deltasync._errors import UpdateError
-from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus
+from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus, check_version
 
 from ._checkpoint import ServedCheckpoint
+from ._config import ServerConfig
 from ._live_target import LiveTarget, plan_in_place
 from ._ranks import agree, is_last_rank
 from ._reload_target import ReloadTarget
@@ -37,25 +38,6 @@ from ._target import Refused, Staged, UpdateTarget
 __all__ = ["BUCKET_ENV", "TEST_HOOKS_ENV", "ServerConfig", "UpdateError", "WorkerUpdater", "updater_for"]
 
 logger = logging.getLogger(__name__)
-
-#: The environment variable naming the bucket a server follows.
-BUCKET_ENV = "DELTASYNC_BUCKET"
-#: "1" enables the test-only RPCs (changing a live element, failing after a write).
-TEST_HOOKS_ENV = "DELTASYNC_TEST_HOOKS"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServerConfig:
-    """What a server reads from its environment once, at start-up."""
-
-    bucket: str | None
-    """The bucket it follows (``DELTASYNC_BUCKET``); no request can name another."""
-    token: str | None
-    """The shared secret (``DELTASYNC_TOKEN``); None leaves updates unauthenticated."""
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> ServerConfig:
-        return cls(bucket=environ.get(BUCKET_ENV) or None, token=environ.get(TOKEN_ENV) or None)
 
 
 class _Prefetch:
@@ -145,7 +127,7 @@ class WorkerUpdater:
         Returns a :class:`~deltasync._messages.PrefetchState` as plain data."""
         self.target.settle()
         try:
-            version = _check_version(version)
+            version = check_version(version)
             check_update_tag(self.config.token, version, auth)
             receiver = self._open_receiver()
             latest = receiver.latest()
@@ -188,7 +170,7 @@ class WorkerUpdater:
         error: str | None = None
         prefetched = False
         try:
-            version = _check_version(version)
+            version = check_version(version)
             check_update_tag(self.config.token, version, auth)
             receiver = self._open_receiver()
             self._check_not_older(version)
@@ -340,12 +322,6 @@ class WorkerUpdater:
             job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
             return
         job.staged, job.state = staged, "ready"
-
-
-def _check_version(version: object) -> int:
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise VersionError(f"the version must be a non-negative integer, got {version!r}")
-    return version
 
 
 def _version_or_none(version: object) -> int | None:

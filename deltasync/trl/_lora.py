@@ -11,7 +11,6 @@ the server's vLLM serves LoRA on.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 from .._client import RolloutClient
@@ -97,7 +96,7 @@ def _decide(trainer: AsyncGRPOTrainer, config: DeltaSyncConfig, model: Any) -> s
     if config.peft_sync == "merged":
         return "merged"
     urls = config.server_urls or [trainer.args.vllm_server_base_url]
-    token = config.token if config.token is not None else os.environ.get("DELTASYNC_TOKEN") or None
+    token = config.server_token()
     probes = {url: server_lora_config(url, token) for url in urls}
     without = [url for url, (lora, _) in probes.items() if lora is None]
     data_parallel = [url for url, (_, dp) in probes.items() if dp > 1]

@@ -20,7 +20,7 @@ from typing import Any
 from trl.experimental.async_grpo import AsyncGRPOConfig as _TRLAsyncGRPOConfig
 from trl.experimental.async_grpo import AsyncGRPOTrainer as _TRLAsyncGRPOTrainer
 
-from .._auth import TOKEN_ENV
+from .._env import TOKEN_ENV
 from .._client import RolloutClient, ServerResult, UpdateReport
 from .._errors import ConfigError
 from .._publisher import DeltaPublisher, PublishFuture, PublishOptions, PublishResult
@@ -65,6 +65,11 @@ class DeltaSyncConfig:
     weights), or None to decide from the servers' ``lora_config`` as TRL does."""
     lora_name: str = "trl-policy"
     """Adapter mode: adapters are served as ``<lora_name>-v<version>``."""
+
+    def server_token(self) -> str | None:
+        """:attr:`token`, or else the trainer's ``DELTASYNC_TOKEN`` (None when neither is set):
+        the one place the trainer reads its environment."""
+        return self.token if self.token is not None else os.environ.get(TOKEN_ENV) or None
 
     def __post_init__(self) -> None:
         if not isinstance(self.publish, PublishOptions):
@@ -183,7 +188,7 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         assert config is not None
         bucket = config.bucket or os.path.join(self.args.output_dir, "deltasync-bucket")
         urls = config.server_urls or [self.args.vllm_server_base_url]
-        token = config.token if config.token is not None else os.environ.get(TOKEN_ENV) or None
+        token = config.server_token()
         if self._peft_sync is not None:
             from ._lora import start_peft_sync
 
