@@ -13,7 +13,6 @@ during it puts every rank back.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import replace
@@ -79,12 +78,11 @@ class WorkerUpdater:
         self.last_error: dict[str, Any] | None = None
         self._receiver: DeltaReceiver | None = None
         self._prefetch: _Prefetch | None = None
-        self._fail_after_write = False
         live, self.fallback = plan_in_place(model, vllm_config, packed, self.checkpoint)
         """Checkpoint names rebuilt through vLLM's layerwise reload, and why."""
         self.target: UpdateTarget = (
             ReloadTarget(model, vllm_config, packed, self.checkpoint) if live is None
-            else LiveTarget(live, self.checkpoint, self.rank, self._after_write)
+            else LiveTarget(live, self.checkpoint, self.rank, _no_hook)  # vllm_ext.testing may set one
         )  # fmt: skip
 
     @property
@@ -209,57 +207,6 @@ class WorkerUpdater:
         self.target.settle()
         return self.target.verify()
 
-    # ------------------------------------------------------------------ test hooks
-
-    def _check_hooks(self) -> None:
-        if os.environ.get(TEST_HOOKS_ENV) != "1":
-            raise ConfigError(f"test hooks are off; start the server with {TEST_HOOKS_ENV}=1")
-
-    def test_poke(self, name: str, index: int, bits: int) -> bool:
-        """Change one live element (test only)."""
-        self._check_hooks()
-        self.target.settle()
-        if not isinstance(self.target, LiveTarget):
-            raise ConfigError("poke needs in-place mode")
-        return self.target.live.poke(name, index, bits)
-
-    def test_fail_after_write(self, rank: int) -> None:
-        """Make the next in-place write fail on ``rank`` after it wrote (test only)."""
-        self._check_hooks()
-        self._fail_after_write = rank == self.rank
-
-    def test_tensor_bytes(self) -> dict[str, int]:
-        """Bytes of CPU tensors alive in this process, beyond the model's parameters, that are
-        shaped like a checkpoint tensor: what an HF-named copy would be made of (test only)."""
-        import gc
-
-        self._check_hooks()
-        gc.collect()
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters() if p.numel()}
-        params |= {b.untyped_storage().data_ptr() for b in self.model.buffers() if b.numel()}
-        shapes = {tuple(shape) for shape in (self.checkpoint.shapes or {}).values()}
-        seen: set[int] = set()
-        total = 0
-        largest = 0
-        for obj in gc.get_objects():
-            if (
-                isinstance(obj, torch.Tensor)
-                and obj.device.type == "cpu"
-                and not obj.is_meta
-                and tuple(obj.shape) in shapes
-            ):
-                try:
-                    ptr = obj.untyped_storage().data_ptr()
-                except RuntimeError:
-                    continue
-                if ptr in params or ptr in seen or ptr == 0:
-                    continue
-                seen.add(ptr)
-                n = obj.untyped_storage().nbytes()
-                total += n
-                largest = max(largest, n)
-        return {"bytes": total, "largest": largest}
-
     # ------------------------------------------------------------------ internals
 
     def _fail(self, version: object, message: str) -> dict[str, Any]:
@@ -278,12 +225,6 @@ class WorkerUpdater:
     def _refuse_prefetch(self, version: object, message: str) -> dict[str, Any]:
         answer = self._fail(version, message)
         return PrefetchState(version=answer["version"], state="refused", error=message).to_json()
-
-    def _after_write(self) -> None:
-        """Called by the live target after a delta is written (see :meth:`test_fail_after_write`)."""
-        if self._fail_after_write:
-            self._fail_after_write = False
-            raise UpdateError(f"a failure injected after rank {self.rank} wrote (test hook)")
 
     def _check_not_older(self, version: int) -> None:
         served = self.target.served()[0]
@@ -322,6 +263,10 @@ class WorkerUpdater:
             job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
             return
         job.staged, job.state = staged, "ready"
+
+
+def _no_hook() -> None:
+    pass
 
 
 def _version_or_none(version: object) -> int | None:
