@@ -40,6 +40,7 @@ import torch
 
 from deltasync import AuthError, DeltaReceiver, DeltaSyncError, VersionError
 from deltasync._auth import check_update_tag
+from deltasync._env import BUCKET_ENV
 from deltasync._format import anchor_path, part_path, read_metadata
 from deltasync._lora import (
     ADAPTER_CONFIG_KEY,
@@ -54,7 +55,6 @@ from deltasync._lora import (
     check_adapter_modules,
     fingerprint_sum,
 )
-from deltasync._env import BUCKET_ENV
 from deltasync._messages import check_version
 
 from ._asgi import answer, error_body, read_body, refused

@@ -73,7 +73,6 @@ PUBLIC_ROUTES = frozenset(
     }
 )
 
-
 _SEPARATORS = re.compile(r"[\s,]+")
 
 

@@ -80,7 +80,11 @@ class FollowConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> FollowConfig:
-        config = ServerConfig.from_env(environ)
+        return cls.of(ServerConfig.from_env(environ))
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> FollowConfig:
+        """Follow mode's part of the server's settings."""
         return cls(enabled=config.follow, interval=config.follow_interval, bucket=config.bucket)
 
 

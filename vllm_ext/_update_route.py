@@ -35,8 +35,8 @@ from deltasync._auth import bearer_matches
 from deltasync._client import STATUS_ROUTE, UPDATE_ROUTE, VERSION_HEADER
 
 from ._asgi import answer, error_body, header, read_body, refused, unauthorized
-from ._middleware import route_path
 from ._config import ServerConfig
+from ._middleware import route_path
 from ._server_sync import FollowConfig, ServerSync, cache_salt
 
 __all__ = ["STATUS_ROUTE", "UPDATE_ROUTE", "VERSIONS_HEADER", "VERSION_HEADER", "UpdateMiddleware"]
@@ -63,7 +63,7 @@ class UpdateMiddleware:
         self.app = app
         config = ServerConfig.from_env()
         self.token = token if token is not None else config.token
-        self.follow = follow or FollowConfig(enabled=config.follow, interval=config.follow_interval, bucket=config.bucket)
+        self.follow = follow or FollowConfig.of(config)
         self.update_mode = update_mode or config.update_mode
         self.sync: ServerSync | None = None
 
