@@ -12,13 +12,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from ._env import TOKEN_ENV
 from ._errors import AuthError
 
 __all__ = ["TOKEN_ENV", "update_tag", "check_update_tag", "bearer_matches"]
-
-#: The environment variable that holds the shared token on the server (and, by default,
-#: for ``deltasync serve``).
-TOKEN_ENV = "DELTASYNC_TOKEN"
 
 
 def update_tag(token: str, version: int) -> str:

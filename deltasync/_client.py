@@ -37,8 +37,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._auth import update_tag
-from ._errors import ConfigError, FormatError, VersionError
-from ._messages import ServedBody
+from ._errors import ConfigError, FormatError
+from ._messages import ServedBody, check_version
 
 if TYPE_CHECKING:
     import httpx
@@ -283,7 +283,7 @@ class RolloutClient:
         ``vllm_ext.UpdateMiddleware`` whose parameters are all patched in place, else they pause
         and say so) or "pause"; None: each server's own ``--update-mode``.
         """
-        version = _check_version(version)
+        version = check_version(version)
         if mode not in (None, "pause", "inflight"):
             raise ConfigError(f"mode must be 'pause', 'inflight' or None (the server's own), got {mode!r}")
         tag = self._tag(version)
@@ -295,7 +295,7 @@ class RolloutClient:
 
         A later :meth:`update` to the same version then only loads it. Returns at once.
         """
-        version = _check_version(version)
+        version = check_version(version)
         tag = self._tag(version)
         results = self._each(lambda server: self._prefetch_one(server, version, tag))
         return {r.url: r for r in results}
@@ -307,7 +307,7 @@ class RolloutClient:
         Returns url -> whether that server has it staged; a server that failed to prefetch, or
         doesn't answer, is False (its update will stage again, or report the error).
         """
-        version = _check_version(version)
+        version = check_version(version)
         deadline = time.monotonic() + timeout
         done: dict[str, bool] = {}
         while True:
@@ -336,7 +336,7 @@ class RolloutClient:
     def wait_served(self, version: int, *, timeout: float = 600.0, poll: float = 0.1) -> dict[str, ServerStatus]:
         """Wait until every server reports serving ``version`` or newer (followers move by
         themselves), or ``timeout`` passes; returns what each reports last."""
-        version = _check_version(version)
+        version = check_version(version)
         deadline = time.monotonic() + timeout
         while True:
             states = self.served()
@@ -531,8 +531,3 @@ def _last_update(state: ServerStatus, version: int) -> dict[str, Any]:
         "apply_s": max(float(r.get("apply_s", 0.0)) for r in records),
     }
 
-
-def _check_version(version: object) -> int:
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise VersionError(f"version must be a non-negative integer, got {version!r}")
-    return version

@@ -18,15 +18,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import re
 import sys
 import time
+import warnings
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
 from ._errors import DeltaSyncError
 
-__all__ = ["add_parser", "run", "reward_target_letter"]
+__all__ = ["NOISE", "NOISE_LOGS", "add_parser", "run", "reward_target_letter", "silence_noise"]
 
 TARGET = "e"
 #: Subjects of the prompts ("Say one word about the sea.").
@@ -81,15 +85,61 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
+#: Warnings the demo silences, each known to be noise here: (start of the message, category).
+NOISE: tuple[tuple[str, type[Warning]], ...] = (
+    # TRL 1.16 checks the installed vLLM against 0.22-0.31 each time one of its modules asks,
+    # in the trainer and in its rollout process. The demo's trainer never drives vLLM (rollouts
+    # go over HTTP, weights through the bucket), and deltasync's tests run TRL 1.16 against the
+    # vLLM it pins.
+    ("TRL currently supports vLLM versions", UserWarning),
+)
+#: Log records the demo drops, each known to be noise here: (logger, start of the message).
+NOISE_LOGS = (
+    # TRL's async GRPO trainer adds two StepIntervalCallbacks on purpose (weight sync and
+    # metrics, each on its own interval); transformers warns about any class added twice.
+    ("transformers.trainer_callback", "You are adding a <class 'trl.experimental.async_grpo"),
+    # The trainer imports vLLM only through TRL's helpers and runs none of its kernels. (TRL's
+    # spawned rollout process logs it once more: no setting of ours reaches it before it
+    # imports vLLM, and vLLM's own log level does not apply that early.)
+    ("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend"),
+)
+
+
+class _DropLog(logging.Filter):
+    """Drops the records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def silence_noise(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Silence :data:`NOISE` and :data:`NOISE_LOGS` in this process, and :data:`NOISE` in the
+    processes it starts (they read ``PYTHONWARNINGS``, TRL's spawned rollout worker too)."""
+    for message, category in NOISE:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category)
+    for name, prefix in NOISE_LOGS:
+        logging.getLogger(name).addFilter(_DropLog(prefix))
+    # -W syntax, action:message:category; the message is matched literally, at the start.
+    options = [f"ignore:{message}:{category.__name__}" for message, category in NOISE]
+    present = [o for o in environ.get("PYTHONWARNINGS", "").split(",") if o]
+    environ["PYTHONWARNINGS"] = ",".join(present + [o for o in options if o not in present])
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    silence_noise()
     import torch
 
     torch.set_num_threads(1)
-    from ._serve import BUCKET_ENV, PLAIN_GEMM_ENV, extension_args
+    from ._env import BUCKET_ENV, PLAIN_GEMM_ENV
+    from ._serve import extension_args
     from ._server import VLLMServer
     from .stores import open_store
     from .tiny import build_tiny_model, fit_tiny_model

@@ -13,9 +13,17 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from ._errors import FormatError
+from ._errors import FormatError, VersionError
 
-__all__ = ["PrefetchState", "ServedBody", "UpdateAnswer", "WorkerStatus"]
+__all__ = ["PrefetchState", "ServedBody", "UpdateAnswer", "WorkerStatus", "check_version"]
+
+
+def check_version(version: object, error: type[Exception] = VersionError) -> int:
+    """``version`` if it is a version number (a non-negative ``int``, not a ``bool``), else
+    ``error`` naming it: the one rule for every version a request, a call or a reader names."""
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise error(f"version must be a non-negative integer, got {version!r}")
+    return version
 
 
 def _take(data: Mapping[str, Any], name: str, kinds: tuple[type, ...], where: str, default: Any = ...) -> Any:

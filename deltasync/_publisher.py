@@ -40,7 +40,7 @@ from ._format import (
 )
 from ._memory import release_free_memory
 from ._sharded import ShardLayout, solo_layout
-from .stores import open_store, read_limited, write_stream
+from .stores import TempCleaningStore, open_store, read_limited, write_stream
 
 if TYPE_CHECKING:
     import os
@@ -708,7 +708,7 @@ class DeltaPublisher:
 
     def _clean_temp(self) -> None:
         """Delete temporary files that killed writes left (local buckets only; best effort)."""
-        clean = getattr(self.store, "clean_temp", None)
+        clean = self.store.clean_temp if isinstance(self.store, TempCleaningStore) else None
         if clean is None:
             return
         try:

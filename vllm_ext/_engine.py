@@ -20,6 +20,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from deltasync._messages import check_version
+
 from ._updater import WorkerUpdater, updater_for
 
 __all__ = ["DeltaWeightTransferEngine", "DeltaInitInfo", "DeltaUpdateInfo"]
@@ -41,8 +43,7 @@ class DeltaUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self) -> None:
         # TypeError: the engine's parse_update_info turns it into a ValueError naming the engine.
-        if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 0:
-            raise TypeError(f"version must be a non-negative integer, got {self.version!r}")
+        check_version(self.version, TypeError)
         if self.auth is not None and not isinstance(self.auth, str):
             raise TypeError(f"auth must be a hex string or null, got {type(self.auth).__name__}")
 

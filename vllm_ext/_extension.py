@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._lora_worker import lora_fingerprint, lora_modules, test_poke_lora
+from ._lora_worker import lora_fingerprint, lora_modules
 from ._updater import WorkerUpdater, updater_for
 
 __all__ = ["DeltaWorkerExtension"]
@@ -19,7 +19,7 @@ __all__ = ["DeltaWorkerExtension"]
 class DeltaWorkerExtension:
     """Worker extension adding ``deltasync_status``, ``deltasync_prefetch``, ``deltasync_apply``,
     ``deltasync_verify`` and, for adapter mode, ``deltasync_lora_modules`` and
-    ``deltasync_lora_fingerprint``."""
+    ``deltasync_lora_fingerprint``. (The test RPCs live in :mod:`vllm_ext.testing`.)"""
 
     def deltasync_status(self) -> dict[str, Any]:
         """This worker's rank, version, fingerprint, bucket, last update and prefetch state."""
@@ -50,23 +50,6 @@ class DeltaWorkerExtension:
         """Fingerprint of loaded adapter ``lora_id`` from the LoRA tensors this worker holds,
         mapped back to the adapter's checkpoint ``names`` (see ``vllm_ext._lora_worker``)."""
         return lora_fingerprint(self, lora_id, path, names)
-
-    def deltasync_test_poke_lora(self, lora_id: int, name: str, index: int, factor: float) -> bool:
-        """Test only (``DELTASYNC_TEST_HOOKS=1``): scale one element of a held LoRA tensor."""
-        return test_poke_lora(self, lora_id, name, index, factor)
-
-    def deltasync_test_poke(self, name: str, index: int, bits: int) -> bool:
-        """Test only (``DELTASYNC_TEST_HOOKS=1``): set one live element's bf16 bit pattern."""
-        return _updater_of(self).test_poke(name, index, bits)
-
-    def deltasync_test_fail_after_write(self, rank: int) -> None:
-        """Test only (``DELTASYNC_TEST_HOOKS=1``): the next in-place write fails on ``rank``
-        after it has written."""
-        _updater_of(self).test_fail_after_write(rank)
-
-    def deltasync_test_tensor_bytes(self) -> dict[str, int]:
-        """Test only (``DELTASYNC_TEST_HOOKS=1``): bytes of CPU tensors beyond the model's own."""
-        return _updater_of(self).test_tensor_bytes()
 
 
 def _updater_of(worker: Any) -> WorkerUpdater:

@@ -38,8 +38,9 @@ from typing import Any
 
 import torch
 
-from deltasync import DeltaReceiver, DeltaSyncError, VersionError
-from deltasync._auth import TOKEN_ENV, check_update_tag
+from deltasync import AuthError, DeltaReceiver, DeltaSyncError, VersionError
+from deltasync._auth import check_update_tag
+from deltasync._env import BUCKET_ENV
 from deltasync._format import anchor_path, part_path, read_metadata
 from deltasync._lora import (
     ADAPTER_CONFIG_KEY,
@@ -54,10 +55,11 @@ from deltasync._lora import (
     check_adapter_modules,
     fingerprint_sum,
 )
-from deltasync._serve import BUCKET_ENV
+from deltasync._messages import check_version
 
 from ._asgi import answer, error_body, read_body, refused
 from ._checkpoint import resolve_model_dir
+from ._config import ServerConfig
 from ._middleware import route_path
 
 __all__ = ["LoraSyncMiddleware"]
@@ -72,8 +74,9 @@ class LoraSyncMiddleware:
 
     def __init__(self, app: Any, token: str | None = None, bucket: str | None = None) -> None:
         self.app = app
-        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
-        self.bucket = bucket if bucket is not None else os.environ.get(BUCKET_ENV) or None
+        config = ServerConfig.from_env()
+        self.token = token if token is not None else config.token
+        self.bucket = bucket if bucket is not None else config.bucket
         self._sync: _AdapterSync | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -99,7 +102,7 @@ class LoraSyncMiddleware:
         try:
             result = await self._sync.update(request)
         except DeltaSyncError as exc:
-            status = 401 if type(exc).__name__ == "AuthError" else 400 if isinstance(exc, (AdapterError, VersionError)) else 500
+            status = 401 if isinstance(exc, AuthError) else 400 if isinstance(exc, (AdapterError, VersionError)) else 500
             message = f"deltasync: adapter version {request.get('version')} not loaded: {exc}"
             self._sync.last_error = {"version": request.get("version"), "error": message, "time": time.time()}
             logger.error("%s", message)
@@ -197,9 +200,7 @@ class _AdapterSync:
         return {"fingerprint": found.pop(), "error": None}
 
     async def update(self, request: dict[str, Any]) -> dict[str, Any]:
-        from deltasync._client import _check_version
-
-        version = _check_version(request.get("version"))
+        version = check_version(request.get("version"))
         check_update_tag(self.token, version, request.get("auth"))
         name = request.get("name")
         if not isinstance(name, str) or not _LORA_NAME.match(name):

@@ -26,11 +26,10 @@ from typing import Any
 import torch
 
 from deltasync import fingerprint
-from deltasync._errors import AdapterError, ConfigError
+from deltasync._errors import AdapterError
 
-from ._updater import TEST_HOOKS_ENV
 
-__all__ = ["lora_fingerprint", "lora_modules", "test_poke_lora"]
+__all__ = ["lora_fingerprint", "lora_modules"]
 
 
 def _manager(worker: Any) -> Any:
@@ -144,19 +143,3 @@ def lora_fingerprint(worker: Any, lora_id: int, path: str, names: list[str]) -> 
         "unclaimed": unclaimed,
         "dtype": str(next(iter(state.values())).dtype) if state else None,
     }
-
-
-def test_poke_lora(worker: Any, lora_id: int, name: str, index: int, factor: float) -> bool:
-    """Test only (``DELTASYNC_TEST_HOOKS=1``): multiply one element vLLM holds for ``name``."""
-    if os.environ.get(TEST_HOOKS_ENV) != "1":
-        raise ConfigError(f"test hooks are off: set {TEST_HOOKS_ENV}=1 in the server's environment")
-    from vllm.lora.utils import parse_fine_tuned_lora_name
-
-    manager, lora = _find(worker, lora_id)
-    mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
-    module, is_a = parse_fine_tuned_lora_name(name, None if mapper is None else mapper.get_rename_mapper())
-    held = _held(manager, lora, module, is_a)
-    if held is None:
-        return False
-    held.view(-1)[index] *= factor
-    return True

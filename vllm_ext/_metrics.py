@@ -4,12 +4,19 @@ exposes in a single API-server process)."""
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ._server_sync import UpdateOutcome
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 __all__ = ["Metrics", "metrics"]
+
+
+class Outcome(Protocol):
+    """What the metrics read of an update (``vllm_ext._server_sync.UpdateOutcome``, which
+    imports this module: the type is named here by its fields, not imported)."""
+
+    seconds: float
+    results: Sequence[Any]
+    """Each worker's answer, with the ``nbytes`` it downloaded."""
 
 
 class Metrics:
@@ -30,7 +37,7 @@ class Metrics:
         self.served.set(-1)
         self.latest.set(-1)
 
-    def record_update(self, outcome: UpdateOutcome, served: int | None) -> None:
+    def record_update(self, outcome: Outcome, served: int | None) -> None:
         self.served.set(-1 if served is None else served)
         self.latest.set(max(self.latest._value.get(), -1 if served is None else served))  # type: ignore[attr-defined]
         self.update_seconds.observe(outcome.seconds)

@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
-from deltasync._auth import TOKEN_ENV, bearer_matches
+from deltasync._auth import bearer_matches
+from deltasync._env import PUBLIC_ROUTES_ENV, TOKEN_ENV
 from deltasync._errors import ConfigError
 
 from ._asgi import header, unauthorized
+from ._config import ServerConfig
 
 __all__ = ["PUBLIC_ROUTES", "PUBLIC_ROUTES_ENV", "TokenMiddleware", "public_routes", "route_path"]
 
@@ -71,10 +72,6 @@ PUBLIC_ROUTES = frozenset(
         "/load",
     }
 )
-
-#: The environment variable that adds routes to :data:`PUBLIC_ROUTES`: exact paths separated
-#: by commas or whitespace, e.g. ``DELTASYNC_PUBLIC_ROUTES="/v1/messages /v1/responses"``.
-PUBLIC_ROUTES_ENV = "DELTASYNC_PUBLIC_ROUTES"
 
 _SEPARATORS = re.compile(r"[\s,]+")
 
@@ -131,11 +128,12 @@ class TokenMiddleware:
 
     def __init__(self, app: ASGIApp, token: str | None = None) -> None:
         self.app = app
-        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        config = ServerConfig.from_env()
+        self.token = token if token is not None else config.token
         self.public: frozenset[str] = PUBLIC_ROUTES
         self.config_error: str | None = None
         try:
-            self.public = public_routes(os.environ.get(PUBLIC_ROUTES_ENV))
+            self.public = public_routes(config.public_routes)
         except ConfigError as exc:
             self.config_error = f"vllm_ext.TokenMiddleware: {exc}"
         if not self.token:

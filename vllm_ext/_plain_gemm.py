@@ -21,7 +21,9 @@ import os
 
 import torch
 
-from deltasync._serve import PLAIN_GEMM_ENV  # the one definition, shared with the demo and examples
+from deltasync._env import PLAIN_GEMM_ENV
+
+from ._config import ServerConfig
 
 __all__ = ["PLAIN_GEMM_ENV", "install_plain_gemm", "plain_gemm_enabled"]
 
@@ -37,7 +39,7 @@ def plain_gemm_enabled() -> bool:
 def install_plain_gemm(environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
     """Replace vLLM's CPU GEMM dispatch when the switch is on; returns whether it is installed."""
     global _installed
-    value = environ.get(PLAIN_GEMM_ENV, "").strip()
+    value = ServerConfig.from_env(environ).plain_gemm
     if _installed or value in ("", "0"):
         return _installed
     patterns = None if value == "1" else [p.strip() for p in value.split(",") if p.strip()]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from deltasync._collective import failures, gather_objects
 
 __all__ = ["agree", "gather", "is_last_rank", "parallel_groups", "rank_index"]
 
@@ -40,20 +40,10 @@ def rank_index() -> int:
 
 def gather(obj: Any) -> list[Any]:
     """``obj`` of every worker of this engine, in :func:`rank_index` order (the same list on all)."""
-    items = [obj]
-    for group in parallel_groups():
-        if group.world_size > 1:
-            out: list[Any] = [None] * group.world_size
-            torch.distributed.all_gather_object(out, items, group=group.cpu_group)
-            items = [x for sub in out for x in sub]
-    return items
+    return gather_objects(obj, [(group.cpu_group, group.world_size) for group in parallel_groups()])
 
 
 def agree(error: str | None) -> str | None:
     """The first error any worker of this engine reports (the same answer on every worker)."""
-    for group in parallel_groups():
-        if group.world_size > 1:
-            errors: list[str | None] = [None] * group.world_size
-            torch.distributed.all_gather_object(errors, error, group=group.cpu_group)
-            error = next((e for e in errors if e is not None), None)
-    return error
+    failed = failures(gather(error))
+    return failed[0][1] if failed else None

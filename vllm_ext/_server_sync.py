@@ -37,18 +37,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltasync import DeltaReceiver
-from deltasync._auth import TOKEN_ENV, update_tag
+from deltasync._auth import update_tag
 from deltasync._errors import ConfigError, UpdateError
 from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus
-from deltasync._serve import FOLLOW_ENV, FOLLOW_INTERVAL_ENV, UPDATE_MODE_ENV, UPDATE_MODES
+from deltasync._env import DEFAULT_FOLLOW_INTERVAL, FOLLOW_ENV, FOLLOW_INTERVAL_ENV, UPDATE_MODE_ENV, UPDATE_MODES
+
+from ._config import ServerConfig
 
 __all__ = ["UPDATE_MODE_ENV", "UPDATE_MODES", "FollowConfig", "ServerSync", "UpdateOutcome", "cache_salt"]
 
 logger = logging.getLogger(__name__)
 
-#: The default interval: 2 s is 1,800 pointer reads an hour, well inside a Hub bucket's rate
-#: limits, and adds at most 2 s (1 s on average) to a version's commit-to-served latency.
-DEFAULT_INTERVAL = 2.0
+DEFAULT_INTERVAL = DEFAULT_FOLLOW_INTERVAL  # the name this module exported
 #: The longest wait between two reads while the bucket keeps failing.
 MAX_BACKOFF = 60.0
 #: How often the flow asks the workers whether a staged version is ready.
@@ -58,10 +58,7 @@ _POLL_S = 0.02
 
 
 def update_mode_from_env(environ: Mapping[str, str] = os.environ) -> str:
-    mode = environ.get(UPDATE_MODE_ENV) or "pause"
-    if mode not in UPDATE_MODES:
-        raise ConfigError(f"{UPDATE_MODE_ENV} must be one of {', '.join(UPDATE_MODES)}, got {mode!r}")
-    return mode
+    return ServerConfig.from_env(environ).update_mode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,17 +80,12 @@ class FollowConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> FollowConfig:
-        from ._updater import BUCKET_ENV
+        return cls.of(ServerConfig.from_env(environ))
 
-        flag = environ.get(FOLLOW_ENV, "").strip().lower()
-        if flag not in ("", "0", "1", "true", "false", "yes", "no"):
-            raise ConfigError(f"{FOLLOW_ENV} must be 1 or 0, got {environ[FOLLOW_ENV]!r}")
-        raw = environ.get(FOLLOW_INTERVAL_ENV) or str(DEFAULT_INTERVAL)
-        try:
-            interval = float(raw)
-        except ValueError as exc:
-            raise ConfigError(f"{FOLLOW_INTERVAL_ENV} must be a number of seconds, got {raw!r}") from exc
-        return cls(enabled=flag in ("1", "true", "yes"), interval=interval, bucket=environ.get(BUCKET_ENV) or None)
+    @classmethod
+    def of(cls, config: ServerConfig) -> FollowConfig:
+        """Follow mode's part of the server's settings."""
+        return cls(enabled=config.follow, interval=config.follow_interval, bucket=config.bucket)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -406,4 +398,4 @@ async def _pause(engine: Any) -> None:
 
 
 def token_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
-    return environ.get(TOKEN_ENV) or None
+    return ServerConfig.from_env(environ).token

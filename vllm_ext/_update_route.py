@@ -29,15 +29,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any
 
-from deltasync._auth import TOKEN_ENV, bearer_matches
+from deltasync._auth import bearer_matches
 from deltasync._client import STATUS_ROUTE, UPDATE_ROUTE, VERSION_HEADER
 
 from ._asgi import answer, error_body, header, read_body, refused, unauthorized
+from ._config import ServerConfig
 from ._middleware import route_path
-from ._server_sync import FollowConfig, ServerSync, cache_salt, update_mode_from_env
+from ._server_sync import FollowConfig, ServerSync, cache_salt
 
 __all__ = ["STATUS_ROUTE", "UPDATE_ROUTE", "VERSIONS_HEADER", "VERSION_HEADER", "UpdateMiddleware"]
 
@@ -61,9 +61,10 @@ class UpdateMiddleware:
         self, app: Any, token: str | None = None, follow: FollowConfig | None = None, update_mode: str | None = None
     ) -> None:
         self.app = app
-        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
-        self.follow = follow or FollowConfig.from_env()
-        self.update_mode = update_mode or update_mode_from_env()
+        config = ServerConfig.from_env()
+        self.token = token if token is not None else config.token
+        self.follow = follow or FollowConfig.of(config)
+        self.update_mode = update_mode or config.update_mode
         self.sync: ServerSync | None = None
 
     def _sync(self, scope: Any) -> ServerSync:

@@ -13,22 +13,22 @@ during it puts every rank back.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 from weakref import WeakKeyDictionary
 
 import torch
 
 from deltasync import ConfigError, DeltaReceiver, DeltaSyncError, VersionError
-from deltasync._auth import TOKEN_ENV, check_update_tag
+from deltasync._auth import check_update_tag
+from deltasync._env import BUCKET_ENV, TEST_HOOKS_ENV
 from deltasync._errors import UpdateError
-from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus
+from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus, check_version
 
 from ._checkpoint import ServedCheckpoint
+from ._config import ServerConfig
 from ._live_target import LiveTarget, plan_in_place
 from ._ranks import agree, is_last_rank
 from ._reload_target import ReloadTarget
@@ -37,25 +37,6 @@ from ._target import Refused, Staged, UpdateTarget
 __all__ = ["BUCKET_ENV", "TEST_HOOKS_ENV", "ServerConfig", "UpdateError", "WorkerUpdater", "updater_for"]
 
 logger = logging.getLogger(__name__)
-
-#: The environment variable naming the bucket a server follows.
-BUCKET_ENV = "DELTASYNC_BUCKET"
-#: "1" enables the test-only RPCs (changing a live element, failing after a write).
-TEST_HOOKS_ENV = "DELTASYNC_TEST_HOOKS"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServerConfig:
-    """What a server reads from its environment once, at start-up."""
-
-    bucket: str | None
-    """The bucket it follows (``DELTASYNC_BUCKET``); no request can name another."""
-    token: str | None
-    """The shared secret (``DELTASYNC_TOKEN``); None leaves updates unauthenticated."""
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> ServerConfig:
-        return cls(bucket=environ.get(BUCKET_ENV) or None, token=environ.get(TOKEN_ENV) or None)
 
 
 class _Prefetch:
@@ -97,12 +78,11 @@ class WorkerUpdater:
         self.last_error: dict[str, Any] | None = None
         self._receiver: DeltaReceiver | None = None
         self._prefetch: _Prefetch | None = None
-        self._fail_after_write = False
         live, self.fallback = plan_in_place(model, vllm_config, packed, self.checkpoint)
         """Checkpoint names rebuilt through vLLM's layerwise reload, and why."""
         self.target: UpdateTarget = (
             ReloadTarget(model, vllm_config, packed, self.checkpoint) if live is None
-            else LiveTarget(live, self.checkpoint, self.rank, self._after_write)
+            else LiveTarget(live, self.checkpoint, self.rank, _no_hook)  # vllm_ext.testing may set one
         )  # fmt: skip
 
     @property
@@ -145,7 +125,7 @@ class WorkerUpdater:
         Returns a :class:`~deltasync._messages.PrefetchState` as plain data."""
         self.target.settle()
         try:
-            version = _check_version(version)
+            version = check_version(version)
             check_update_tag(self.config.token, version, auth)
             receiver = self._open_receiver()
             latest = receiver.latest()
@@ -188,7 +168,7 @@ class WorkerUpdater:
         error: str | None = None
         prefetched = False
         try:
-            version = _check_version(version)
+            version = check_version(version)
             check_update_tag(self.config.token, version, auth)
             receiver = self._open_receiver()
             self._check_not_older(version)
@@ -227,57 +207,6 @@ class WorkerUpdater:
         self.target.settle()
         return self.target.verify()
 
-    # ------------------------------------------------------------------ test hooks
-
-    def _check_hooks(self) -> None:
-        if os.environ.get(TEST_HOOKS_ENV) != "1":
-            raise ConfigError(f"test hooks are off; start the server with {TEST_HOOKS_ENV}=1")
-
-    def test_poke(self, name: str, index: int, bits: int) -> bool:
-        """Change one live element (test only)."""
-        self._check_hooks()
-        self.target.settle()
-        if not isinstance(self.target, LiveTarget):
-            raise ConfigError("poke needs in-place mode")
-        return self.target.live.poke(name, index, bits)
-
-    def test_fail_after_write(self, rank: int) -> None:
-        """Make the next in-place write fail on ``rank`` after it wrote (test only)."""
-        self._check_hooks()
-        self._fail_after_write = rank == self.rank
-
-    def test_tensor_bytes(self) -> dict[str, int]:
-        """Bytes of CPU tensors alive in this process, beyond the model's parameters, that are
-        shaped like a checkpoint tensor: what an HF-named copy would be made of (test only)."""
-        import gc
-
-        self._check_hooks()
-        gc.collect()
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters() if p.numel()}
-        params |= {b.untyped_storage().data_ptr() for b in self.model.buffers() if b.numel()}
-        shapes = {tuple(shape) for shape in (self.checkpoint.shapes or {}).values()}
-        seen: set[int] = set()
-        total = 0
-        largest = 0
-        for obj in gc.get_objects():
-            if (
-                isinstance(obj, torch.Tensor)
-                and obj.device.type == "cpu"
-                and not obj.is_meta
-                and tuple(obj.shape) in shapes
-            ):
-                try:
-                    ptr = obj.untyped_storage().data_ptr()
-                except RuntimeError:
-                    continue
-                if ptr in params or ptr in seen or ptr == 0:
-                    continue
-                seen.add(ptr)
-                n = obj.untyped_storage().nbytes()
-                total += n
-                largest = max(largest, n)
-        return {"bytes": total, "largest": largest}
-
     # ------------------------------------------------------------------ internals
 
     def _fail(self, version: object, message: str) -> dict[str, Any]:
@@ -296,12 +225,6 @@ class WorkerUpdater:
     def _refuse_prefetch(self, version: object, message: str) -> dict[str, Any]:
         answer = self._fail(version, message)
         return PrefetchState(version=answer["version"], state="refused", error=message).to_json()
-
-    def _after_write(self) -> None:
-        """Called by the live target after a delta is written (see :meth:`test_fail_after_write`)."""
-        if self._fail_after_write:
-            self._fail_after_write = False
-            raise UpdateError(f"a failure injected after rank {self.rank} wrote (test hook)")
 
     def _check_not_older(self, version: int) -> None:
         served = self.target.served()[0]
@@ -342,10 +265,8 @@ class WorkerUpdater:
         job.staged, job.state = staged, "ready"
 
 
-def _check_version(version: object) -> int:
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise VersionError(f"the version must be a non-negative integer, got {version!r}")
-    return version
+def _no_hook() -> None:
+    pass
 
 
 def _version_or_none(version: object) -> int | None:

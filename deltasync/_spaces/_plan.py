@@ -10,13 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._auth import TOKEN_ENV
 from .._errors import ConfigError
-from .._serve import BUCKET_ENV, FOLLOW_ENV, FOLLOW_INTERVAL_ENV
+from .._env import BUCKET_ENV, DEFAULT_FOLLOW_INTERVAL, FOLLOW_ENV, FOLLOW_INTERVAL_ENV, TOKEN_ENV
 
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
 #: The rollout server's interval when ``follow_interval`` is None (``vllm_ext``'s default).
-DEFAULT_FOLLOW_INTERVAL = 2.0
 _SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache"}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 

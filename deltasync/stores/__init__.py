@@ -6,18 +6,31 @@ conformance suite (``tests/stores/test_conformance.py``).
 
 from __future__ import annotations
 
-from ._base import Store, StreamingStore, open_read, read_buffer, read_limited, write_stream
+from ._base import (
+    BoundedReadStore,
+    LimitedReads,
+    Store,
+    StreamingStore,
+    TempCleaningStore,
+    open_read,
+    read_buffer,
+    read_limited,
+    write_stream,
+)
 from ._fsspec import FsspecStore
 from ._hf import HfBucketStore
 from ._local import LocalStore
 from ._open import open_store
 
 __all__ = [
+    "BoundedReadStore",
     "FsspecStore",
     "HfBucketStore",
+    "LimitedReads",
     "LocalStore",
     "Store",
     "StreamingStore",
+    "TempCleaningStore",
     "open_read",
     "open_store",
     "read_buffer",

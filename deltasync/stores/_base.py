@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import io
 import os
 from collections.abc import Iterable, Iterator
@@ -19,8 +18,11 @@ from typing import BinaryIO, ContextManager, Protocol, runtime_checkable
 from .._errors import ConfigError, DeltaSyncError, StoreError
 
 __all__ = [
+    "BoundedReadStore",
+    "LimitedReads",
     "Store",
     "StreamingStore",
+    "TempCleaningStore",
     "check_path",
     "check_prefix",
     "open_read",
@@ -47,11 +49,10 @@ class Store(Protocol):
     url: str
     """The canonical URL of the bucket, as ``open_store`` would accept it."""
 
-    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+    def read_bytes(self, path: str) -> bytes:
         """Return the whole file; ``NotFoundError`` if it is missing, ``StoreError`` otherwise.
 
-        With ``limit``, read at most ``limit + 1`` bytes: a longer file returns its first
-        ``limit + 1`` bytes, so the caller sees that it is too long without holding all of it.
+        (The built-in stores also take ``limit``: see :class:`BoundedReadStore`.)
         """
         ...
 
@@ -73,6 +74,36 @@ class Store(Protocol):
 
     def delete(self, paths: Iterable[str]) -> None:
         """Delete the files; a file that is already gone is not an error."""
+        ...
+
+
+# Optional capabilities. A store may add any of these to the five methods of :class:`Store`;
+# deltasync checks for each with ``isinstance`` (they are runtime-checkable protocols, matched
+# by method name) and does without where a store lacks one, as the helpers below say. A
+# custom store with the five methods alone works.
+
+
+@runtime_checkable
+class BoundedReadStore(Protocol):
+    """Optional capability: read a file's first bytes only, so that an oversized file in a
+    hostile bucket (a pointer, a part) is never held whole. Without it a file is read whole,
+    then refused for its size (see :func:`read_limited`)."""
+
+    def read_head(self, path: str, limit: int) -> bytes:
+        """At most the file's first ``limit + 1`` bytes: a longer file returns its first
+        ``limit + 1`` bytes, so the caller sees that it is too long without holding all of it.
+        Errors as :meth:`Store.read_bytes`."""
+        ...
+
+
+@runtime_checkable
+class TempCleaningStore(Protocol):
+    """Optional capability: remove what writes killed midway left behind (the publisher's
+    housekeeping; without it there is nothing to clean)."""
+
+    def clean_temp(self, older_than: float) -> list[str]:
+        """Delete the temporary files of writes last modified more than ``older_than`` seconds
+        ago; return the bucket paths removed."""
         ...
 
 
@@ -171,17 +202,19 @@ def reading(
 
 
 def read_limited(store: Store, path: str, limit: int) -> bytes:
-    """``store.read_bytes(path, limit=limit)``, for stores that predate ``limit`` too.
-
-    A custom store whose ``read_bytes`` takes no ``limit`` is read whole (its own business).
-    """
-    try:
-        takes_limit = "limit" in inspect.signature(store.read_bytes).parameters
-    except (TypeError, ValueError):
-        takes_limit = False
-    if takes_limit:
-        return store.read_bytes(path, limit=limit)
+    """At most the first ``limit + 1`` bytes of the file where the store can read only those
+    (:class:`BoundedReadStore`); else the whole file, for the caller to refuse if too long."""
+    if isinstance(store, BoundedReadStore):
+        return store.read_head(path, limit)
     return store.read_bytes(path)
+
+
+class LimitedReads:
+    """Base class of stores whose ``read_bytes`` takes ``limit`` (the built-in ones): it gives
+    them :meth:`BoundedReadStore.read_head`."""
+
+    def read_head(self, path: str, limit: int) -> bytes:
+        return self.read_bytes(path, limit=limit)  # type: ignore[attr-defined]
 
 
 def check_path(path: str) -> str:

@@ -15,7 +15,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from .._errors import ConfigError, NotFoundError, StoreError
-from ._base import check_path, check_prefix, reading
+from ._base import LimitedReads, check_path, check_prefix, reading
 
 __all__ = ["FsspecStore", "check_protocol"]
 
@@ -37,7 +37,7 @@ def check_protocol(scheme: str, url: str, *, supported: str) -> None:
         ) from e
 
 
-class FsspecStore:
+class FsspecStore(LimitedReads):
     """Files under the root that ``url`` names, through ``fsspec.core.url_to_fs``.
 
     ``storage_options`` go to the filesystem's constructor (credentials, endpoints, ...).

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, BinaryIO, ContextManager
 from huggingface_hub.errors import BucketBatchError, BucketNotFoundError, EntryNotFoundError
 
 from .._errors import ConfigError, NotFoundError, StoreError
-from ._base import check_path, check_prefix, reading
+from ._base import LimitedReads, check_path, check_prefix, reading
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["HfBucketStore"]
 
 
-class HfBucketStore:
+class HfBucketStore(LimitedReads):
     """Files under ``prefix`` in the Hub bucket ``bucket_id`` (``"<namespace>/<name>"``).
 
     ``token`` is used for every call (None: the logged-in token or ``HF_TOKEN``); ``api``

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import BinaryIO, ContextManager
 
 from .._errors import NotFoundError, StoreError
-from ._base import check_path, check_prefix, reading
+from ._base import LimitedReads, check_path, check_prefix, reading
 
 __all__ = ["LocalStore"]
 
@@ -20,7 +20,7 @@ __all__ = ["LocalStore"]
 _TEMP_RE = re.compile(r"^\..+\.\d+\.[0-9a-f]+\.tmp$")
 
 
-class LocalStore:
+class LocalStore(LimitedReads):
     """Files under a root directory; the directory is created on the first write.
 
     Writes go to a temporary file in the target's own directory, are fsync'ed, then renamed

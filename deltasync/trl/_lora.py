@@ -11,8 +11,7 @@ the server's vLLM serves LoRA on.
 from __future__ import annotations
 
 import logging
-import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._client import RolloutClient
 from .._errors import ConfigError
@@ -29,18 +28,18 @@ from .._lora import (
     server_lora_modules,
 )
 from .._publisher import DeltaPublisher, PublishOptions
-
-if TYPE_CHECKING:
-    from ._trainer import AsyncGRPOTrainer, DeltaSyncConfig
+from ._config import DeltaSyncConfig
 
 __all__ = ["PEFT_SYNC_MODES", "choose_peft_sync", "start_peft_sync"]
+
+# ``trainer`` below is a deltasync.trl.AsyncGRPOTrainer, typed Any: its module imports this one.
 
 logger = logging.getLogger("deltasync.trl")
 
 PEFT_SYNC_MODES = ("adapter", "merged")
 
 
-def choose_peft_sync(trainer: AsyncGRPOTrainer, config: DeltaSyncConfig) -> str | None:
+def choose_peft_sync(trainer: Any, config: DeltaSyncConfig) -> str | None:
     """The sync mode for the trainer's model: None (not PEFT), "adapter" or "merged".
 
     Raises :class:`~deltasync.ConfigError` (an :class:`~deltasync._lora.AdapterError` for the
@@ -93,11 +92,11 @@ def _request_adapters(worker: Any, lora_name: str) -> None:
     kwargs["lora_name"] = lora_name
 
 
-def _decide(trainer: AsyncGRPOTrainer, config: DeltaSyncConfig, model: Any) -> str:
+def _decide(trainer: Any, config: DeltaSyncConfig, model: Any) -> str:
     if config.peft_sync == "merged":
         return "merged"
     urls = config.server_urls or [trainer.args.vllm_server_base_url]
-    token = config.token if config.token is not None else os.environ.get("DELTASYNC_TOKEN") or None
+    token = config.server_token()
     probes = {url: server_lora_config(url, token) for url in urls}
     without = [url for url, (lora, _) in probes.items() if lora is None]
     data_parallel = [url for url, (_, dp) in probes.items() if dp > 1]
@@ -131,7 +130,7 @@ def _decide(trainer: AsyncGRPOTrainer, config: DeltaSyncConfig, model: Any) -> s
 
 
 def start_peft_sync(
-    trainer: AsyncGRPOTrainer,
+    trainer: Any,
     mode: str,
     bucket: str,
     urls: list[str],

@@ -14,74 +14,23 @@ import os
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from trl.experimental.async_grpo import AsyncGRPOConfig as _TRLAsyncGRPOConfig
 from trl.experimental.async_grpo import AsyncGRPOTrainer as _TRLAsyncGRPOTrainer
 
-from .._auth import TOKEN_ENV
 from .._client import RolloutClient, ServerResult, UpdateReport
 from .._errors import ConfigError
-from .._publisher import DeltaPublisher, PublishFuture, PublishOptions, PublishResult
+from .._publisher import DeltaPublisher, PublishFuture, PublishResult
+from ._config import DeltaSyncConfig
 from ._cpu_compat import async_grpo_cpu_patches, bf16_training_available, has_cuda
+from ._lora import choose_peft_sync, start_peft_sync
+from ._rollout import drain_on_stop
 
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "DeltaSyncConfig"]
 
 logger = logging.getLogger("deltasync.trl")
-
-
-@dataclass(kw_only=True)
-class DeltaSyncConfig:
-    """Where and how the trainer ships its weights."""
-
-    bucket: str | None = None
-    """Bucket URL or path (local, ``hf://buckets/ns/name``, any fsspec URL). Default: the folder
-    ``deltasync-bucket`` in the trainer's ``output_dir``. The servers must follow the same bucket."""
-    server_urls: list[str] | None = None
-    """Rollout servers to update. Default: ``[args.vllm_server_base_url]``."""
-    token: str | None = None
-    """Shared secret of the servers (``DELTASYNC_TOKEN`` on their side). Default: the trainer's
-    ``DELTASYNC_TOKEN`` environment variable, if set."""
-    publish: PublishOptions = field(default_factory=PublishOptions)
-    """How versions are written: anchor schedule, codec, retention (see :class:`~deltasync.PublishOptions`)."""
-    prefetch: bool = True
-    """Let servers download and decode each version while still generating, so they pause only
-    to swap it in."""
-    follow: bool = False
-    """The servers follow the bucket by themselves (``deltasync serve --follow``): the trainer
-    only publishes, never asks a server to update, and tags samples with the version the
-    servers report serving on ``GET /deltasync/status`` once they reach the new version."""
-    background: bool = True
-    """Publish and update the servers in the background: a sync returns as soon as the version
-    is captured (its changed values copied out), and training goes on while it is encoded,
-    uploaded and committed and the servers stage and apply it. At most one version is in
-    flight: the next sync first waits for it. False: every sync waits for all of that."""
-    timeout: float = 600.0
-    """Seconds to wait for a server's answer."""
-    peft_sync: str | None = None
-    """PEFT models: "adapter" (adapter versions, servers with ``--enable-lora``), "merged" (merged
-    weights), or None to decide from the servers' ``lora_config`` as TRL does."""
-    lora_name: str = "trl-policy"
-    """Adapter mode: adapters are served as ``<lora_name>-v<version>``."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.publish, PublishOptions):
-            raise ConfigError(
-                f"publish must be a PublishOptions, got {type(self.publish).__name__}: "
-                "DeltaSyncConfig(publish=PublishOptions(anchor_every=...))"
-            )
-        if self.peft_sync not in (None, "adapter", "merged"):
-            raise ConfigError(f"peft_sync must be 'adapter', 'merged' or None (decide from the servers), got {self.peft_sync!r}")
-        if self.server_urls is not None and not self.server_urls:
-            raise ConfigError("server_urls is empty: give at least one rollout server, or None for the trainer's")
-        if self.timeout <= 0:
-            raise ConfigError(f"timeout must be positive, got {self.timeout}")
-        if self.follow and self.peft_sync == "adapter":
-            raise ConfigError(
-                "follow=True with peft_sync='adapter': followers serve full weights; adapter versions are loaded on the "
-                "trainer's request. Use peft_sync='merged' with follow=True, or follow=False for adapters"
-            )
 
 
 @dataclass
@@ -164,10 +113,10 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         else:
             with async_grpo_cpu_patches():
                 super().__init__(*args, **kwargs)
+        if getattr(self, "rollout_worker", None) is not None:  # the main process's
+            drain_on_stop(self.rollout_worker)  # so the run ends when training does, not 15 s later
         self._peft_sync: str | None = None
         if delta_sync is not None:
-            from ._lora import choose_peft_sync
-
             self._peft_sync = choose_peft_sync(self, delta_sync)  # None unless a PEFT model
 
     # ------------------------------------------------------------------ lifecycle
@@ -180,10 +129,8 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         assert config is not None
         bucket = config.bucket or os.path.join(self.args.output_dir, "deltasync-bucket")
         urls = config.server_urls or [self.args.vllm_server_base_url]
-        token = config.token if config.token is not None else os.environ.get(TOKEN_ENV) or None
+        token = config.server_token()
         if self._peft_sync is not None:
-            from ._lora import start_peft_sync
-
             self._publisher, self._client = start_peft_sync(
                 self, self._peft_sync, bucket, urls, token, config, config.publish
             )

@@ -45,3 +45,44 @@ def test_plot_line_says_when_and_how_the_plot_is_skipped(tmp_path, monkeypatch) 
 
 def test_reward_is_the_share_of_the_target_letter() -> None:
     assert reward_target_letter(["we", "sun", "", [{"role": "assistant", "content": "Tree!"}]]) == [0.5, 0.0, 0.0, 0.5]
+
+
+def test_silence_noise_drops_the_known_noise_only(monkeypatch) -> None:
+    import logging
+    import subprocess
+    import warnings
+
+    from deltasync._demo import NOISE, NOISE_LOGS, silence_noise
+
+    environ = {"PYTHONWARNINGS": "default::DeprecationWarning"}
+    loggers = [logging.getLogger(name) for name, _ in NOISE_LOGS]
+    before = [list(lg.filters) for lg in loggers]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            silence_noise(environ)
+            silence_noise(environ)  # twice: the environment lists each option once
+            warnings.warn("TRL currently supports vLLM versions from 0.22.0 to 0.31.0. You have 0.32.0", UserWarning)
+            warnings.warn("another warning", UserWarning)
+        assert [str(w.message) for w in caught] == ["another warning"]
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        loggers[0].addHandler(handler)
+        loggers[0].warning("You are adding a <class 'trl.experimental.async_grpo.X'> to the callbacks")
+        loggers[0].warning("something else")
+        loggers[0].removeHandler(handler)
+        assert [r.getMessage() for r in records] == ["something else"]
+    finally:
+        for lg, filters in zip(loggers, before):
+            lg.filters[:] = filters
+    assert environ["PYTHONWARNINGS"] == "default::DeprecationWarning," + ",".join(
+        f"ignore:{message}:{category.__name__}" for message, category in NOISE
+    )
+    # A process started with that environment (TRL's rollout worker) is silent too.
+    code = (
+        "import warnings; warnings.warn('TRL currently supports vLLM versions from 0.22.0 to 0.31.0', UserWarning); "
+        "warnings.warn('kept', UserWarning)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env={**environ, "PATH": ""}, capture_output=True, text=True)
+    assert "TRL currently supports" not in proc.stderr and "kept" in proc.stderr

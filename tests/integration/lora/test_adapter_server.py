@@ -15,11 +15,10 @@ import re
 import pytest
 import requests
 from lora_helpers import TOKEN, greedy_for, lora_model, make_trl_trainer, train, trainable
-from servers import SERVER_START_TIMEOUT, requires_vllm, running_server, server_env
+from servers import SERVER_START_TIMEOUT, extension_args, requires_vllm, running_server, server_env
 
 from deltasync import AdapterRolloutClient, fingerprint
 from deltasync._lora import ADAPTER_CONFIG_KEY, adapter_publisher, adapter_state_dict
-from deltasync._serve import extension_args
 from deltasync._server import VLLMServer
 
 pytestmark = [pytest.mark.server, requires_vllm]

@@ -13,10 +13,9 @@ import time
 
 import pytest
 import requests
-from servers import PROMPTS, TP2, Trainer, greedy, requires_vllm, running_server, tp_params
+from servers import PROMPTS, TP2, Trainer, extension_args, greedy, requires_vllm, running_server, tp_params
 
 from deltasync import RolloutClient
-from deltasync._serve import extension_args
 
 pytestmark = [pytest.mark.server, requires_vllm]
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import pytest
 import requests
-from servers import PROMPTS, SERVER_START_TIMEOUT, TP2, Trainer, greedy, requires_vllm, running_server, tp_params
+from servers import PROMPTS, SERVER_START_TIMEOUT, TP2, Trainer, extension_args, greedy, requires_vllm, running_server, tp_params
 
 from deltasync import RolloutClient, bf16_state_dict
-from deltasync._serve import extension_args
 
 pytestmark = [pytest.mark.server, requires_vllm]
 

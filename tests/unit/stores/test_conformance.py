@@ -16,13 +16,16 @@ from huggingface_hub import HfApi
 
 from deltasync._errors import ConfigError, NotFoundError, StoreError
 from deltasync.stores import (
+    BoundedReadStore,
     FsspecStore,
     HfBucketStore,
     LocalStore,
     Store,
     StreamingStore,
+    TempCleaningStore,
     open_store,
     read_buffer,
+    read_limited,
     write_stream,
 )
 
@@ -434,9 +437,19 @@ def test_open_read_reads_in_pieces_into_the_callers_buffers(store: Store) -> Non
     assert got == whole
 
 
+def test_every_backend_declares_its_optional_capabilities(store: Store) -> None:
+    assert isinstance(store, BoundedReadStore) and isinstance(store, StreamingStore)
+    assert isinstance(store, TempCleaningStore) == (type(store).__name__ == "LocalStore")
+    store.write_bytes("a/b", b"hello")
+    assert read_limited(store, "a/b", 2) == b"hel"
+
+
 def test_a_five_method_store_still_streams_and_reads_buffers() -> None:
     store = FiveMethodStore()
-    assert isinstance(store, Store) and not isinstance(store, StreamingStore)
+    assert isinstance(store, Store)
+    assert not isinstance(store, (StreamingStore, BoundedReadStore, TempCleaningStore))
+    store.write_bytes("a/b", b"hello")
+    assert read_limited(store, "a/b", 2) == b"hello"  # read whole: the caller refuses it for its size
     size, digest = write_stream(store, "a/b", iter([b"x", memoryview(b"yz")]))
     assert (size, store.files["a/b"]) == (3, b"xyz")
     assert digest == hashlib.sha256(b"xyz").hexdigest()

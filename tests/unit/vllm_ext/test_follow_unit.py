@@ -182,3 +182,21 @@ def test_metrics_count_updates_failures_and_bytes(tmp_path):
     failing = Engine(fail="deltasync_apply")
     asyncio.run(_sync(failing, bucket).bring_to(1, update_tag(TOKEN, 1)))
     assert value("deltasync_update_failures_total") - before["deltasync_update_failures_total"] == 1
+
+
+def test_the_server_reads_its_environment_in_one_config() -> None:
+    from deltasync import ConfigError
+    from vllm_ext._config import ServerConfig
+
+    assert ServerConfig.from_env({}) == ServerConfig()
+    env = {
+        "DELTASYNC_BUCKET": "/b", "DELTASYNC_TOKEN": "t", "DELTASYNC_FOLLOW": "yes", "DELTASYNC_FOLLOW_INTERVAL": "0.5",
+        "DELTASYNC_UPDATE_MODE": "inflight", "DELTASYNC_PUBLIC_ROUTES": "/x", "DELTASYNC_CPU_PLAIN_GEMM": " 1 ",
+        "DELTASYNC_TEST_HOOKS": "1",
+    }  # fmt: skip
+    assert ServerConfig.from_env(env) == ServerConfig(
+        bucket="/b", token="t", follow=True, follow_interval=0.5, update_mode="inflight", public_routes="/x",
+        plain_gemm="1", test_hooks=True,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="DELTASYNC_UPDATE_MODE must be one of pause, inflight, got 'fast'"):
+        ServerConfig.from_env({"DELTASYNC_UPDATE_MODE": "fast"})

@@ -323,7 +323,7 @@ def test_with_several_workers_all_agree_and_only_the_last_raises(world, monkeypa
                         "loading version 1 into the model failed (RuntimeError: peer out of memory)"])  # fmt: skip
 
     def all_gather_object(out, obj, group=None):
-        out[:] = [next(peer_errors), obj]
+        out[:] = [[next(peer_errors)], obj]  # each worker sends the list of what it holds so far
 
     monkeypatch.setattr(_ranks, "parallel_groups", lambda: [_TwoWorkers()])
     monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)

@@ -1,0 +1,45 @@
+"""The environment variables of a deltasync server, named once.
+
+``deltasync serve``, the demo, the Spaces deployer and the tests write them into a vLLM
+server's environment; ``vllm_ext`` reads them there, once, into its
+:class:`vllm_ext.ServerConfig`. The trainer reads one of them, :data:`TOKEN_ENV`, as the
+default token of :class:`~deltasync.trl.DeltaSyncConfig`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BUCKET_ENV",
+    "DEFAULT_FOLLOW_INTERVAL",
+    "FOLLOW_ENV",
+    "FOLLOW_INTERVAL_ENV",
+    "PLAIN_GEMM_ENV",
+    "PUBLIC_ROUTES_ENV",
+    "TEST_HOOKS_ENV",
+    "TOKEN_ENV",
+    "UPDATE_MODES",
+    "UPDATE_MODE_ENV",
+]
+
+#: The bucket a server follows; no request can name another.
+BUCKET_ENV = "DELTASYNC_BUCKET"
+#: The shared token on the server (and, by default, for ``deltasync serve`` and the trainer).
+TOKEN_ENV = "DELTASYNC_TOKEN"
+#: "1": the server follows its bucket by itself (``deltasync serve --follow`` sets it).
+FOLLOW_ENV = "DELTASYNC_FOLLOW"
+#: Seconds between two reads of the bucket's pointer in follow mode (``--follow-interval``).
+FOLLOW_INTERVAL_ENV = "DELTASYNC_FOLLOW_INTERVAL"
+#: Its default: 2 s is 1,800 pointer reads an hour, well inside a Hub bucket's rate limits,
+#: and adds at most 2 s (1 s on average) to a version's commit-to-served latency.
+DEFAULT_FOLLOW_INTERVAL = 2.0
+#: How the server applies updates: "pause" (the default) or "inflight" (``--update-mode``).
+UPDATE_MODE_ENV = "DELTASYNC_UPDATE_MODE"
+UPDATE_MODES = ("pause", "inflight")
+#: Set to "1" in a vLLM-CPU server's environment to keep plain linear weights, so deltas are
+#: written in place there (a test, demo and benchmark setting; see ``vllm_ext._plain_gemm``).
+PLAIN_GEMM_ENV = "DELTASYNC_CPU_PLAIN_GEMM"
+#: Routes added to ``vllm_ext.TokenMiddleware``'s public ones: exact paths separated by commas
+#: or whitespace, e.g. ``DELTASYNC_PUBLIC_ROUTES="/v1/messages /v1/responses"``.
+PUBLIC_ROUTES_ENV = "DELTASYNC_PUBLIC_ROUTES"
+#: "1" lets a server loaded with the test extension (``vllm_ext.testing``) run its test RPCs.
+TEST_HOOKS_ENV = "DELTASYNC_TEST_HOOKS"

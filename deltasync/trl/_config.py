@@ -1,0 +1,70 @@
+"""How ``AsyncGRPOTrainer(delta_sync=...)`` ships its weights: :class:`DeltaSyncConfig`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .._env import TOKEN_ENV
+from .._errors import ConfigError
+from .._publisher import PublishOptions
+
+__all__ = ["DeltaSyncConfig"]
+
+
+@dataclass(kw_only=True)
+class DeltaSyncConfig:
+    """Where and how the trainer ships its weights."""
+
+    bucket: str | None = None
+    """Bucket URL or path (local, ``hf://buckets/ns/name``, any fsspec URL). Default: the folder
+    ``deltasync-bucket`` in the trainer's ``output_dir``. The servers must follow the same bucket."""
+    server_urls: list[str] | None = None
+    """Rollout servers to update. Default: ``[args.vllm_server_base_url]``."""
+    token: str | None = None
+    """Shared secret of the servers (``DELTASYNC_TOKEN`` on their side). Default: the trainer's
+    ``DELTASYNC_TOKEN`` environment variable, if set."""
+    publish: PublishOptions = field(default_factory=PublishOptions)
+    """How versions are written: anchor schedule, codec, retention (see :class:`~deltasync.PublishOptions`)."""
+    prefetch: bool = True
+    """Let servers download and decode each version while still generating, so they pause only
+    to swap it in."""
+    follow: bool = False
+    """The servers follow the bucket by themselves (``deltasync serve --follow``): the trainer
+    only publishes, never asks a server to update, and tags samples with the version the
+    servers report serving on ``GET /deltasync/status`` once they reach the new version."""
+    background: bool = True
+    """Publish and update the servers in the background: a sync returns as soon as the version
+    is captured (its changed values copied out), and training goes on while it is encoded,
+    uploaded and committed and the servers stage and apply it. At most one version is in
+    flight: the next sync first waits for it. False: every sync waits for all of that."""
+    timeout: float = 600.0
+    """Seconds to wait for a server's answer."""
+    peft_sync: str | None = None
+    """PEFT models: "adapter" (adapter versions, servers with ``--enable-lora``), "merged" (merged
+    weights), or None to decide from the servers' ``lora_config`` as TRL does."""
+    lora_name: str = "trl-policy"
+    """Adapter mode: adapters are served as ``<lora_name>-v<version>``."""
+
+    def server_token(self) -> str | None:
+        """:attr:`token`, or else the trainer's ``DELTASYNC_TOKEN`` (None when neither is set):
+        the one place the trainer reads its environment."""
+        return self.token if self.token is not None else os.environ.get(TOKEN_ENV) or None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.publish, PublishOptions):
+            raise ConfigError(
+                f"publish must be a PublishOptions, got {type(self.publish).__name__}: "
+                "DeltaSyncConfig(publish=PublishOptions(anchor_every=...))"
+            )
+        if self.peft_sync not in (None, "adapter", "merged"):
+            raise ConfigError(f"peft_sync must be 'adapter', 'merged' or None (decide from the servers), got {self.peft_sync!r}")
+        if self.server_urls is not None and not self.server_urls:
+            raise ConfigError("server_urls is empty: give at least one rollout server, or None for the trainer's")
+        if self.timeout <= 0:
+            raise ConfigError(f"timeout must be positive, got {self.timeout}")
+        if self.follow and self.peft_sync == "adapter":
+            raise ConfigError(
+                "follow=True with peft_sync='adapter': followers serve full weights; adapter versions are loaded on the "
+                "trainer's request. Use peft_sync='merged' with follow=True, or follow=False for adapters"
+            )

@@ -1,0 +1,158 @@
+"""How the package imports: the core without the optional dependencies, no cycle, no upward import.
+
+The core is checked in a subprocess whose import system refuses TRL, transformers, openenv
+(and the other optional packages): a meta-path finder raises ImportError for them, as a
+missing package would. A fresh venv with only the core dependencies would be the literal
+check, but building one (torch included) takes minutes per run, and the finder fails the same
+way on any import of those packages, at module level or not.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from servers import REPO_ROOT
+
+#: What ``pip install deltasync`` does not install (extras: trl, wordle, vllm, plot).
+OPTIONAL = ("trl", "transformers", "peft", "accelerate", "datasets", "openenv", "vllm", "vllm_ext", "matplotlib")
+
+#: Import layers, lowest first: a module may import its own layer and those below, never above.
+LAYERS = (
+    ("deltasync._errors", "deltasync._env", "deltasync._fingerprint", "deltasync._collective", "deltasync._memory"),
+    ("deltasync._format", "deltasync._auth", "deltasync._messages", "deltasync.stores"),
+    ("deltasync._sharded", "deltasync._parts", "deltasync._client", "deltasync._checkpoint_layout"),
+    ("deltasync._detector", "deltasync._receiver"),
+    ("deltasync._publisher",),
+    ("deltasync._lora",),
+    ("deltasync",),
+    # The integrations: each uses the core, neither the other.
+    ("deltasync.trl", "vllm_ext"),
+    # The commands, examples and what only they use.
+    ("deltasync.cli", "deltasync._serve", "deltasync._server", "deltasync._demo", "deltasync._spaces",
+     "deltasync.envs", "deltasync.tiny"),
+)  # fmt: skip
+_BLOCKER = f"""
+import importlib, pkgutil, sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {OPTIONAL!r}:
+            raise ImportError(f"No module named {{name!r}} (refused by the test)")
+sys.meta_path.insert(0, Refuse())
+import deltasync, deltasync.stores, deltasync.cli
+needs = {{}}
+for info in pkgutil.walk_packages(deltasync.__path__, "deltasync."):
+    try:
+        importlib.import_module(info.name)
+    except ImportError as exc:
+        needs[info.name] = str(exc)
+print(sorted(needs.items()))
+try:
+    deltasync.cli.main(["--help"])
+except SystemExit as exc:
+    assert exc.code == 0, exc.code
+"""
+
+
+def test_the_core_imports_without_trl_transformers_or_openenv() -> None:
+    proc = subprocess.run([sys.executable, "-c", _BLOCKER], capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    needs = dict(ast.literal_eval(proc.stdout.splitlines()[0]))
+    # Only the integrations that are their extras refuse, and they say which extra.
+    assert sorted(needs) == ["deltasync.envs.wordle", "deltasync.trl"], needs
+    assert "pip install 'deltasync[wordle]'" in needs["deltasync.envs.wordle"]
+    assert all(f"    {command} " in proc.stdout for command in ("inspect", "demo", "serve", "spaces"))  # the CLI's help
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in ("deltasync", "vllm_ext"):
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> dict[str, int]:
+    """Every module of ours that ``name`` imports anywhere (top level, TYPE_CHECKING, functions): line."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [base])])
+            targets = [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target not in modules and "." in target:
+                target = target.rpartition(".")[0]
+            if target in modules and target != name:
+                found.setdefault(target, node.lineno)
+    return found
+
+
+def _graph() -> dict[str, dict[str, int]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_no_import_cycle() -> None:
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while component[-1:] != [v]:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    assert not cycles, cycles
+
+
+def _layer(name: str) -> int:
+    best = max((p for layer in LAYERS for p in layer if name == p or name.startswith(p + ".")), key=len)
+    assert best != "deltasync" or name == "deltasync", f"{name} is in no layer: add it to LAYERS"
+    return next(i for i, layer in enumerate(LAYERS) if best in layer)
+
+
+def _integration(name: str) -> str | None:
+    return next((p for p in ("vllm_ext", "deltasync.trl") if name == p or name.startswith(p + ".")), None)
+
+
+def test_no_import_runs_from_a_lower_layer_to_a_higher_one() -> None:
+    graph = _graph()
+    upward = [
+        f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)}) on line {line}"
+        for name, targets in graph.items()
+        for target, line in targets.items()
+        if _layer(target) > _layer(name) and not target.startswith(name + ".")  # a package's own modules
+    ]
+    crossed = [
+        f"{name} imports {target}"
+        for name, targets in graph.items()
+        for target in targets
+        if {_integration(name), _integration(target)} == {"vllm_ext", "deltasync.trl"}
+    ]
+    assert not upward and not crossed, upward + crossed

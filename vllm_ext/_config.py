@@ -1,0 +1,78 @@
+"""What a server reads from its environment, read in one place, once, at start-up.
+
+The variables are named in :mod:`deltasync._env`; ``deltasync serve`` writes them. Every part
+of ``vllm_ext`` (workers, middleware, follow mode, the plain-GEMM switch) takes its settings
+from :meth:`ServerConfig.from_env`, never from ``os.environ`` itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from deltasync._env import (
+    BUCKET_ENV,
+    DEFAULT_FOLLOW_INTERVAL,
+    FOLLOW_ENV,
+    FOLLOW_INTERVAL_ENV,
+    PLAIN_GEMM_ENV,
+    PUBLIC_ROUTES_ENV,
+    TEST_HOOKS_ENV,
+    TOKEN_ENV,
+    UPDATE_MODE_ENV,
+    UPDATE_MODES,
+)
+from deltasync._errors import ConfigError
+
+__all__ = ["ServerConfig"]
+
+_TRUE, _FALSE = ("1", "true", "yes"), ("", "0", "false", "no")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """A server's settings from its environment (``from_env``); the defaults are a server
+    started with none of the variables set."""
+
+    bucket: str | None = None
+    """The bucket it follows (``DELTASYNC_BUCKET``); no request can name another."""
+    token: str | None = None
+    """The shared secret (``DELTASYNC_TOKEN``); None leaves updates unauthenticated."""
+    follow: bool = False
+    """Follow the bucket by itself (``DELTASYNC_FOLLOW``)."""
+    follow_interval: float = DEFAULT_FOLLOW_INTERVAL
+    """Seconds between two reads of the pointer in follow mode (``DELTASYNC_FOLLOW_INTERVAL``)."""
+    update_mode: str = "pause"
+    """"pause" or "inflight" (``DELTASYNC_UPDATE_MODE``)."""
+    public_routes: str | None = None
+    """Routes the token middleware adds to its public ones, as written (``DELTASYNC_PUBLIC_ROUTES``;
+    the middleware parses them and answers with the error if they are wrong)."""
+    plain_gemm: str = ""
+    """The plain-GEMM switch as written (``DELTASYNC_CPU_PLAIN_GEMM``: "", "0", "1" or patterns)."""
+    test_hooks: bool = False
+    """The test extension's RPCs may run (``DELTASYNC_TEST_HOOKS=1``)."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> ServerConfig:
+        flag = environ.get(FOLLOW_ENV, "").strip().lower()
+        if flag not in _TRUE + _FALSE:
+            raise ConfigError(f"{FOLLOW_ENV} must be 1 or 0, got {environ[FOLLOW_ENV]!r}")
+        raw = environ.get(FOLLOW_INTERVAL_ENV) or str(DEFAULT_FOLLOW_INTERVAL)
+        try:
+            interval = float(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{FOLLOW_INTERVAL_ENV} must be a number of seconds, got {raw!r}") from exc
+        mode = environ.get(UPDATE_MODE_ENV) or "pause"
+        if mode not in UPDATE_MODES:
+            raise ConfigError(f"{UPDATE_MODE_ENV} must be one of {', '.join(UPDATE_MODES)}, got {mode!r}")
+        return cls(
+            bucket=environ.get(BUCKET_ENV) or None,
+            token=environ.get(TOKEN_ENV) or None,
+            follow=flag in _TRUE,
+            follow_interval=interval,
+            update_mode=mode,
+            public_routes=environ.get(PUBLIC_ROUTES_ENV),
+            plain_gemm=environ.get(PLAIN_GEMM_ENV, "").strip(),
+            test_hooks=environ.get(TEST_HOOKS_ENV) == "1",
+        )

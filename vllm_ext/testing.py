@@ -1,0 +1,111 @@
+"""Test-only worker extension: RPCs that damage or probe a server on purpose.
+
+The servers the test suite starts load :class:`TestingWorkerExtension` in place of
+:class:`~vllm_ext.DeltaWorkerExtension` (``tests/servers.py``: ``extension_args``); production
+(``deltasync serve``, the demo, the Spaces) never does, so these RPCs do not exist there. They
+run only with ``DELTASYNC_TEST_HOOKS=1`` in the server's environment too.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from deltasync._env import TEST_HOOKS_ENV
+from deltasync._errors import ConfigError, UpdateError
+
+from ._config import ServerConfig
+from ._extension import DeltaWorkerExtension, _updater_of
+from ._live_target import LiveTarget
+from ._lora_worker import _find, _held
+from ._updater import WorkerUpdater
+
+__all__ = ["TEST_EXTENSION", "TestingWorkerExtension"]
+
+#: The ``--worker-extension-cls`` value of a test server.
+TEST_EXTENSION = "vllm_ext.testing.TestingWorkerExtension"
+
+
+class TestingWorkerExtension(DeltaWorkerExtension):
+    """:class:`~vllm_ext.DeltaWorkerExtension` plus ``deltasync_test_poke``,
+    ``deltasync_test_fail_after_write``, ``deltasync_test_tensor_bytes`` and
+    ``deltasync_test_poke_lora``."""
+
+    __test__ = False  # not a pytest test class
+
+    def deltasync_test_poke(self, name: str, index: int, bits: int) -> bool:
+        """Set one live element's bf16 bit pattern (in-place mode); False on a rank that does not hold it."""
+        target = _live_target(_updater_of(self))
+        return target.live.poke(name, index, bits)
+
+    def deltasync_test_fail_after_write(self, rank: int) -> None:
+        """Make the next in-place write fail on ``rank`` after it has written."""
+        updater = _updater_of(self)
+        target = _live_target(updater)
+        if rank != updater.rank:
+            return
+        after_write = target.after_write
+
+        def fail_once() -> None:
+            target.after_write = after_write
+            raise UpdateError(f"a failure injected after rank {updater.rank} wrote (test hook)")
+
+        target.after_write = fail_once
+
+    def deltasync_test_tensor_bytes(self) -> dict[str, int]:
+        """Bytes of CPU tensors alive in this process, beyond the model's parameters, that are
+        shaped like a checkpoint tensor: what an HF-named copy would be made of."""
+        updater = _updater_of(self)
+        _check_hooks()
+        return _checkpoint_shaped_bytes(updater)
+
+    def deltasync_test_poke_lora(self, lora_id: int, name: str, index: int, factor: float) -> bool:
+        """Multiply one element of the LoRA tensor vLLM holds for ``name`` in adapter ``lora_id``."""
+        _check_hooks()
+        from vllm.lora.utils import parse_fine_tuned_lora_name
+
+        manager, lora = _find(self, lora_id)
+        mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
+        module, is_a = parse_fine_tuned_lora_name(name, None if mapper is None else mapper.get_rename_mapper())
+        held = _held(manager, lora, module, is_a)
+        if held is None:
+            return False
+        held.view(-1)[index] *= factor
+        return True
+
+
+def _check_hooks() -> None:
+    if not ServerConfig.from_env().test_hooks:
+        raise ConfigError(f"test hooks are off; start the server with {TEST_HOOKS_ENV}=1")
+
+
+def _live_target(updater: WorkerUpdater) -> LiveTarget:
+    _check_hooks()
+    updater.target.settle()
+    if not isinstance(updater.target, LiveTarget):
+        raise ConfigError("this test hook needs in-place mode")
+    return updater.target
+
+
+def _checkpoint_shaped_bytes(updater: WorkerUpdater) -> dict[str, int]:
+    gc.collect()
+    model = updater.model
+    params = {p.untyped_storage().data_ptr() for p in model.parameters() if p.numel()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers() if b.numel()}
+    shapes = {tuple(shape) for shape in (updater.checkpoint.shapes or {}).values()}
+    seen: set[int] = set()
+    total = largest = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta and tuple(obj.shape) in shapes:
+            try:
+                ptr = obj.untyped_storage().data_ptr()
+            except RuntimeError:
+                continue
+            if ptr in params or ptr in seen or ptr == 0:
+                continue
+            seen.add(ptr)
+            n = obj.untyped_storage().nbytes()
+            total += n
+            largest = max(largest, n)
+    return {"bytes": total, "largest": largest}
