@@ -3,6 +3,7 @@ deltas, never instead; a publish holds one copy of the model."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -314,12 +315,19 @@ def stepping(model, opt, seed: int) -> tuple[threading.Thread, threading.Event]:
     return thread, done
 
 
-def test_an_overlapping_capture_holds_the_next_step_not_the_submit(tmp_path: Path, monkeypatch) -> None:
+@contextlib.contextmanager
+def overlapping(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A trainer one step past the root version of an overlapping publisher, and a reader."""
     model, opt = trainer()
     receiver = DeltaReceiver(tmp_path / "bucket")
     with DeltaPublisher(tmp_path / "bucket", model, opt, capture="overlap") as publisher:
         publisher.publish()
         train_step(model, opt, seed=1)
+        yield model, opt, receiver, publisher
+
+
+def test_an_overlapping_capture_holds_the_next_step_not_the_submit(tmp_path: Path, monkeypatch) -> None:
+    with overlapping(tmp_path) as (model, opt, receiver, publisher):
         expected = bits(bf16_state_dict(model))
         entered, go = slow_detector(publisher, monkeypatch)
         future = publisher.submit()  # returns before the changes are found
@@ -342,11 +350,7 @@ def test_an_overlapping_capture_holds_the_next_step_not_the_submit(tmp_path: Pat
 
 
 def test_an_overlapping_capture_that_fails_lets_the_step_go(tmp_path: Path, monkeypatch) -> None:
-    model, opt = trainer()
-    receiver = DeltaReceiver(tmp_path / "bucket")
-    with DeltaPublisher(tmp_path / "bucket", model, opt, capture="overlap") as publisher:
-        publisher.publish()
-        train_step(model, opt, seed=1)
+    with overlapping(tmp_path) as (model, opt, receiver, publisher):
         _, go = slow_detector(publisher, monkeypatch, fail=True)
         future = publisher.submit()
         thread, stepped = stepping(model, opt, seed=2)
