@@ -353,12 +353,12 @@ def test_websockets_on_public_routes_pass_and_long_reasons_stay_valid_utf8(monke
     assert len(reason.encode()) <= 123 and reason == f"/{'é' * 61}"  # 1 + 61 * 2 bytes
 
 
-def test_the_readme_and_the_space_card_list_the_public_routes():
+def test_the_server_docs_and_the_space_card_list_the_public_routes():
     import pathlib
     import re
 
     root = pathlib.Path(__file__).resolve().parents[3]
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "server.md").read_text()
     table = readme[readme.index("| public without the token |") :].split("\n\n", 1)[0]
     card = (root / "spaces" / "vllm" / "README.md").read_text()
     section = card[card.index("## What is public") :].split("\n\n")[1]
