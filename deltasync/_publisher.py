@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._detector import CHUNK, BF16ChangeDetector, named_parameters
+from ._checkpoint_layout import checkpoint_layout
+from ._detector import BF16ChangeDetector, named_parameters
 from ._errors import ConfigError, DeltaSyncError, IntegrityError, NotFoundError, PublishError
 from ._fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
 from ._format import (
@@ -166,6 +167,9 @@ class _Chain:
 class _Capture:
     version: int
     changes: dict[str, Change]
+    """In checkpoint layout: what the delta holds."""
+    live: dict[str, Change]
+    """The same changes on the live parameters: what the detector commits."""
     fingerprint: str
     forced_anchor: bool
     started: float
@@ -217,8 +221,12 @@ class DeltaPublisher:
             model, optimizer, snapshot_device=self.options.snapshot_device
         )
         named = list(named_parameters(model))
-        self._layout: ShardLayout = self.detector.layout or solo_layout(named)
-        self._numels = {name: s.numel for name, s in self._layout.slices.items()}
+        # Versions are named and shaped as save_pretrained writes the model; detection stays on
+        # the live parameters, whose changes are mapped to checkpoint tensors at capture.
+        self._checkpoint = checkpoint_layout(model, named)
+        self._live_layout: ShardLayout = self.detector.layout or solo_layout(named)
+        self._layout = self._checkpoint.owned(self._live_layout)
+        self._numels = self._checkpoint.numels
         layout = self._layout
         # Rank 0 alone reads, so that every rank starts from the same pointer.
         found = layout.agree("reading the pointer", lambda: (None, self._read_pointer() if layout.rank == 0 else None))
@@ -355,19 +363,21 @@ class DeltaPublisher:
         if self._chain is None:
             # A new chain: its first version has an anchor and no delta.
             self.detector.reset()
-            return _Capture(version, {}, "", True, start, time.perf_counter() - start)
+            return _Capture(version, {}, {}, "", True, start, time.perf_counter() - start)
         chain = self._chain
-        changes, shares = layout.agree(f"detecting the changes of version {version}", self._local_changes)
+        (changes, live), shares = layout.agree(f"detecting the changes of version {version}", self._local_changes)
         fp = format_fingerprint(parse_fingerprint(chain.fingerprint) + sum(shares))
-        return _Capture(version, changes, fp, anchor, start, time.perf_counter() - start)
+        return _Capture(version, changes, live, fp, anchor, start, time.perf_counter() - start)
 
-    def _local_changes(self) -> tuple[dict[str, Change], int]:
-        """This rank's changes and its share of the fingerprint's move (0 on ranks that own nothing)."""
-        changes = self.detector.changes()
+    def _local_changes(self) -> tuple[tuple[dict[str, Change], dict[str, Change]], int]:
+        """This rank's changes (in checkpoint layout, and on the live parameters) and its share of
+        the fingerprint's move (0 on ranks that own nothing)."""
+        live = self.detector.changes()
+        changes = self._checkpoint.to_checkpoint(live)
         share = 0
         for name, change in changes.items():
             share += parse_fingerprint(fingerprint_update(format_fingerprint(0), name, change.index, change.old, change.new))
-        return changes, share
+        return (changes, live), share
 
     def _run(self, future: PublishFuture, capture: _Capture) -> None:
         try:
@@ -419,7 +429,7 @@ class DeltaPublisher:
 
         layout.agree(f"committing version {version}", commit, self._delta_group)
         # Committed: from here on nothing may raise, or a caller would retry a published version.
-        self.detector.commit(changes)
+        self.detector.commit(capture.live)
         chain.version, chain.fingerprint = version, capture.fingerprint
         chain.since_anchor += entry.nbytes
         scheduled = self._schedule_anchor(version, capture.fingerprint, capture.forced_anchor)
@@ -531,17 +541,18 @@ class DeltaPublisher:
 
         def chunks(name: str) -> Callable[[], Iterator[torch.Tensor]]:
             owned = layout.slices[name]
+            source = self._checkpoint.pieces[name].source
+            live = self._live_layout.slices[source]
 
             def gen() -> Iterator[torch.Tensor]:
                 if owned.end == owned.begin:
                     return
-                if self.detector.is_tracked(name):
-                    source: Iterator[torch.Tensor] = self.detector.snapshot_chunks(name)
-                else:  # not trained: its live value is its value at every version
-                    flat = owned.local(params[name])
-                    source = (flat[lo : lo + CHUNK].to(torch.bfloat16) for lo in range(0, flat.numel(), CHUNK))
+                # The snapshot, or for a parameter that is not trained its live value (its value
+                # at every version), read in the checkpoint tensor's order.
+                tracked = self.detector.is_tracked(source)
+                flat = self.detector.snapshot_flat(source) if tracked else live.local(params[source])
                 offset = owned.begin
-                for values in source:
+                for values in self._checkpoint.chunks(name, flat, live.begin, owned):
                     shares[0] += fingerprint_slice_share(name, values.cpu(), offset)
                     offset += values.numel()
                     yield values
