@@ -221,6 +221,9 @@ class DeltaPublisher:
             model, optimizer, snapshot_device=self.options.snapshot_device
         )
         named = list(named_parameters(model))
+        # Read once, here: a view's named_parameters may be collective (merged LoRA under FSDP2
+        # gathers lora_A), and anchors are written from a background thread.
+        self._params = dict(named)
         # Versions are named and shaped as save_pretrained writes the model; detection stays on
         # the live parameters, whose changes are mapped to checkpoint tensors at capture.
         self._checkpoint = checkpoint_layout(model, named)
@@ -536,7 +539,7 @@ class DeltaPublisher:
         """
         layout = self._layout
         split = layout.parts > 1
-        params = dict(named_parameters(self.model))
+        params = self._params
         shares: list[int] = [0]
 
         def chunks(name: str) -> Callable[[], Iterator[torch.Tensor]]:

@@ -20,7 +20,8 @@ def moe_model(model_dir: pathlib.Path) -> torch.nn.Module:
 def routed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int, tokens: int = 2) -> None:
     """One AdamW step on ``tokens`` random tokens: only the experts the router picks get gradients."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=gen)
+    vocab = getattr(model, "module", model).config.vocab_size  # DDP wraps the model
+    ids = torch.randint(0, vocab, (1, tokens), generator=gen)
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

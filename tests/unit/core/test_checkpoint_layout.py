@@ -143,3 +143,62 @@ def test_a_dense_model_keeps_its_names_without_an_index_run() -> None:
     model = small_transformer()
     layout = checkpoint_layout(model, list(named_parameters(model)))
     assert layout.identity and sorted(layout.pieces) == sorted(n for n, _ in named_parameters(model))
+
+
+def test_merged_lora_on_a_moe_model_is_save_pretrained_of_the_merge(tmp_path, moe_dirs) -> None:
+    """LoRA on attention of a Qwen3-MoE, merged mode: every version is PEFT's merge, saved."""
+    from peft import LoraConfig, get_peft_model
+
+    from deltasync import merged_publisher
+
+    model = get_peft_model(moe_model(moe_dirs(num_experts=4)), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False))  # fmt: skip
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    publisher = merged_publisher(tmp_path / "b", model, opt, anchor_every=3)
+    receiver = DeltaReceiver(tmp_path / "b")
+
+    def merged_saved() -> dict[str, torch.Tensor]:
+        import copy
+
+        return saved_state(copy.deepcopy(model).merge_and_unload())
+
+    publisher.publish()
+    receiver.sync()
+    assert_saved(receiver, merged_saved())
+    for step in range(1, 5):
+        routed_step(model, opt, seed=step, tokens=4)
+        publisher.publish()
+        staged = receiver.stage()
+        assert staged.names and all("self_attn" in n for n in staged.names)
+        receiver.apply(staged)
+        assert_saved(receiver, merged_saved())
+    publisher.flush()
+    late = DeltaReceiver(tmp_path / "b")
+    late.sync()
+    assert_saved(late, merged_saved())
+    publisher.close()
+
+
+def test_a_rank_holding_part_of_a_transposed_checkpoint_tensor_is_refused() -> None:
+    """Split anchors hold one range of each checkpoint tensor per rank: rows of a transposed
+    tensor are not one, so such a sharding is refused naming the parameter; whole is fine."""
+    from deltasync._checkpoint_layout import CheckpointLayout, Piece
+    from deltasync._sharded import OwnedSlice, ShardLayout
+
+    layout = CheckpointLayout([Piece("w.t", "w", (3, 4), 0, (1, 3))])  # w is (4, 3) in memory
+    assert not layout.identity
+
+    def rank(begin: int, end: int) -> ShardLayout:
+        return ShardLayout(rank=1, world=2, writer=True, part=1, parts=2, description="FSDP2, 2 shards",
+                           slices={"w": OwnedSlice((4, 3), begin, end, True)})  # fmt: skip
+
+    assert layout.owned(rank(0, 12)).slices["w.t"] == OwnedSlice((3, 4), 0, 12, True)
+    assert layout.owned(rank(12, 12)).slices["w.t"] == OwnedSlice((3, 4), 0, 0, True)
+    with pytest.raises(ConfigError, match=r"^'w': rank 1 \(FSDP2, 2 shards\) holds part of its checkpoint tensor 'w.t'"):
+        layout.owned(rank(6, 12))
+    index = torch.tensor([1, 5, 6])  # w[0, 1], w[1, 2], w[2, 0] -> w.t[1, 0], w.t[2, 1], w.t[0, 2]
+    values = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    change = layout.to_checkpoint({"w": Change(index=index, new=values, old=values)})["w.t"]
+    assert change.index.tolist() == [2, 4, 9] and change.new.tolist() == [3.0, 1.0, 2.0]
+    back = layout.to_live({"w.t": change})["w"]
+    assert back.index.tolist() == [1, 5, 6] and back.new.tolist() == [1.0, 2.0, 3.0]
