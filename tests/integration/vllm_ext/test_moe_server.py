@@ -2,10 +2,11 @@
 
 The trainer holds the experts fused (transformers 5); the bucket holds them per expert, as
 ``save_pretrained`` writes them; vLLM loads them into its FusedMoE layers. Two servers follow
-one bucket: one with ``DELTASYNC_CPU_PLAIN_GEMM=1`` at TP=2, whose attention, router, norms and
+one bucket: one with ``DELTASYNC_CPU_PLAIN_GEMM=1``, whose attention, router, norms and
 embeddings are patched in place while the experts, which vLLM-CPU prepacks for its MoE kernel
 after loading (same shape, another element order: discovery reads a sample back to see it),
-fall back to the layerwise reload; and one default server (TP=1), all reload. After several
+fall back to the layerwise reload; and one default server, all reload (both TP=1: greedy
+logprobs at TP=2 differ from TP=1 in the last bits, so TP=2 would need its own reference server). After several
 deltas of AdamW steps in which only routed experts get gradients, both serve the trainer's
 fingerprint and greedy tokens and logprobs identical to a server started fresh from
 ``save_pretrained`` of the same weights.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 from moe_helpers import moe_model, routed_step
-from servers import PROMPTS, SERVER_START_TIMEOUT, TP2, fresh_greedy, greedy, requires_vllm, running_server
+from servers import PROMPTS, SERVER_START_TIMEOUT, fresh_greedy, greedy, requires_vllm, running_server
 
 from deltasync import DeltaPublisher, RolloutClient
 from deltasync._serve import extension_args
@@ -48,8 +49,8 @@ def lab(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(lab):
     env = {"DELTASYNC_BUCKET": str(lab.bucket)}
-    in_place = {**env, "DELTASYNC_CPU_PLAIN_GEMM": "1", **TP2[1]}
-    with running_server(lab.model_dir, env=in_place, extra_args=[*EAGER, *TP2[0], *extension_args()],
+    in_place = {**env, "DELTASYNC_CPU_PLAIN_GEMM": "1"}
+    with running_server(lab.model_dir, env=in_place, extra_args=[*EAGER, *extension_args()],
                         log_file=lab.root / "in-place.log", timeout=SERVER_START_TIMEOUT) as first:  # fmt: skip
         # TRL names the model by its path and seeds requests (no chunked prefill on vLLM-CPU then).
         trl = ["--served-model-name", str(lab.model_dir), "--no-enable-chunked-prefill"]
@@ -63,9 +64,7 @@ def test_moe_servers_follow_checkpoint_layout_deltas_exactly(lab, servers):
     client = RolloutClient([first.url, second.url])
     statuses = client.status()
     experts = sorted(n for n in lab.publisher._numels if ".experts." in n)
-    tp2 = statuses[first.url]
-    assert len(tp2.workers) == 2
-    for worker in tp2.workers:
+    for worker in statuses[first.url].workers:
         # Found by discovery: only the prepacked experts fall back, with their whole FusedMoE layer.
         assert worker["fallback"] == experts, worker["fallback"]
     assert statuses[second.url].mode == "reload"
