@@ -211,11 +211,9 @@ class CheckpointLayout:
             for at in range(lo, lo + owned.end - owned.begin, _CHUNK):
                 yield flat[at : min(at + _CHUNK, lo + owned.end - owned.begin)].to(torch.bfloat16)
             return
-        view = piece.view(flat, begin)  # owned whole (checked by owned())
-        rows = max(1, _CHUNK // max(1, piece.numel // max(1, piece.shape[0]))) if piece.shape else 1
-        if not piece.shape:
-            yield view.reshape(1).to(torch.bfloat16)
-            return
+        # Strided (a transpose): owned whole (checked by owned()), gathered a block of rows at a time.
+        view = piece.view(flat, begin)
+        rows = max(1, _CHUNK // max(1, piece.numel // piece.shape[0]))
         for row in range(0, piece.shape[0], rows):
             yield view[row : row + rows].to(torch.bfloat16).reshape(-1)
 

@@ -187,6 +187,11 @@ class DeltaPublisher:
     streams it from the detector's snapshot while later deltas go on committing; the pointer
     names it once it is complete. Followers read deltas only; anchors serve late joiners.
 
+    Versions hold the weights as ``save_pretrained`` writes them: for a transformers model whose
+    layout in memory differs from its checkpoint (MoE experts fused in memory, per expert on
+    disk), names, shapes and element order are the checkpoint's (see
+    :mod:`deltasync._checkpoint_layout`), while changes are detected on the live parameters.
+
     The first version a publisher writes has an anchor and no delta: version 0 in an empty
     bucket, or the version after the newest committed one in a bucket that already holds
     versions (a restarted trainer never rewrites what servers may have applied). Data files
