@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["module_groups", "reload_groups", "reload_weights"]
+__all__ = ["module_groups", "post_load_experts", "reload_groups", "reload_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,20 +109,26 @@ def reload_weights(
     return loaded, partial
 
 
+def post_load_experts(module: torch.nn.Module) -> Any:
+    """The experts kernel of a fused-MoE layer that transforms its weights after loading
+    (vLLM-CPU prepacks them for its kernel), or None."""
+    try:
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsModular
+    except ImportError:  # another vLLM: nothing known
+        return None
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None or type(experts).process_weights_after_loading is FusedMoEExpertsModular.process_weights_after_loading:
+        return None
+    return experts
+
+
 def _prepack_reloaded_experts(model: torch.nn.Module, loaded: set[str]) -> None:
     """Run the experts' own post-load step (vLLM-CPU: prepack for its kernel) on every fused-MoE
     layer that the reload rebuilt: vLLM 0.32 runs it only at the first load."""
-    try:
-        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsModular
-    except ImportError:  # another vLLM: nothing known to run
-        return
-    base = FusedMoEExpertsModular.process_weights_after_loading
     for module_name, module in model.named_modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is None or type(experts).process_weights_after_loading is base:
-            continue
-        if any(name.startswith(module_name + ".") for name in loaded):
+        experts = post_load_experts(module)
+        if experts is not None and any(name.startswith(module_name + ".") for name in loaded):
             experts.process_weights_after_loading(module)
 
 

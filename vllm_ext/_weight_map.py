@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._reload import post_load_experts
+
 __all__ = ["Piece", "WeightMap", "discover"]
 
 
@@ -211,10 +213,17 @@ def discover(
         kernel = getattr(module, "cpu_linear", None)
         if kernel is not None and kernel is not torch.nn.functional.linear:
             for param in module.parameters(recurse=False):
-                repacked[id(param)] = module_name or "the model"
+                repacked[id(param)] = f"{module_name or 'the model'} runs a kernel on a repacked copy of it"
+        # A fused-MoE layer whose experts kernel transforms the weights after loading (vLLM-CPU
+        # prepacks them; at TP=2 its kernel does not see writes into the parameters either).
+        experts = post_load_experts(module)
+        if experts is not None:
+            for param in module.parameters():
+                repacked[id(param)] = (f"{module_name}'s experts kernel ({type(experts).__name__}) transforms its "
+                                       "weights after loading")  # fmt: skip
     for name, param in params.items():
         if id(param) in repacked:
-            unfit[name] = f"{repacked[id(param)]} runs a kernel on a repacked copy of it"
+            unfit[name] = repacked[id(param)]
         elif param.dtype != dtype:
             unfit[name] = f"it is {param.dtype}, not {dtype}"
         elif not param.is_contiguous() or param.numel() == 0:

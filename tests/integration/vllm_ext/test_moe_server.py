@@ -4,8 +4,7 @@ The trainer holds the experts fused (transformers 5); the bucket holds them per 
 ``save_pretrained`` writes them; vLLM loads them into its FusedMoE layers. Two servers follow
 one bucket: one with ``DELTASYNC_CPU_PLAIN_GEMM=1``, whose attention, router, norms and
 embeddings are patched in place while the experts, which vLLM-CPU prepacks for its MoE kernel
-after loading (same shape, another element order: discovery reads a sample back to see it),
-fall back to the layerwise reload; and one default server, all reload (both TP=1: greedy
+after loading (same shape, another element order), fall back to the layerwise reload; and one default server, all reload (both TP=1: greedy
 logprobs at TP=2 differ from TP=1 in the last bits, so TP=2 would need its own reference server). After several
 deltas of AdamW steps in which only routed experts get gradients, both serve the trainer's
 fingerprint and greedy tokens and logprobs identical to a server started fresh from
