@@ -18,6 +18,13 @@ step 10, then under 1% per step, relative).
 
 Run from the repository root, e.g. ``python benchmarks/codec.py --scale 0.1``; see
 benchmarks/README.md for the reference run and its results.
+
+``--moe`` runs an MoE trace instead (:func:`run_moe`): a transformers Qwen3-MoE with
+Qwen3-30B-A3B's layer shape (hidden 2048, 32 query / 4 key-value heads of 128, expert width 768,
+128 experts of which 8 route each token; ``--scale`` scales the experts, the routed experts and
+the vocabulary), experts fused in memory as transformers holds them and published per expert
+as ``save_pretrained`` writes them. Each step only the routed experts of each layer (a random
+``--routed`` fraction) get a gradient; Adam's momentum moves the others it routed before.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ except ImportError:  # a checkout without an install: import the package next to
 from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 
+from deltasync._checkpoint_layout import checkpoint_layout
 from deltasync._detector import BF16ChangeDetector, bf16_state_dict, named_parameters
 from deltasync._fingerprint import fingerprint, fingerprint_update
 from deltasync._format import CODECS, Change, decode_delta, encode_delta
@@ -540,6 +548,169 @@ def plot(result: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+# --------------------------------------------------------------------------- the MoE trace
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEShape:
+    """Qwen3-30B-A3B's layer shape (its checkpoint: 48 layers, untied head)."""
+
+    hidden: int = 2048
+    moe_intermediate: int = 768
+    experts: int = 128
+    routed: int = 8
+    """Experts each token routes to (the model's top-k)."""
+    heads: int = 32
+    kv_heads: int = 4
+    head_dim: int = 128
+    vocab: int = 151936
+    layers: int = 2
+    """Decoder layers built (the real model has 48: every layer has this shape)."""
+
+    def scaled(self, scale: float) -> MoEShape:
+        """Fewer experts (and routed experts) and vocabulary rows; every tensor keeps its width."""
+        return MoEShape(**{**asdict(self), "experts": max(2, round(self.experts * scale)),
+                           "routed": max(1, round(self.routed * scale)), "vocab": max(256, round(self.vocab * scale))})  # fmt: skip
+
+
+def build_moe_model(shape: MoEShape, seed: int) -> nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, moe_intermediate_size=shape.moe_intermediate,
+        num_experts=shape.experts, num_experts_per_tok=shape.routed, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+        intermediate_size=shape.moe_intermediate, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen3MoeForCausalLM(config)
+
+
+def run_moe(args: argparse.Namespace) -> dict[str, Any]:
+    """The MoE trace: detect on the fused live tensors, map to checkpoint tensors, encode (zstd)."""
+    generator = torch.Generator().manual_seed(args.seed)
+    shape = MoEShape().scaled(args.scale)
+    log(f"building a Qwen3-30B-A3B-shaped MoE at scale {args.scale}: {shape}")
+    model = build_moe_model(shape, args.seed)
+    named = list(named_parameters(model))
+    layout = checkpoint_layout(model, named)
+    params = [p for _, p in named]
+    fused = {id(p): p for n, p in named if ".experts." in n}
+    total = sum(p.numel() for p in params)
+    expert_total = sum(p.numel() for p in fused.values())
+    log(f"{len(named)} live tensors, {len(layout.pieces)} checkpoint tensors, {total / 1e6:.1f}M parameters "
+        f"({expert_total / total:.0%} in experts)")  # fmt: skip
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
+    grads = SimulatedGradients(params, generator)
+    routed_count = max(1, round(args.routed * shape.experts))
+
+    def step() -> None:
+        grads.step()
+        for param in fused.values():  # (experts, ...): only the routed experts get a gradient
+            idle = torch.randperm(shape.experts, generator=generator)[routed_count:]
+            param.grad[idle] = 0.0
+        optimizer.step()
+
+    for _ in range(args.warmup):
+        step()
+    detector = BF16ChangeDetector(model, optimizer)
+    receiver = {name: t.clone() for name, t in _checkpoint_state(model).items()}
+    numels = layout.numels
+    records: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="deltasync-moe-bench-") as tmp:
+        full_path = os.path.join(tmp, "full.safetensors")
+        for number in range(1, args.steps + 1):
+            rec: dict[str, Any] = {"step": number}
+            step()
+            t0 = time.perf_counter()
+            live = detector.changes()
+            rec["detect_changes_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            changes = layout.to_checkpoint(live)
+            rec["remap_s"] = time.perf_counter() - t0
+            changed = sum(c.index.numel() for c in changes.values())
+            expert_changed = sum(c.index.numel() for n, c in changes.items() if ".experts." in n)
+            rec["changed"], rec["changed_pct"] = changed, 100.0 * changed / total
+            rec["expert_changed_pct"] = 100.0 * expert_changed / expert_total
+            rec["dense_changed_pct"] = 100.0 * (changed - expert_changed) / (total - expert_total)
+            experts_hit = {n.rsplit(".", 2)[0] for n in changes if ".experts." in n}
+            rec["experts_changed_pct"] = 100.0 * len(experts_hit) / (shape.experts * shape.layers)
+            t0 = time.perf_counter()
+            data = encode_delta(changes, version=number, anchor=0, codec="zstd", total=total, fingerprint="0" * 16,
+                                base_fingerprint="0" * 16, level=args.zstd_level, numels=numels)  # fmt: skip
+            rec["zstd_encode_s"] = time.perf_counter() - t0
+            rec["zstd_bytes"], rec["zstd_bytes_per_changed"] = len(data), len(data) / max(changed, 1)
+            _, decoded = decode_delta(data, where=f"step {number}", numels=numels,
+                                      base_values=lambda n, i: receiver[n].view(-1)[i])  # fmt: skip
+            _check_decoded("zstd", decoded, changes)
+            t0 = time.perf_counter()
+            detector.commit(live)
+            rec["detect_s"] = rec["detect_changes_s"] + time.perf_counter() - t0
+            for name, change in decoded.items():
+                receiver[name].view(-1)[change.index] = change.new
+            t0 = time.perf_counter()
+            state = _checkpoint_state(model)  # what save_pretrained writes, in bf16
+            rec["full_convert_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            save_file(state, full_path)
+            rec["full_write_s"] = time.perf_counter() - t0
+            rec["full_bytes"] = os.path.getsize(full_path)
+            os.remove(full_path)
+            _verify(receiver, state, number)
+            rec["detect_encode_s"] = rec["detect_s"] + rec["remap_s"] + rec["zstd_encode_s"]
+            rec["time_vs_full_write"] = rec["detect_encode_s"] / rec["full_write_s"]
+            rec["pct_of_full"] = 100.0 * len(data) / rec["full_bytes"]
+            records.append(rec)
+            log(f"step {number}/{args.steps}: {rec['changed_pct']:.3f}% changed (experts {rec['expert_changed_pct']:.3f}%, "
+                f"dense {rec['dense_changed_pct']:.3f}%), {rec['zstd_bytes_per_changed']:.3f} B/changed, "
+                f"detect+remap+encode {rec['detect_encode_s']:.2f} s vs full write {rec['full_write_s']:.2f} s")  # fmt: skip
+    detector.close()
+    log("verified: every step's decoded deltas reproduce save_pretrained's bf16 state")
+    keys = [k for k, v in records[0].items() if isinstance(v, (int, float)) and k != "step"]
+    return {
+        "benchmark": "deltasync codec, MoE trace",
+        "command": " ".join(["python", "benchmarks/codec.py", *args.argv]),
+        "config": {"scale": args.scale, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
+                   "routed_fraction": args.routed, "routed_experts_per_layer": routed_count, "zstd_level": args.zstd_level,
+                   "seed": args.seed},  # fmt: skip
+        "model": {**asdict(shape), "parameters": total, "expert_parameters": expert_total,
+                  "checkpoint_tensors": len(layout.pieces)},  # fmt: skip
+        "machine": _machine(),
+        "steps": records,
+        "medians": {key: _median(records, key) for key in keys},
+    }
+
+
+def _checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's bf16 state as ``save_pretrained`` writes it (transformers' own reverse conversion)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return {k: v.contiguous() for k, v in revert_weight_conversion(model, bf16_state_dict(model)).items()}
+
+
+def moe_table(result: dict[str, Any]) -> str:
+    m, model = result["medians"], result["model"]
+    rows = [
+        ("changed elements, all", f"{m['changed_pct']:.3f}%"),
+        ("changed elements, in experts", f"{m['expert_changed_pct']:.3f}%"),
+        ("changed elements, dense parts (attention, router, norms, embeddings)", f"{m['dense_changed_pct']:.3f}%"),
+        ("experts with any change", f"{m['experts_changed_pct']:.1f}%"),
+        ("zstd bytes per changed element", f"{m['zstd_bytes_per_changed']:.3f}"),
+        ("delta size, % of the full bf16 state", f"{m['pct_of_full']:.3f}%"),
+        ("detect (changes + commit), on the fused tensors", f"{m['detect_s']:.2f} s"),
+        ("map to checkpoint tensors", f"{m['remap_s']:.3f} s"),
+        ("zstd encode", f"{m['zstd_encode_s']:.2f} s"),
+        ("detect + map + encode", f"{m['detect_encode_s']:.2f} s"),
+        ("full bf16 write (save_file of save_pretrained's layout)", f"{m['full_write_s']:.2f} s"),
+        ("(detect + map + encode) / full write", f"{m['time_vs_full_write']:.3f}"),
+    ]
+    head = (f"{model['parameters'] / 1e6:.0f}M parameters ({model['expert_parameters'] / model['parameters']:.0%} in "
+            f"{model['experts']} experts x {model['layers']} layers, {result['config']['routed_experts_per_layer']} "
+            f"routed per step), {model['checkpoint_tensors']} checkpoint tensors")  # fmt: skip
+    return "\n".join([head, "", "| median over steps | |", "|---|---:|", *(f"| {a} | {b} |" for a, b in rows)])
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -560,6 +731,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--out", help="write the results as JSON to this file")
     parser.add_argument("--plot", help="write a plot (PNG) of bytes and changed %% per step to this file")
+    parser.add_argument("--moe", action="store_true", help="run the MoE trace (Qwen3-30B-A3B layer shape) instead")
+    parser.add_argument("--routed", type=float, default=0.25,
+                        help="MoE trace: fraction of each layer's experts that get a gradient per step (default 0.25)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
@@ -589,6 +763,13 @@ def save_outputs(result: dict[str, Any], out: str | None, plot_to: str | None, p
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.moe:
+        if args.plot:
+            raise SystemExit("--plot is not available with --moe")
+        result = run_moe(args)
+        print(moe_table(result))
+        save_outputs(result, args.out, None, plot)
+        return 0
     result = run(args)
     print(table(result))
     save_outputs(result, args.out, args.plot, plot)

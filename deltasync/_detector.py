@@ -366,6 +366,11 @@ class BF16ChangeDetector:
         for lo in range(0, snap.numel(), CHUNK):
             yield snap[lo : lo + CHUNK]
 
+    def snapshot_flat(self, name: str) -> torch.Tensor:
+        """The published bf16 values of a tracked parameter (this rank's elements), flat: the
+        snapshot itself, not a copy. Read it only while :meth:`pin` holds it."""
+        return self._snapshot[name]
+
     def close(self) -> None:
         """Remove the optimizer hooks."""
         for hook in self._hooks:

@@ -429,6 +429,9 @@ class _MergedView(_View):
         super().__init__(pairs)
         self.__dict__["layers"] = layers
         self.__dict__["adapter"] = adapter
+        # Whose save_pretrained layout the merged weights are published in (fused MoE experts
+        # are per expert in the checkpoint); the pairs carry base names relative to it.
+        self.__dict__["checkpoint_model"] = model.get_base_model()
         self.__dict__["sharded"] = [w for _, w in pairs if isinstance(w, _MergedWeight) and w.sharded]
 
     def prepare(self) -> None:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._detector import CHUNK, BF16ChangeDetector, named_parameters
+from ._checkpoint_layout import checkpoint_layout
+from ._detector import BF16ChangeDetector, named_parameters
 from ._errors import ConfigError, DeltaSyncError, IntegrityError, NotFoundError, PublishError
 from ._fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
 from ._format import (
@@ -180,7 +181,10 @@ _CAPTURES = ("submit", "overlap")
 class _Capture:
     version: int
     changes: dict[str, Change] | None
-    """None until found, when the capture overlaps the next step (``release`` then lets it go)."""
+    """In checkpoint layout: what the delta holds. None until found, when the capture overlaps
+    the next step (``release`` then lets it go)."""
+    live: dict[str, Change] | None
+    """The same changes on the live parameters: what the detector commits."""
     fingerprint: str
     forced_anchor: bool
     started: float
@@ -198,6 +202,11 @@ class DeltaPublisher:
     when the schedule says so (:class:`PublishOptions`), by a second background thread that
     streams it from the detector's snapshot while later deltas go on committing; the pointer
     names it once it is complete. Followers read deltas only; anchors serve late joiners.
+
+    Versions hold the weights as ``save_pretrained`` writes them: for a transformers model whose
+    layout in memory differs from its checkpoint (MoE experts fused in memory, per expert on
+    disk), names, shapes and element order are the checkpoint's (see
+    :mod:`deltasync._checkpoint_layout`), while changes are detected on the live parameters.
 
     The first version a publisher writes has an anchor and no delta: version 0 in an empty
     bucket, or the version after the newest committed one in a bucket that already holds
@@ -236,8 +245,15 @@ class DeltaPublisher:
         if problem is not None:
             raise ConfigError(f"capture='overlap' is not possible here: {problem}; use capture='submit'")
         named = list(named_parameters(model))
-        self._layout: ShardLayout = self.detector.layout or solo_layout(named)
-        self._numels = {name: s.numel for name, s in self._layout.slices.items()}
+        # Read once, here: a view's named_parameters may be collective (merged LoRA under FSDP2
+        # gathers lora_A), and anchors are written from a background thread.
+        self._params = dict(named)
+        # Versions are named and shaped as save_pretrained writes the model; detection stays on
+        # the live parameters, whose changes are mapped to checkpoint tensors at capture.
+        self._checkpoint = checkpoint_layout(model, named)
+        self._live_layout: ShardLayout = self.detector.layout or solo_layout(named)
+        self._layout = self._checkpoint.owned(self._live_layout)
+        self._numels = self._checkpoint.numels
         layout = self._layout
         # Rank 0 alone reads, so that every rank starts from the same pointer.
         found = layout.agree("reading the pointer", lambda: (None, self._read_pointer() if layout.rank == 0 else None))
@@ -374,32 +390,36 @@ class DeltaPublisher:
         if self._chain is None:
             # A new chain: its first version has an anchor and no delta.
             self.detector.reset()
-            return _Capture(version, {}, "", True, start, time.perf_counter() - start)
+            return _Capture(version, {}, {}, "", True, start, time.perf_counter() - start)
         if self.options.capture == "overlap":
             release = self.detector.hold_next_step()
-            return _Capture(version, None, "", anchor, start, time.perf_counter() - start, release)
-        return self._detect(_Capture(version, None, "", anchor, start, 0.0), None)
+            return _Capture(version, None, None, "", anchor, start, time.perf_counter() - start, release)
+        return self._detect(_Capture(version, None, None, "", anchor, start, 0.0), None)
 
     def _detect(self, capture: _Capture, group: Any) -> _Capture:
         """``capture`` with its changes found (collective, over ``group``), and, overlapping
         the next step, that step let go (it may have waited: that counts as blocked)."""
         assert self._chain is not None
         try:
-            changes, shares = self._layout.agree(
+            (changes, live), shares = self._layout.agree(
                 f"detecting the changes of version {capture.version}", self._local_changes, group
             )
         finally:
             waited = capture.release() if capture.release is not None else time.perf_counter() - capture.started
         fp = format_fingerprint(parse_fingerprint(self._chain.fingerprint) + sum(shares))
-        return replace(capture, changes=changes, fingerprint=fp, blocked_s=capture.blocked_s + waited, release=None)
+        return replace(
+            capture, changes=changes, live=live, fingerprint=fp, blocked_s=capture.blocked_s + waited, release=None
+        )
 
-    def _local_changes(self) -> tuple[dict[str, Change], int]:
-        """This rank's changes and its share of the fingerprint's move (0 on ranks that own nothing)."""
-        changes = self.detector.changes()
+    def _local_changes(self) -> tuple[tuple[dict[str, Change], dict[str, Change]], int]:
+        """This rank's changes (in checkpoint layout, and on the live parameters) and its share of
+        the fingerprint's move (0 on ranks that own nothing)."""
+        live = self.detector.changes()
+        changes = self._checkpoint.to_checkpoint(live)
         share = 0
         for name, change in changes.items():
             share += parse_fingerprint(fingerprint_update(format_fingerprint(0), name, change.index, change.old, change.new))
-        return changes, share
+        return (changes, live), share
 
     def _run(self, future: PublishFuture, capture: _Capture) -> None:
         release_free_memory()  # what the versions before freed, before this one allocates
@@ -420,7 +440,7 @@ class DeltaPublisher:
         split = layout.parts > 1
         path = part_path("delta", version, layout.part) if split else delta_path(version)
         changes = capture.changes
-        assert changes is not None
+        assert changes is not None and capture.live is not None
 
         def write() -> tuple[None, PartEntry | None]:
             if not layout.writer:
@@ -455,7 +475,7 @@ class DeltaPublisher:
 
         layout.agree(f"committing version {version}", commit, self._delta_group)
         # Committed: from here on nothing may raise, or a caller would retry a published version.
-        self.detector.commit(changes)
+        self.detector.commit(capture.live)
         chain.version, chain.fingerprint = version, capture.fingerprint
         chain.since_anchor += entry.nbytes
         scheduled = self._schedule_anchor(version, capture.fingerprint, capture.forced_anchor)
@@ -562,22 +582,23 @@ class DeltaPublisher:
         """
         layout = self._layout
         split = layout.parts > 1
-        params = dict(named_parameters(self.model))
+        params = self._params
         shares: list[int] = [0]
 
         def chunks(name: str) -> Callable[[], Iterator[torch.Tensor]]:
             owned = layout.slices[name]
+            source = self._checkpoint.pieces[name].source
+            live = self._live_layout.slices[source]
 
             def gen() -> Iterator[torch.Tensor]:
                 if owned.end == owned.begin:
                     return
-                if self.detector.is_tracked(name):
-                    source: Iterator[torch.Tensor] = self.detector.snapshot_chunks(name)
-                else:  # not trained: its live value is its value at every version
-                    flat = owned.local(params[name])
-                    source = (flat[lo : lo + CHUNK].to(torch.bfloat16) for lo in range(0, flat.numel(), CHUNK))
+                # The snapshot, or for a parameter that is not trained its live value (its value
+                # at every version), read in the checkpoint tensor's order.
+                tracked = self.detector.is_tracked(source)
+                flat = self.detector.snapshot_flat(source) if tracked else live.local(params[source])
                 offset = owned.begin
-                for values in source:
+                for values in self._checkpoint.chunks(name, flat, live.begin, owned):
                     shares[0] += fingerprint_slice_share(name, values.cpu(), offset)
                     offset += values.numel()
                     yield values

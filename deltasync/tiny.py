@@ -25,6 +25,7 @@ __all__ = [
     "CHATML_SPECIAL_TOKENS",
     "VLLM_CPU_HEAD_SIZES",
     "build_tiny_model",
+    "build_tiny_moe_model",
     "fit_tiny_model",
 ]
 
@@ -200,18 +201,9 @@ def build_tiny_model(
     """
     _check_shape(hidden_size, num_attention_heads, num_key_value_heads, vocab_size, num_layers)
 
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    tokenizer = _train_tokenizer(vocab_size)
-    tokenizer.chat_template = QWEN2_5_CHAT_TEMPLATE if chat_template is None else chat_template
-    # As in Qwen2.5: <|endoftext|> is bos and pad, <|im_end|> ends a turn.
-    pad_id = bos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-
+    tokenizer, (bos_id, eos_id, pad_id) = _chat_tokenizer(vocab_size, chat_template)
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -228,12 +220,78 @@ def build_tiny_model(
         initializer_range=initializer_range,
         dtype="bfloat16",
     )
+    return _save_random(Qwen2ForCausalLM, config, tokenizer, out_dir, seed)
+
+
+def build_tiny_moe_model(
+    out_dir: str | os.PathLike[str],
+    *,
+    architecture: str = "qwen3_moe",
+    seed: int = 0,
+    num_experts: int = 4,
+    experts_per_token: int = 2,
+    moe_intermediate_size: int = 64,
+    tie_word_embeddings: bool = False,
+    chat_template: str | None = None,
+) -> pathlib.Path:
+    """Write a random mixture-of-experts causal LM with the tiny tokenizer to ``out_dir``.
+
+    ``architecture``: "qwen3_moe" (Qwen3-MoE: experts ``mlp.experts.{e}.gate_proj`` /
+    ``up_proj`` / ``down_proj`` on disk) or "mixtral" (``block_sparse_moe.experts.{e}.w1`` /
+    ``w2`` / ``w3``). transformers 5 holds both fused in memory (``mlp.experts.gate_up_proj``,
+    ``mlp.experts.down_proj``); the checkpoint is per expert. Width, layers, heads and vocabulary
+    are :data:`TINY_SHAPE`'s; every layer is sparse. Same arguments, same weight bytes.
+    """
+    if architecture not in ("qwen3_moe", "mixtral"):
+        raise ConfigError(f"architecture {architecture!r}: choose 'qwen3_moe' or 'mixtral'")
+    if not 1 <= experts_per_token <= num_experts:
+        raise ConfigError(f"experts_per_token={experts_per_token} must be in 1..num_experts={num_experts}")
+    shape = TINY_SHAPE
+    tokenizer, (bos_id, eos_id, pad_id) = _chat_tokenizer(shape.vocab_size, chat_template)
+    common = dict(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.hidden_size // shape.num_attention_heads, max_position_embeddings=4096,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
+        initializer_range=shape.initializer_range, num_experts_per_tok=experts_per_token, dtype="bfloat16",
+    )
+    if architecture == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(
+            **common, num_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
+            intermediate_size=shape.intermediate_size, norm_topk_prob=True,
+        )
+        return _save_random(Qwen3MoeForCausalLM, config, tokenizer, out_dir, seed)
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**common, num_local_experts=num_experts, intermediate_size=moe_intermediate_size)
+    return _save_random(MixtralForCausalLM, config, tokenizer, out_dir, seed)
+
+
+def _chat_tokenizer(vocab_size: int, chat_template: str | None):
+    """The tiny tokenizer with its chat template, and its (bos, eos, pad) ids."""
+    tokenizer = _train_tokenizer(vocab_size)
+    tokenizer.chat_template = QWEN2_5_CHAT_TEMPLATE if chat_template is None else chat_template
+    # As in Qwen2.5: <|endoftext|> is bos and pad, <|im_end|> ends a turn.
+    pad_id = bos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return tokenizer, (bos_id, eos_id, pad_id)
+
+
+def _save_random(model_class, config, tokenizer, out_dir: str | os.PathLike[str], seed: int) -> pathlib.Path:
+    """A model of ``config`` with random weights from ``seed`` (bf16), saved with ``tokenizer``."""
+    import torch
+    from transformers import GenerationConfig
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         # Initialise in fp32 and round once, so the bf16 bytes depend on the seed alone.
-        model = Qwen2ForCausalLM(config)
-        # Qwen2 starts biases at zero and norms at one; perturb them so that a sync path
-        # that drops or mangles them changes the model's outputs and fails tests.
+        model = model_class(config)
+        # Biases start at zero and norms at one; perturb them so that a sync path that drops
+        # or mangles them changes the model's outputs and fails tests.
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(".bias"):
@@ -241,7 +299,8 @@ def build_tiny_model(
                 elif name.endswith("norm.weight"):
                     param.add_(torch.randn_like(param), alpha=config.initializer_range)
         model = model.to(torch.bfloat16)
-    model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id)
+    ids = (config.bos_token_id, config.eos_token_id, config.pad_token_id)
+    model.generation_config = GenerationConfig(bos_token_id=ids[0], eos_token_id=[ids[1], ids[2]], pad_token_id=ids[2])
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

@@ -119,13 +119,17 @@ def fresh_greedy(
     model_dir: pathlib.Path,
     target: pathlib.Path,
     prompt_sets: Sequence[Sequence[str | Sequence[int]]],
+    *,
+    expected: str | None = None,
     **server_kwargs: Any,
 ) -> list[Greedy]:
     """Greedy answers of a server started fresh (no extension) from ``model``'s bf16 weights.
 
     Saves a bf16 copy of ``model`` in ``target`` with ``model_dir``'s tokenizer and other files,
-    checks that it holds exactly the trainer's bf16 state, and answers each set of prompts.
-    ``server_kwargs`` go to :func:`running_server` (``env``, ``extra_args``, ``log_file``).
+    checks that it holds exactly the trainer's bf16 state (or, for a model whose checkpoint
+    layout differs from its parameters, that its fingerprint is ``expected``), and answers each
+    set of prompts. ``server_kwargs`` go to :func:`running_server` (``env``, ``extra_args``,
+    ``log_file``).
     """
     import copy
     import shutil
@@ -136,7 +140,8 @@ def fresh_greedy(
     from deltasync import bf16_state_dict, fingerprint
 
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(target)
-    assert fingerprint(load_file(target / "model.safetensors")) == fingerprint(bf16_state_dict(model))
+    saved = fingerprint(load_file(target / "model.safetensors"))
+    assert saved == (fingerprint(bf16_state_dict(model)) if expected is None else expected)
     for item in model_dir.iterdir():
         if not (target / item.name).exists():
             shutil.copy(item, target / item.name)

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,26 @@ class ServedCheckpoint:
             logger.warning("deltasync: cannot read the checkpoint of %s (%s); updates are not checked against it",
                            model, exc)
             return cls(path=str(directory), shapes=None, tied=tied)
+
+    def reader(self) -> Callable[[str], Any]:
+        """``name -> tensor`` of the served checkpoint, read from its files when asked (None
+        for a name it lacks, or when its files are unknown)."""
+        root = Path(self.path)
+        files = {}
+        if self.shapes is not None:
+            for path in sorted(root.glob("*.safetensors")):
+                files.update(dict.fromkeys(_header_shapes(path), path))
+
+        def read(name: str) -> Any:
+            path = files.get(name)
+            if path is None:
+                return None
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(name)
+
+        return read
 
     def check(self, staged: StagedUpdate) -> None:
         """Refuse parameter names and shapes that the served checkpoint does not have."""

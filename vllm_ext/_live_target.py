@@ -194,14 +194,15 @@ def plan_in_place(
     assert expected is not None
     start = time.perf_counter()
     with set_current_vllm_config(vllm_config):
-        weight_map = discover(model, expected)
+        weight_map = discover(model, expected, values=checkpoint.reader())
     fallback: dict[str, str] = {}
     for theirs in gather(weight_map.fallback):  # every rank decides alike
         fallback.update(theirs)
     names = [n for n in expected if n not in weight_map.ignored]
     # A parameter that falls back takes the rest of its vLLM module along: the layerwise
     # reload rebuilds a module only from all of its parts.
-    host = reload_groups(sorted(n for n in fallback if n in names), names, packed) if fallback else []
+    landing = weight_map.landing
+    host = reload_groups(sorted(n for n in fallback if n in names), names, packed, landing) if fallback else []
     reasons = {n: fallback.get(n, "reloaded with the rest of its vLLM module") for n in host}
     if len(host) == len(names):
         name, why = next(iter(sorted(fallback.items())))
@@ -221,7 +222,7 @@ def plan_in_place(
     live = InPlaceState(
         model, weight_map, gather, rank_index(), load_dense,
         host={n: expected[n] for n in host}, reload=reload_host,
-        groups=lambda changed: reload_groups(changed, host, packed),
+        groups=lambda changed: reload_groups(changed, host, packed, landing),
     )  # fmt: skip
     if host:
         name, why = next(iter(sorted(fallback.items())))

@@ -12,30 +12,43 @@ back into layers that received nothing. Two consequences shape this module:
   with each changed parameter.
 - Between ``initialize`` and ``finalize`` the model is not usable, so both run inside one
   call, after every check has passed.
+- A fused-MoE layer is one vLLM module for all experts of a layer (``mlp.experts``), whatever
+  its checkpoint names (``mlp.experts.{e}.gate_proj.weight``, ...); ``landing`` (where the
+  server's weight map saw each name land) groups them, as ``packed_modules_mapping`` cannot.
+- vLLM 0.32 sets a reloaded fused-MoE layer's kernel up without its experts' own
+  post-load step (vLLM-CPU prepacks expert weights there): :func:`reload_weights` runs it for
+  the layers it reloaded.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["module_groups", "reload_groups", "reload_weights"]
+__all__ = ["module_groups", "post_load_experts", "reload_groups", "reload_weights"]
 
 logger = logging.getLogger(__name__)
 
 
-def module_groups(names: Iterable[str], packed: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
+def module_groups(
+    names: Iterable[str], packed: Mapping[str, Sequence[str]], landing: Mapping[str, str] | None = None
+) -> dict[str, list[str]]:
     """Checkpoint names grouped by the vLLM module that loads them.
 
-    ``model.layers.0.self_attn.q_proj.weight`` and ``...k_proj.bias`` both belong to
-    ``model.layers.0.self_attn.qkv_proj`` when ``packed`` maps ``qkv_proj`` to
+    ``landing`` (checkpoint name -> the vLLM module it is loaded into, as discovered) decides
+    where known. Otherwise ``model.layers.0.self_attn.q_proj.weight`` and ``...k_proj.bias``
+    both belong to ``model.layers.0.self_attn.qkv_proj`` when ``packed`` maps ``qkv_proj`` to
     ``[q_proj, k_proj, v_proj]``; any other parameter belongs to its own module.
     """
     fused_of = {member: fused for fused, members in packed.items() for member in members}
     groups: dict[str, list[str]] = {}
     for name in names:
+        if landing and name in landing:
+            groups.setdefault(landing[name], []).append(name)
+            continue
         module = name.rpartition(".")[0]
         parent, _, leaf = module.rpartition(".")
         if leaf in fused_of:
@@ -44,12 +57,16 @@ def module_groups(names: Iterable[str], packed: Mapping[str, Sequence[str]]) -> 
     return groups
 
 
-def reload_groups(changed: Iterable[str], names: Sequence[str], packed: Mapping[str, Sequence[str]]) -> list[str]:
+def reload_groups(
+    changed: Iterable[str], names: Sequence[str], packed: Mapping[str, Sequence[str]],
+    landing: Mapping[str, str] | None = None,
+) -> list[str]:
     """The parameters to send so that every module touched by ``changed`` is rebuilt whole.
 
-    ``names`` is the full list of checkpoint names (its order is kept).
+    ``names`` is the full list of checkpoint names (its order is kept); ``landing`` as for
+    :func:`module_groups`.
     """
-    groups = module_groups(names, packed)
+    groups = module_groups(names, packed, landing)
     group_of = {name: key for key, members in groups.items() for name in members}
     wanted: set[str] = set()
     for name in changed:
@@ -75,11 +92,13 @@ def reload_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     with set_current_vllm_config(vllm_config), torch.no_grad():  # type: ignore[arg-type]
         initialize_layerwise_reload(model)
+        loaded: set[str] = set()
         try:
             loaded = set(model.load_weights(weights) or ())
         finally:
             partial = _partially_loaded(model)
             finalize_layerwise_reload(model, model_config)
+            _prepack_reloaded_experts(model, loaded)
         # A tied lm_head shares its Parameter with embed_tokens, but the reload only
         # re-processes the module the checkpoint name maps to. On CPU the lm_head keeps its
         # own packed copy of the weight for its GEMM: re-process every other holder too.
@@ -88,6 +107,29 @@ def reload_weights(
                 if not name.startswith(module_name + ".") and hasattr(module, "quant_method"):
                     module.quant_method.process_weights_after_loading(module)
     return loaded, partial
+
+
+def post_load_experts(module: torch.nn.Module) -> Any:
+    """The experts kernel of a fused-MoE layer that transforms its weights after loading
+    (vLLM-CPU prepacks them for its kernel), or None."""
+    try:
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsModular
+    except ImportError:  # another vLLM: nothing known
+        return None
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None or type(experts).process_weights_after_loading is FusedMoEExpertsModular.process_weights_after_loading:
+        return None
+    return experts
+
+
+def _prepack_reloaded_experts(model: torch.nn.Module, loaded: set[str]) -> None:
+    """Run the experts' own post-load step (vLLM-CPU: prepack for its kernel) on every fused-MoE
+    layer that the reload rebuilt: vLLM 0.32 runs it only at the first load."""
+    for module_name, module in model.named_modules():
+        experts = post_load_experts(module)
+        if experts is not None and any(name.startswith(module_name + ".") for name in loaded):
+            experts.process_weights_after_loading(module)
 
 
 def _shared_parameter_holders(model: torch.nn.Module) -> dict[int, list[tuple[str, torch.nn.Module]]]:

