@@ -231,12 +231,16 @@ KILLED = textwrap.dedent(
     from deltasync import DeltaPublisher, bf16_state_dict
     from deltasync.stores import LocalStore
 
+    def say(line):  # one write per line: print() writes its parts apart, and two threads print
+        sys.stdout.write(line + "\\n")
+        sys.stdout.flush()
+
     class Slow(LocalStore):
         def write_stream(self, path, chunks):
             def slow():
                 for chunk in chunks:
                     if path.startswith("anchors/") and "00000000" not in path:
-                        print("WRITING", path, flush=True)
+                        say(f"WRITING {{path}}")
                         time.sleep(60)
                     yield chunk
             super().write_stream(path, slow())
@@ -249,7 +253,7 @@ KILLED = textwrap.dedent(
             train_step(model, opt, seed=version)
         torch.save(bf16_state_dict(model), {states!r} + f"/state{{version}}.pt")
         publisher.publish()
-        print("COMMITTED", version, flush=True)
+        say(f"COMMITTED {{version}}")
     time.sleep(60)
     """
 )
