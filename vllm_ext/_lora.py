@@ -60,6 +60,7 @@ from deltasync._messages import check_version
 from ._asgi import answer, error_body, read_body, refused
 from ._checkpoint import resolve_model_dir
 from ._config import ServerConfig
+from ._lora_worker import lora_problem
 from ._middleware import route_path
 
 __all__ = ["LoraSyncMiddleware"]
@@ -80,6 +81,14 @@ class LoraSyncMiddleware:
         self._sync: _AdapterSync | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan" and "app" in scope:
+            problem = lora_problem(scope["app"].state.vllm_config)
+            if problem is not None:  # refuse to start rather than die at the first completion
+                logger.error("vllm_ext.LoraSyncMiddleware: %s", problem)
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.failed", "message": f"vllm_ext.LoraSyncMiddleware: {problem}"})
+                return
         path = route_path(scope) if scope["type"] == "http" else ""
         if path not in (UPDATE_ROUTE, STATUS_ROUTE):
             await self.app(scope, receive, send)
@@ -170,7 +179,8 @@ class _AdapterSync:
         if self.modules is None:
             try:
                 answers = await self.engine.collective_rpc("deltasync_lora_modules")
-                self.modules = (sorted({m for a in answers for m in a["modules"]}), None)
+                problem = next((a["problem"] for a in answers if a.get("problem")), None)
+                self.modules = (None, problem) if problem else (sorted({m for a in answers for m in a["modules"]}), None)
             except Exception as exc:  # noqa: BLE001  (reported: the workers lack the extension)
                 self.modules = (None, f"the workers cannot tell ({type(exc).__name__}: {exc}); start the server with "
                                       "--worker-extension-cls vllm_ext.DeltaWorkerExtension")  # fmt: skip
@@ -211,6 +221,8 @@ class _AdapterSync:
         lora_config = self.vllm_config.lora_config
         if lora_config is None:
             raise AdapterError("this server runs without LoRA: restart it with --enable-lora --max-lora-rank R --max-loras K")
+        if (problem := lora_problem(self.vllm_config)) is not None:
+            raise AdapterError(problem)
         if self.bucket is None:
             raise AdapterError(f"this server follows no bucket: start it with {BUCKET_ENV} set (deltasync serve --bucket)")
         async with self.lock:

