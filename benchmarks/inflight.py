@@ -185,6 +185,8 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
             assert pre.ok, pre.error
             assert client.wait_prefetched(version, timeout=600) == {url: True}, f"version {version} was not staged"
             t1 = time.perf_counter()
+            (state,) = client.status().values()
+            job = state.workers[0]["prefetch"]  # where and how long the worker staged (vllm_ext._cpus)
             p0 = preemptions(http, url)
             ta = time.perf_counter()
             response = http.post(url + "/deltasync/update", json={"version": version, "auth": None, "mode": mode})
@@ -198,8 +200,10 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
             flight, flight_tokens = streams.in_flight(ta)
             updates.append({"version": version, "stage": [t0, t1], "update": [ta, tb], "paused_s": answer["paused_s"],
                             "apply_s": result["apply_s"], "request_s": tb - ta, "prefetched": result["prefetched"],
-                            "preemptions_before": p0, "in_flight": flight, "in_flight_tokens": flight_tokens})  # fmt: skip
-            log(f"{name}: version {version} staged in {t1 - t0:.2f} s, applied in {result['apply_s']:.3f} s, request "
+                            "preemptions_before": p0, "in_flight": flight, "in_flight_tokens": flight_tokens,
+                            "worker_stage_s": job["stage_s"], "staging_cpus": job.get("cpus")})  # fmt: skip
+            log(f"{name}: version {version} staged in {t1 - t0:.2f} s (worker {job['stage_s']:.2f} s on CPUs "
+                f"{job.get('cpus') or 'of the engine'}), applied in {result['apply_s']:.3f} s, request "
                 f"{tb - ta:.3f} s, route paused_s {answer['paused_s']:.3f}, {flight} streams in flight")  # fmt: skip
         end = time.perf_counter()
         # Unmeasured: the aftermath of the last update (a pause's recompute) settles before the

@@ -15,6 +15,7 @@ __all__ = [
     "FOLLOW_INTERVAL_ENV",
     "PLAIN_GEMM_ENV",
     "PUBLIC_ROUTES_ENV",
+    "STAGING_CPUS_ENV",
     "TEST_HOOKS_ENV",
     "TOKEN_ENV",
     "UPDATE_MODES",
@@ -41,5 +42,8 @@ PLAIN_GEMM_ENV = "DELTASYNC_CPU_PLAIN_GEMM"
 #: Routes added to ``vllm_ext.TokenMiddleware``'s public ones: exact paths separated by commas
 #: or whitespace, e.g. ``DELTASYNC_PUBLIC_ROUTES="/v1/messages /v1/responses"``.
 PUBLIC_ROUTES_ENV = "DELTASYNC_PUBLIC_ROUTES"
+#: Where a vLLM-CPU worker stages versions and hashes in the background: "auto" (the default:
+#: the cores no worker is bound to), "inherit" (the worker's own), or a CPU list like "1,3-4".
+STAGING_CPUS_ENV = "DELTASYNC_STAGING_CPUS"
 #: "1" lets a server loaded with the test extension (``vllm_ext.testing``) run its test RPCs.
 TEST_HOOKS_ENV = "DELTASYNC_TEST_HOOKS"

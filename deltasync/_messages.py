@@ -57,6 +57,9 @@ class PrefetchState:
     kind: str | None = None
     nbytes: int = 0
     stage_s: float = 0.0
+    cpus: tuple[int, ...] | None = None
+    """The CPUs the staging thread ran on, where it was moved off the engine's cores (None: the
+    worker's own; see ``vllm_ext._cpus``)."""
 
     @classmethod
     def from_answer(cls, data: object, where: str = "prefetch answer") -> PrefetchState:
@@ -68,6 +71,7 @@ class PrefetchState:
             kind=_take(d, "kind", (str,), where, None),
             nbytes=_take(d, "nbytes", (int,), where, 0),
             stage_s=_take(d, "stage_s", (int, float), where, 0.0),
+            cpus=None if (cpus := _take(d, "cpus", (list, tuple), where, None)) is None else tuple(int(c) for c in cpus),
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -18,12 +18,15 @@ from deltasync._env import (
     FOLLOW_INTERVAL_ENV,
     PLAIN_GEMM_ENV,
     PUBLIC_ROUTES_ENV,
+    STAGING_CPUS_ENV,
     TEST_HOOKS_ENV,
     TOKEN_ENV,
     UPDATE_MODE_ENV,
     UPDATE_MODES,
 )
 from deltasync._errors import ConfigError
+
+from ._cpus import STAGING_CPUS_PATTERN
 
 __all__ = ["ServerConfig"]
 
@@ -50,6 +53,9 @@ class ServerConfig:
     the middleware parses them and answers with the error if they are wrong)."""
     plain_gemm: str = ""
     """The plain-GEMM switch as written (``DELTASYNC_CPU_PLAIN_GEMM``: "", "0", "1" or patterns)."""
+    staging_cpus: str = "auto"
+    """Where a worker's background work runs (``DELTASYNC_STAGING_CPUS``: "auto", "inherit" or a
+    CPU list; see ``vllm_ext._cpus``)."""
     test_hooks: bool = False
     """The test extension's RPCs may run (``DELTASYNC_TEST_HOOKS=1``)."""
 
@@ -66,6 +72,9 @@ class ServerConfig:
         mode = environ.get(UPDATE_MODE_ENV) or "pause"
         if mode not in UPDATE_MODES:
             raise ConfigError(f"{UPDATE_MODE_ENV} must be one of {', '.join(UPDATE_MODES)}, got {mode!r}")
+        cpus = environ.get(STAGING_CPUS_ENV, "").strip() or "auto"
+        if not STAGING_CPUS_PATTERN.fullmatch(cpus):
+            raise ConfigError(f"{STAGING_CPUS_ENV} must be 'auto', 'inherit' or a CPU list such as 1,3-4, got {cpus!r}")
         return cls(
             bucket=environ.get(BUCKET_ENV) or None,
             token=environ.get(TOKEN_ENV) or None,
@@ -74,5 +83,6 @@ class ServerConfig:
             update_mode=mode,
             public_routes=environ.get(PUBLIC_ROUTES_ENV),
             plain_gemm=environ.get(PLAIN_GEMM_ENV, "").strip(),
+            staging_cpus=cpus,
             test_hooks=environ.get(TEST_HOOKS_ENV) == "1",
         )

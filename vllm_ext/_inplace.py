@@ -33,6 +33,7 @@ from deltasync import DeltaReceiver, IntegrityError
 from deltasync._fingerprint import fingerprint_add, fingerprint_share
 from deltasync._parts import decode_version
 
+from ._cpus import move_off_engine_cores
 from ._weight_map import Piece, WeightMap
 
 __all__ = ["InPlaceState", "LiveStaged", "release_freed_memory", "release_later", "wait_for_device"]
@@ -60,6 +61,7 @@ def release_later(*objects: Any) -> None:
     del objects
 
     def run() -> None:
+        move_off_engine_cores()
         for obj in held:
             obj.clear()
         held.clear()
@@ -250,6 +252,7 @@ class InPlaceState:
         job: dict[str, Any] = {"share": None, "error": None}
 
         def run() -> None:
+            move_off_engine_cores()
             try:
                 job["share"] = self.local_share()
             except Exception as exc:  # noqa: BLE001  (reported by settle)

@@ -200,18 +200,16 @@ class ServerSync:
         steps: no forward pass runs on any rank meanwhile, and running requests keep their KV.
         New requests are salted with the version they are admitted at, so none reuses the
         prefix cache of older weights (see :func:`cache_salt`)."""
-        start = time.perf_counter()
         try:
             results, failed_one = await self._apply_and_label(version, auth)
         except Exception as exc:  # noqa: BLE001  (the worker's own message names what was wrong)
             return UpdateOutcome(version=safe_version, ok=False, error=str(exc), status=500, mode="inflight")
-        # No pause, but the engine stands still while the write runs between two of its steps:
-        # that is the stall reported.
-        stalled = time.perf_counter() - start
+        # Nothing pauses (paused_s 0). The engine does not step while the write runs: each
+        # worker's apply_s is that standstill. The request's own wall time is longer: each
+        # collective_rpc waits for the engine step in progress, which goes on generating.
         if failed_one is not None:
-            return UpdateOutcome(version=safe_version, ok=False, error=failed_one.error, status=500, mode="inflight",
-                                 paused_s=stalled)  # fmt: skip
-        return UpdateOutcome(version=safe_version, ok=True, results=results, mode="inflight", paused_s=stalled)
+            return UpdateOutcome(version=safe_version, ok=False, error=failed_one.error, status=500, mode="inflight")
+        return UpdateOutcome(version=safe_version, ok=True, results=results, mode="inflight")
 
     async def _apply_and_label(self, version: object, auth: object) -> tuple[tuple[UpdateAnswer, ...], UpdateAnswer | None]:
         """Apply on every worker and label the served version; the answers, and the first

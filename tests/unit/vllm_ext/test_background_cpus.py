@@ -1,0 +1,84 @@
+"""Background work of a worker (staging, hashing) runs off the cores the engine's workers are bound to.
+
+The process tree is real: an "engine" process with two "worker" children bound to CPU 0, as
+vLLM-CPU binds its workers; one of them moves a thread off its engine cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from servers import REPO_ROOT
+
+from deltasync import ConfigError
+from vllm_ext._config import ServerConfig
+from vllm_ext._cpus import parse_cpu_list
+
+_WORKER = textwrap.dedent(
+    """
+    import json, os, sys, threading, time
+    os.sched_setaffinity(0, {0})  # as vLLM-CPU binds a worker's main thread (and what it starts)
+    if sys.argv[1] == "sibling":
+        time.sleep(60)
+    time.sleep(1.0)  # the sibling has bound itself
+    import importlib.util  # the module alone: importing vllm_ext would import vLLM (seconds)
+    spec = importlib.util.spec_from_file_location("cpus", os.path.join("vllm_ext", "_cpus.py"))
+    _cpus = importlib.util.module_from_spec(spec); spec.loader.exec_module(_cpus)
+    _cpus.configure(sys.argv[2])
+    seen = {}
+    def background():
+        seen["moved"] = _cpus.move_off_engine_cores()
+        seen["thread"] = os.sched_getaffinity(threading.get_native_id())
+    t = threading.Thread(target=background); t.start(); t.join()
+    print(json.dumps({"free": sorted(_cpus.engine_free_cpus() or []), "moved": sorted(seen["moved"] or []),
+                      "thread": sorted(seen["thread"]), "main": sorted(os.sched_getaffinity(0))}))
+    """
+)
+_ENGINE = textwrap.dedent(
+    """
+    import subprocess, sys
+    sibling = subprocess.Popen([sys.executable, "-c", sys.argv[1], "sibling", "auto"])
+    try:
+        probe = subprocess.run([sys.executable, "-c", sys.argv[1], "probe", sys.argv[2]], capture_output=True, text=True)
+    finally:
+        sibling.kill()
+    sys.stdout.write(probe.stdout); sys.stderr.write(probe.stderr)
+    """
+)
+
+
+def _probe(setting: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", _ENGINE, _WORKER, setting], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to move a thread between")
+def test_a_background_thread_leaves_the_cores_the_workers_are_bound_to() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    got = _probe("auto")
+    assert got["free"] == [c for c in allowed if c != 0]  # what no sibling worker is bound to
+    assert got["moved"] == got["thread"] == got["free"]
+    assert got["main"] == [0]  # only the calling thread moves
+
+
+def test_inherit_and_an_explicit_list() -> None:
+    got = _probe("inherit")
+    assert got["moved"] == [] and got["thread"] == got["main"] == [0]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert _probe("1")["thread"] == [1]
+
+
+def test_the_setting_is_checked_at_start() -> None:
+    assert ServerConfig.from_env({}).staging_cpus == "auto"
+    assert ServerConfig.from_env({"DELTASYNC_STAGING_CPUS": "2-3,6"}).staging_cpus == "2-3,6"
+    assert parse_cpu_list("2-3,6") == {2, 3, 6}
+    for bad in ("any", "1;2", "-1", "1-"):
+        with pytest.raises(ConfigError, match="DELTASYNC_STAGING_CPUS must be 'auto', 'inherit' or a CPU list"):
+            ServerConfig.from_env({"DELTASYNC_STAGING_CPUS": bad})
