@@ -56,7 +56,7 @@ from safetensors.torch import save_file
 from deltasync._checkpoint_layout import checkpoint_layout
 from deltasync._detector import BF16ChangeDetector, bf16_state_dict, named_parameters
 from deltasync._fingerprint import fingerprint, fingerprint_update
-from deltasync._format import CODECS, Change, decode_delta, encode_delta
+from deltasync.format import CODECS, Change, decode_delta, encode_delta
 
 DEFAULT_LR = 2.9e-7
 """Calibrated so that about 1% of bf16 elements change per step (see benchmarks/README.md)."""
