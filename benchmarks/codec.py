@@ -2,7 +2,7 @@
 
 Each measured step runs one AdamW step on fp32 master weights with simulated gradients, then
 goes through the package's own code paths: ``BF16ChangeDetector`` (with its optimizer hook)
-finds the changed bf16 elements, ``deltasync._format.encode_delta`` encodes them with each
+finds the changed bf16 elements, ``deltasync.format.encode_delta`` encodes them with each
 codec and ``decode_delta`` decodes them against a receiver-side bf16 copy. The receiver copy
 is then compared bit for bit with the trainer's bf16 state; any difference aborts the run.
 In the same step the full bf16 state is written with ``safetensors.torch.save_file`` as the

@@ -22,7 +22,7 @@ per concern, lowest first:
 from __future__ import annotations
 
 from .anchors import AnchorSource, anchor_stream, decode_anchor, encode_anchor
-from .codecs import CODECS, BaseLookup, Change, Codec, get_codec, register_codec, unregister_codec
+from .codecs import CODECS, BaseLookup, Change, Codec, DeltaContext, get_codec, register_codec, unregister_codec
 from .container import (
     MAX_HEADER_BYTES,
     TensorChunks,
@@ -89,6 +89,7 @@ __all__ = [
     "MAX_SLICES_BYTES",
     "CODECS",
     "Codec",
+    "DeltaContext",
     "get_codec",
     "register_codec",
     "unregister_codec",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .._errors import FormatError
-from .codecs import CODECS, BaseLookup, Change, get_codec
+from .codecs import CODECS, BaseLookup, Change, DeltaContext, get_codec
 from .container import load_safetensors, safetensors_bytes
 from .header import FileHeader, read_header
 
@@ -52,7 +52,8 @@ def encode_delta(
         part=None if part is None else part[0],
         parts=None if part is None else part[1],
     )
-    return safetensors_bytes(coder.encode(items, numels=numels, level=level), header.to_metadata())
+    tensors = coder.encode(items, numels=numels, level=coder.default_level if level is None else level)
+    return safetensors_bytes(tensors, header.to_metadata())
 
 
 def decode_delta(
@@ -72,9 +73,10 @@ def decode_delta(
     if header.kind != "delta":
         raise FormatError(f"{where}: expected a delta, found an {header.kind}")
     tensors = load_safetensors(data, where=where)
-    changes = get_codec(header.codec).decode(
-        tensors, names=header.names, changed=header.changed, where=where, numels=numels, base_values=base_values
+    context = DeltaContext(
+        where=where, names=header.names, changed=header.changed, numels=numels, base_values=base_values
     )
+    changes = get_codec(header.codec).decode(tensors, context)
     changed = sum(change.index.numel() for change in changes.values())
     if len(changes) != header.params or changed != header.changed:
         raise FormatError(

@@ -53,7 +53,8 @@ class FileHeader:
     base_fingerprint: str | None = None
     """Fingerprint of the state a delta applies to."""
     names: tuple[str, ...] | None = None
-    """zstd deltas: the changed parameters, in the order their elements are stored."""
+    """Deltas of a codec that lists them (zstd): the changed parameters, in the order their
+    elements are stored."""
     part: int | None = None
     """A split version (format version 2): this file's part number, ``0 .. parts - 1``."""
     parts: int | None = None

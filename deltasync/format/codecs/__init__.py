@@ -12,11 +12,21 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import overload
 
-from .base import BaseLookup, Change, Codec, Table
+from .base import BaseLookup, Change, Codec, DeltaContext, Table
 from .raw import RawCodec
 from .zstd import ZstdCodec
 
-__all__ = ["CODECS", "BaseLookup", "Change", "Codec", "Table", "get_codec", "register_codec", "unregister_codec"]
+__all__ = [
+    "CODECS",
+    "BaseLookup",
+    "Change",
+    "Codec",
+    "DeltaContext",
+    "Table",
+    "get_codec",
+    "register_codec",
+    "unregister_codec",
+]
 
 _REGISTRY: dict[str, Codec] = {}
 

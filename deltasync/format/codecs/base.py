@@ -11,7 +11,7 @@ import torch
 
 from ..._errors import FormatError
 
-__all__ = ["Change", "BaseLookup", "Table", "Codec", "check_index", "known_numel"]
+__all__ = ["Change", "BaseLookup", "Table", "DeltaContext", "Codec", "check_index", "known_numel"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,22 @@ BaseLookup = Callable[[str, torch.Tensor], torch.Tensor]
 
 Table = tuple[list[str], list[list[str]]]
 """A table ``deltasync inspect`` prints: its column names and its rows."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeltaContext:
+    """What a codec decodes a delta's tensors with: the file's metadata and the receiver's state."""
+
+    where: str
+    """The file, as errors name it."""
+    names: tuple[str, ...] | None
+    """The metadata key ``names`` (for a codec that :attr:`~Codec.lists_names`)."""
+    changed: int
+    """The metadata key ``changed``: elements the file sets."""
+    numels: Mapping[str, int]
+    """Every parameter the receiver holds, with its element count."""
+    base_values: BaseLookup
+    """The receiver's current values (a codec may store new values relative to them)."""
 
 
 class Codec(ABC):
@@ -58,24 +74,14 @@ class Codec(ABC):
     ) -> dict[str, torch.Tensor]:
         """The tensors of a file holding ``items`` (each with at least one changed element).
 
-        ``numels`` maps parameter names to element counts, when the caller knows them."""
+        ``numels`` maps parameter names to element counts, when the caller knows them;
+        ``level`` is one of :attr:`levels` (None for a codec that takes none)."""
 
     @abstractmethod
-    def decode(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        names: tuple[str, ...] | None,
-        changed: int,
-        where: str,
-        numels: Mapping[str, int],
-        base_values: BaseLookup,
-    ) -> dict[str, Change]:
-        """The changes in a file's ``tensors``, each checked against ``numels`` (a name not in
-        it is an unknown parameter); anything else is a :class:`FormatError` naming ``where``.
-
-        ``names`` and ``changed`` are the file's metadata (``names`` only if
-        :attr:`lists_names`); ``base_values`` gives the receiver's current values."""
+    def decode(self, tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[str, Change]:
+        """The changes in a file's ``tensors``, each checked against ``delta.numels`` (a name
+        not in it is an unknown parameter); anything else is a :class:`FormatError` naming
+        ``delta.where``."""
 
     @abstractmethod
     def describe(

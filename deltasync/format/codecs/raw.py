@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..._errors import FormatError
-from .base import BaseLookup, Change, Codec, Table, check_index, known_numel
+from .base import Change, Codec, DeltaContext, Table, check_index, known_numel
 
 __all__ = ["RawCodec"]
 
@@ -30,16 +30,8 @@ class RawCodec(Codec):
             tensors[name + VALUE_SUFFIX] = change.new.to(torch.bfloat16)
         return tensors
 
-    def decode(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        names: tuple[str, ...] | None,
-        changed: int,
-        where: str,
-        numels: Mapping[str, int],
-        base_values: BaseLookup,
-    ) -> dict[str, Change]:
+    def decode(self, tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[str, Change]:
+        where, numels = delta.where, delta.numels
         changes: dict[str, Change] = {}
         for key in sorted(tensors):
             if key.endswith(INDEX_SUFFIX):

@@ -12,7 +12,7 @@ import torch
 import zstandard
 
 from ..._errors import FormatError
-from .base import BaseLookup, Change, Codec, Table, known_numel
+from .base import Change, Codec, DeltaContext, Table, known_numel
 
 __all__ = ["ZstdCodec", "STREAMS", "ENCODE_CHUNK", "zstd_streams", "ordered", "from_ordered", "bounded_decompress"]
 
@@ -33,7 +33,7 @@ class ZstdCodec(Codec):
         self, items: Sequence[tuple[str, Change]], *, numels: Mapping[str, int] | None, level: int | None
     ) -> dict[str, torch.Tensor]:
         streams, counts = zstd_streams(items)
-        compressor = zstandard.ZstdCompressor(level=self.default_level if level is None else level, write_content_size=True)
+        compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
         tensors = {
             PREFIX + key: torch.frombuffer(bytearray(compressor.compress(raw)), dtype=torch.uint8)
             if raw
@@ -43,17 +43,8 @@ class ZstdCodec(Codec):
         tensors[PREFIX + "counts"] = torch.tensor(counts, dtype=torch.int64)
         return tensors
 
-    def decode(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        names: tuple[str, ...] | None,
-        changed: int,
-        where: str,
-        numels: Mapping[str, int],
-        base_values: BaseLookup,
-    ) -> dict[str, Change]:
-        return _decode(tensors, names, changed, where=where, numels=numels, base_values=base_values)
+    def decode(self, tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[str, Change]:
+        return _decode(tensors, delta)
 
     def describe(
         self, tensors: Mapping[str, torch.Tensor], *, names: tuple[str, ...] | None, changed: int
@@ -181,23 +172,16 @@ def bounded_decompress(blob: bytes, expected: int) -> bytes:
     return bytes(out)
 
 
-def _decode(
-    tensors: Mapping[str, torch.Tensor],
-    names_listed: tuple[str, ...] | None,
-    changed: int,
-    *,
-    where: str,
-    numels: Mapping[str, int],
-    base_values: BaseLookup,
-) -> dict[str, Change]:
+def _decode(tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[str, Change]:
+    where, numels = delta.where, delta.numels
     expected_keys = {PREFIX + key for key in (*STREAMS, "counts")}
     if set(tensors) != expected_keys:
         extra = sorted(set(tensors) - expected_keys)
         missing = sorted(expected_keys - set(tensors))
         raise FormatError(f"{where}: zstd delta has unexpected tensors {extra} / lacks {missing}")
-    if names_listed is None:
+    if delta.names is None:
         raise FormatError(f"{where}: a zstd delta needs the metadata key 'names'")
-    names = list(names_listed)
+    names = list(delta.names)
     counts_t = tensors[PREFIX + "counts"]
     if counts_t.dtype != torch.int64 or counts_t.dim() != 1 or counts_t.numel() != len(names):
         raise FormatError(f"{where}: 'zstd:counts' must be int64 with one entry per name ({len(names)})")
@@ -209,8 +193,8 @@ def _decode(
     if len(set(names)) != len(names):
         raise FormatError(f"{where}: a parameter is listed twice in 'names'")
     n = sum(counts)
-    if n != changed:
-        raise FormatError(f"{where}: counts add up to {n}, metadata says {changed} changed")
+    if n != delta.changed:
+        raise FormatError(f"{where}: counts add up to {n}, metadata says {delta.changed} changed")
     lo = np.frombuffer(_decompress(tensors[PREFIX + "gap_lo"], n, "gap_lo", where), dtype=np.uint8)
     mask_raw = _decompress(tensors[PREFIX + "gap_hi_mask"], -(-n // 8), "gap_hi_mask", where)
     hi_nz = np.unpackbits(np.frombuffer(mask_raw, dtype=np.uint8), bitorder="little")[:n].astype(bool)
@@ -252,7 +236,7 @@ def _decode(
                 f"{where}: index {int(index[-1])} of parameter {name!r} is out of range "
                 f"(it has {numels[name]} elements)"
             )
-        new = from_ordered(ordered(base_values(name, index)) + diff_t[start : start + count])
+        new = from_ordered(ordered(delta.base_values(name, index)) + diff_t[start : start + count])
         changes[name] = Change(index=index, new=new)
         start += count
     return changes
