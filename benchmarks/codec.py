@@ -2,7 +2,7 @@
 
 Each measured step runs one AdamW step on fp32 master weights with simulated gradients, then
 goes through the package's own code paths: ``BF16ChangeDetector`` (with its optimizer hook)
-finds the changed bf16 elements, ``deltasync._format.encode_delta`` encodes them with each
+finds the changed bf16 elements, ``deltasync.format.encode_delta`` encodes them with each
 codec and ``decode_delta`` decodes them against a receiver-side bf16 copy. The receiver copy
 is then compared bit for bit with the trainer's bf16 state; any difference aborts the run.
 In the same step the full bf16 state is written with ``safetensors.torch.save_file`` as the
@@ -56,7 +56,7 @@ from safetensors.torch import save_file
 from deltasync._checkpoint_layout import checkpoint_layout
 from deltasync._detector import BF16ChangeDetector, bf16_state_dict, named_parameters
 from deltasync._fingerprint import fingerprint, fingerprint_update
-from deltasync._format import CODECS, Change, decode_delta, encode_delta
+from deltasync.format import CODECS, Change, decode_delta, encode_delta
 
 DEFAULT_LR = 2.9e-7
 """Calibrated so that about 1% of bf16 elements change per step (see benchmarks/README.md)."""

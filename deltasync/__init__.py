@@ -21,7 +21,7 @@ from ._errors import (
 )
 from ._fingerprint import fingerprint
 from ._lora import AdapterError, AdapterRolloutClient, adapter_publisher, merged_publisher
-from ._format import Change, Pointer
+from .format import Change, Pointer
 from ._publisher import DeltaPublisher, PublishOptions, PublishResult
 from ._receiver import DeltaReceiver, StagedUpdate
 from .stores import Store, open_store

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ._errors import ConfigError
-from ._format import Change
+from .format import Change
 from ._sharded import OwnedSlice, ShardLayout
 
 __all__ = ["CheckpointLayout", "Piece", "checkpoint_layout", "find_pretrained"]

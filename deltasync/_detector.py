@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ._errors import ConfigError
-from ._format import Change
+from .format import Change
 from ._sharded import OwnedSlice, ShardLayout, check_not_zero3, shard_layout
 
 __all__ = ["BF16ChangeDetector", "checkpoint_name", "named_parameters", "bf16_state_dict"]

@@ -29,7 +29,7 @@ import torch
 
 from ._client import RolloutClient, ServerResult, ServerStatus, _RequestError, _Server
 from ._detector import BF16ChangeDetector, _inner_optimizer, checkpoint_name
-from ._format import Change
+from .format import Change
 from ._sharded import check_not_zero3, shard_layout
 from ._errors import AdapterError, ConfigError
 from ._fingerprint import fingerprint, fingerprint_slice_share, format_fingerprint, parse_fingerprint

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, BinaryIO, ContextManager, NoReturn
 import torch
 
 from ._errors import FormatError, IntegrityError
-from ._format import (
+from .format import (
     AnchorSource,
     BaseLookup,
     ChainEntry,
@@ -87,7 +87,7 @@ def encode_anchor_part(
 ) -> bytes:
     """Part ``part`` of an anchor written by ``parts`` writers: each slice as a 1-D bf16 tensor.
 
-    ``extra_metadata``: ``x-`` keys as :func:`~deltasync._format.encode_anchor` takes them
+    ``extra_metadata``: ``x-`` keys as :func:`~deltasync.format.encode_anchor` takes them
     (every part carries them, so a reader needs only part 0)."""
     for item in slices:
         if item.values.dtype != torch.bfloat16 or item.values.numel() != item.end - item.begin:
@@ -366,7 +366,7 @@ def decode_version(
 
     The header returned is part 0's with the counts of the whole version (``part``, ``parts``
     and ``slices`` cleared). For deltas pass ``numels`` and ``base_values`` as for
-    :func:`~deltasync._format.decode_delta`.
+    :func:`~deltasync.format.decode_delta`.
     """
     if entry.kind == "anchor":
         return read_anchor(lambda number: contextlib.nullcontext(io.BytesIO(files[number])), entry, url=url)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +17,7 @@ from ._checkpoint_layout import checkpoint_layout
 from ._detector import BF16ChangeDetector, named_parameters
 from ._errors import ConfigError, DeltaSyncError, IntegrityError, NotFoundError, PublishError
 from ._fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
-from ._format import (
+from .format import (
     CODECS,
     HISTORY_PATH,
     MAX_ANCHORS,
@@ -33,8 +32,10 @@ from ._format import (
     anchor_path,
     anchor_stream,
     check_int,
+    data_path_version,
     delta_path,
     encode_delta,
+    get_codec,
     parse_json,
     part_path,
     sha256_hex,
@@ -52,8 +53,8 @@ __all__ = ["PublishOptions", "PublishResult", "PublishFuture", "DeltaPublisher"]
 
 logger = logging.getLogger(__name__)
 
-# The only names retention may delete: the data files a publisher writes (and their parts).
-_OWNED_RE = re.compile(r"(?:anchors|deltas)/([0-9]{8,16})(?:\.part[0-9]+)?\.safetensors", re.ASCII)
+_DEFAULT_CODEC = "zstd"
+_DEFAULT_LEVEL = get_codec(_DEFAULT_CODEC).default_level or 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,10 +69,12 @@ class PublishOptions:
     """Also write an anchor when the deltas since the last anchor add up to more than this
     fraction of an anchor's size: a late joiner then never downloads more than about
     (1 + ratio) anchors' worth. 0 disables the rule."""
-    codec: str = "zstd"
-    """Delta codec: "zstd" (compact, the default) or "raw" (readable with safe_open alone)."""
-    zstd_level: int = 3
-    """zstd level for the "zstd" codec: higher is smaller and slower to encode."""
+    codec: str = _DEFAULT_CODEC
+    """Delta codec, a name in :data:`deltasync.format.CODECS`: "zstd" (compact, the default)
+    or "raw" (readable with safe_open alone)."""
+    zstd_level: int = _DEFAULT_LEVEL
+    """Compression level, for a codec that takes one (the "zstd" codec: 1..22): higher is
+    smaller and slower to encode."""
     keep_anchors: int = 1
     """Complete anchors to keep in the bucket. The deltas are kept one anchor further back, so
     that a follower up to an anchor interval behind still catches up with deltas alone; older
@@ -97,10 +100,11 @@ class PublishOptions:
             raise ConfigError(f"anchor_bytes_ratio must be >= 0 (0 disables it), got {self.anchor_bytes_ratio}")
         if self.codec not in CODECS:
             raise ConfigError(f"codec {self.codec!r} is unknown; choose one of {', '.join(CODECS)}")
-        if not 1 <= self.zstd_level <= 22:
-            raise ConfigError(f"zstd_level must be in 1..22, got {self.zstd_level}")
-        if self.codec != "zstd" and self.zstd_level != 3:
+        levels = get_codec(self.codec).levels
+        if levels is None and self.zstd_level != _DEFAULT_LEVEL:
             raise ConfigError(f"zstd_level={self.zstd_level} is set but codec is {self.codec!r}; drop one of them")
+        if levels is not None and self.zstd_level not in levels:
+            raise ConfigError(f"zstd_level must be in {levels[0]}..{levels[-1]}, got {self.zstd_level}")
         if not 1 <= self.keep_anchors <= MAX_ANCHORS:
             raise ConfigError(f"keep_anchors must be in 1..{MAX_ANCHORS} (the newest anchor is always kept), got {self.keep_anchors}")
         if self.capture not in _CAPTURES:
@@ -721,7 +725,7 @@ class DeltaPublisher:
         stale = [
             path
             for path in (*self.store.list("anchors/"), *self.store.list("deltas/"))
-            if (found := _version_of(path)) is not None
+            if (found := data_path_version(path)) is not None
             and (found < oldest if path.startswith("anchors/") else found <= pointer.base)
         ]
         if stale:
@@ -786,9 +790,3 @@ def _publish_options(options: PublishOptions | None, overrides: dict[str, Any]) 
             f"PublishOptions has {', '.join(f.name for f in fields(PublishOptions))}"
         )
     return replace(options or PublishOptions(), **overrides)
-
-
-def _version_of(path: str) -> int | None:
-    """The version of a data file this publisher writes; None for any other name."""
-    match = _OWNED_RE.fullmatch(path)
-    return None if match is None else int(match.group(1))

@@ -12,7 +12,7 @@ import torch
 
 from ._errors import ConfigError, FormatError, IntegrityError, NotFoundError, VersionError
 from ._fingerprint import fingerprint, fingerprint_update
-from ._format import (
+from .format import (
     MAX_POINTER_BYTES,
     POINTER_PATH,
     ChainEntry,

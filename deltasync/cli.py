@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ._errors import DeltaSyncError, FormatError, NotFoundError, VersionError
-from ._format import HISTORY_PATH, POINTER_PATH, Pointer, read_header
+from .format import HISTORY_PATH, POINTER_PATH, Pointer, get_codec, read_header
 
 __all__ = ["main"]
 
@@ -91,20 +91,9 @@ def _inspect(args: argparse.Namespace) -> int:
             t = tensors[name]
             rows.append([name, "x".join(map(str, t.shape)), str(t.numel()), str(t.dtype).removeprefix("torch.")])
         print(_table(rows, ["parameter", "shape", "elements", "dtype"]))
-    elif header.codec == "raw":
-        for key in sorted(k for k in tensors if k.endswith(":indices")):
-            name = key.removesuffix(":indices")
-            rows.append([name, str(tensors[key].numel()), str(tensors[key].dtype).removeprefix("torch.")])
-        print(_table(rows, ["parameter", "changed", "index dtype"]))
     else:
-        counts = tensors["zstd:counts"].tolist()
-        for name, count in zip(header.names or (), counts):
-            rows.append([name, str(count)])
-        print(_table(rows, ["parameter", "changed"]))
-        print()
-        streams = [[k.removeprefix("zstd:"), str(t.numel()), f"{t.numel() / max(header.changed, 1):.3f}"]
-                   for k, t in sorted(tensors.items()) if k != "zstd:counts"]
-        print(_table(streams, ["stream", "compressed bytes", "bytes/change"]))
+        tables = get_codec(header.codec).describe(tensors, names=header.names, changed=header.changed)
+        print("\n\n".join(_table(rows, columns) for columns, rows in tables))
     return 0
 
 

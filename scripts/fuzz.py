@@ -40,7 +40,7 @@ import zstandard
 from safetensors.torch import load as st_load
 
 from deltasync import DeltaPublisher, DeltaReceiver, DeltaSyncError, Pointer, fingerprint, open_store
-from deltasync import _format as F
+from deltasync import format as F
 
 SHAPES = {"embed.weight": (64, 32), "layer.weight": (32, 32), "layer.bias": (32,), "norm.weight": (32,)}
 CATEGORIES = ("pointer", "header", "metadata", "codec", "data", "bytes", "shapes", "exact")
@@ -319,7 +319,7 @@ def m_codec(rng: random.Random, bucket: Bucket, entry: F.ChainEntry | None) -> N
     elif kind == 1 and key == "zstd:counts":
         values = [rng.choice([-1, 0, 1, 2**62, -(2**63), rng.randrange(0, 5000)]) for _ in range(tensors[key].numel())]
         tensors[key] = torch.tensor(values, dtype=torch.int64)
-        fix_pointer(bucket, path, F._safetensors_bytes(tensors, header.to_metadata()))
+        fix_pointer(bucket, path, F.safetensors_bytes(tensors, header.to_metadata()))
         return
     elif kind == 2:
         new = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 200)))
@@ -331,7 +331,7 @@ def m_codec(rng: random.Random, bucket: Bucket, entry: F.ChainEntry | None) -> N
         itemsize = tensors[key].element_size()
         new = new[: len(new) // itemsize * itemsize]
         tensors[key] = torch.frombuffer(bytearray(new), dtype=tensors[key].dtype) if new else tensors[key][:0]
-    fix_pointer(bucket, path, F._safetensors_bytes(tensors, header.to_metadata()))
+    fix_pointer(bucket, path, F.safetensors_bytes(tensors, header.to_metadata()))
 
 
 def m_data(rng: random.Random, bucket: Bucket, entry: F.ChainEntry | None) -> None:

@@ -81,7 +81,7 @@ def replace_file(store, version: int, data: bytes, *, kind: str = "delta", fix_p
     import dataclasses
 
     from deltasync import Pointer
-    from deltasync._format import POINTER_PATH, sha256_hex
+    from deltasync.format import POINTER_PATH, sha256_hex
 
     pointer = Pointer.from_bytes(store.read_bytes(POINTER_PATH))
     key = {"delta": "chain", "anchor": "anchors"}[kind]

@@ -41,7 +41,7 @@ import torch
 from deltasync import AuthError, DeltaReceiver, DeltaSyncError, VersionError
 from deltasync._auth import check_update_tag
 from deltasync._env import BUCKET_ENV
-from deltasync._format import anchor_path, part_path, read_metadata
+from deltasync.format import anchor_path, part_path, read_metadata
 from deltasync._lora import (
     ADAPTER_CONFIG_KEY,
     BASE_FINGERPRINT_KEY,

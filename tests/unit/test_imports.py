@@ -22,7 +22,10 @@ OPTIONAL = ("trl", "transformers", "peft", "accelerate", "datasets", "openenv", 
 #: Import layers, lowest first: a module may import its own layer and those below, never above.
 LAYERS = (
     ("deltasync._errors", "deltasync._env", "deltasync._fingerprint", "deltasync._collective", "deltasync._memory"),
-    ("deltasync._format", "deltasync._auth", "deltasync._messages", "deltasync.stores"),
+    # The format's foundations: the codecs know no file header, no pointer.
+    ("deltasync.format.versions", "deltasync.format.limited_json", "deltasync.format.container",
+     "deltasync.format.codecs"),
+    ("deltasync.format", "deltasync._auth", "deltasync._messages", "deltasync.stores"),
     ("deltasync._sharded", "deltasync._parts", "deltasync._client", "deltasync._checkpoint_layout"),
     ("deltasync._detector", "deltasync._receiver"),
     ("deltasync._publisher",),

@@ -9,7 +9,7 @@ from _sharded_workers import Net, _fsdp, assert_exact, gathered, process_group, 
 from helpers import GatedStore
 
 from deltasync import DeltaPublisher, DeltaReceiver, PublishError, StoreError
-from deltasync._format import POINTER_PATH, Pointer
+from deltasync.format import POINTER_PATH, Pointer
 
 
 def run(rank: int, world: int, init_file: str, root: str, out: str) -> None:

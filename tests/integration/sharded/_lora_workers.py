@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from deltasync import DeltaReceiver, fingerprint, open_store
-from deltasync._format import POINTER_PATH, Pointer, read_metadata
+from deltasync.format import POINTER_PATH, Pointer, read_metadata
 from deltasync._lora import (
     ADAPTER_CONFIG_KEY,
     BASE_FINGERPRINT_KEY,

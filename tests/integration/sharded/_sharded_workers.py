@@ -28,7 +28,7 @@ from deltasync import (
     fingerprint,
     open_store,
 )
-from deltasync._format import POINTER_PATH, Change, Pointer, anchor_path, encode_anchor, encode_delta, part_path
+from deltasync.format import POINTER_PATH, Change, Pointer, anchor_path, encode_anchor, encode_delta, part_path
 from deltasync.stores import Store
 
 

@@ -31,7 +31,7 @@ from safetensors.torch import load as st_load
 from servers import greedy, requires_vllm, running_server
 
 from deltasync import DeltaPublisher, Pointer, RolloutClient, bf16_state_dict, fingerprint, open_store
-from deltasync import _format as F
+from deltasync import format as F
 
 pytestmark = [pytest.mark.server, requires_vllm]
 
@@ -130,7 +130,7 @@ def _zstd_bomb(bucket: Bucket, version: int) -> None:
     header = F.read_header(data, where=entry.path)
     tensors = st_load(data)
     tensors["zstd:gap_lo"] = torch.frombuffer(bytearray(_declares(2**40)), dtype=torch.uint8)
-    bucket.commit_file(version, F._safetensors_bytes(tensors, header.to_metadata()))
+    bucket.commit_file(version, F.safetensors_bytes(tensors, header.to_metadata()))
 
 
 def _pointer_infinity(bucket: Bucket, version: int) -> None:

@@ -16,7 +16,7 @@ import torch
 from servers import PROMPTS, SERVER_START_TIMEOUT, TP2, Trainer, extension_args, greedy, requires_vllm, running_server, tp_params
 
 from deltasync import Pointer, RolloutClient, bf16_state_dict, fingerprint, open_store
-from deltasync._format import ChainEntry, Change, PartEntry, encode_delta, part_path, sha256_hex
+from deltasync.format import ChainEntry, Change, PartEntry, encode_delta, part_path, sha256_hex
 
 pytestmark = [pytest.mark.server, requires_vllm]
 

@@ -19,7 +19,7 @@ from helpers import FiveMethodStore, GatedStore, small_transformer, train_step
 
 import deltasync._detector as detector_module
 from deltasync import BF16ChangeDetector, DeltaPublisher, DeltaReceiver, StoreError, bf16_state_dict, fingerprint, open_store
-from deltasync._format import POINTER_PATH, Pointer
+from deltasync.format import POINTER_PATH, Pointer
 
 
 def bits(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ from moe_helpers import assert_saved, moe_model, routed_step, saved_state
 from deltasync import ConfigError, DeltaPublisher, DeltaReceiver
 from deltasync._checkpoint_layout import checkpoint_layout
 from deltasync._detector import named_parameters
-from deltasync._format import Change
+from deltasync.format import Change
 from deltasync.tiny import build_tiny_moe_model
 
 

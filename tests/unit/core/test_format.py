@@ -24,7 +24,8 @@ from safetensors.torch import save as st_save
 from helpers import old_pointer
 
 from deltasync import DeltaReceiver, DeltaSyncError, FormatError, IntegrityError, Pointer, VersionError
-from deltasync import _format as F
+from deltasync import format as F
+from deltasync.format.codecs import zstd as Z
 from deltasync._fingerprint import fingerprint, fingerprint_update
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "protocol.md"
@@ -74,7 +75,7 @@ def rebuild(data: bytes, *, meta: dict | None = None, tensors: dict | None = Non
             metadata[key] = value
     content = {k: v for k, v in st_load(data).items() if k not in drop}
     content.update(tensors or {})
-    return F._safetensors_bytes(content, metadata)
+    return F.safetensors_bytes(content, metadata)
 
 
 def apply(state: dict[str, torch.Tensor], changes: dict[str, F.Change]) -> dict[str, torch.Tensor]:
@@ -183,7 +184,7 @@ def zstd_streams(data: bytes) -> dict[str, bytes]:
         key: zstandard.ZstdDecompressor().decompress(tensors["zstd:" + key].numpy().tobytes())
         if tensors["zstd:" + key].numel()
         else b""
-        for key in F._STREAMS
+        for key in Z.STREAMS
     }
 
 
@@ -203,7 +204,7 @@ def render_examples() -> dict[str, str]:
     """Every dump docs/protocol.md shows, by the name of its ``<!-- dump: NAME -->`` marker."""
     files = example_files()
     _, changes = big_gap_changes()
-    streams, _ = F._zstd_streams(list(changes.items()))
+    streams, _ = Z.zstd_streams(list(changes.items()))
     return {
         "anchor": hexdump(files["anchor"]),
         "raw-delta": hexdump(files["raw"]),
@@ -485,7 +486,7 @@ def test_zstd_streams_are_single_frames_with_content_size() -> None:
         changes, version=1, anchor=0, codec="zstd", total=70000, fingerprint=FP1, base_fingerprint=FP0
     )
     tensors = st_load(data)
-    for key in F._STREAMS:
+    for key in Z.STREAMS:
         blob = tensors["zstd:" + key].numpy().tobytes()
         assert blob[:4] == bytes.fromhex("28b52ffd")  # every stream of this example is non-empty
         params = zstandard.get_frame_parameters(blob)
@@ -494,7 +495,7 @@ def test_zstd_streams_are_single_frames_with_content_size() -> None:
 
 def test_big_gaps_golden_streams() -> None:
     state, changes = big_gap_changes()
-    streams, counts = F._zstd_streams(list(changes.items()))
+    streams, counts = Z.zstd_streams(list(changes.items()))
     assert counts == [4]
     assert {key: raw.hex() for key, raw in streams.items()} == BIG_GAP_STREAMS
     data = F.encode_delta(
@@ -589,12 +590,12 @@ def _our_tensor_sets() -> dict[str, dict[str, torch.Tensor]]:
 def test_container_equals_safetensors_save(name: str) -> None:
     tensors = _our_tensor_sets()[name]
     # With one metadata key the library's random metadata order cannot differ from ours.
-    assert F._safetensors_bytes(tensors, {"format": "deltasync"}) == st_save(tensors, metadata={"format": "deltasync"})
+    assert F.safetensors_bytes(tensors, {"format": "deltasync"}) == st_save(tensors, metadata={"format": "deltasync"})
 
 
 def test_container_layout_rules() -> None:
     # Every dtype here, though deltasync itself writes only I64, I32, BF16 and U8.
-    data = F._safetensors_bytes(_mixed_tensors(), {"b": "2", "a": "1", "c": "3"})
+    data = F.safetensors_bytes(_mixed_tensors(), {"b": "2", "a": "1", "c": "3"})
     (n,) = struct.unpack("<Q", data[:8])
     assert n % 8 == 0
     text = data[8 : 8 + n].decode()
@@ -760,13 +761,13 @@ def test_zstd_streams_are_the_same_when_transformed_in_chunks(case: str, chunk: 
     streams, and so the file bytes, must not depend on the chunk."""
     state, changes = CASES[case]()
     whole = encode(changes, state, "zstd")
-    monkeypatch.setattr(F, "_ENCODE_CHUNK", chunk)
+    monkeypatch.setattr(Z, "ENCODE_CHUNK", chunk)
     assert encode(changes, state, "zstd") == whole
 
 
 def test_gap_big_is_used_from_255_times_256() -> None:
     state, changes = CASES["gaps of 255*256 and more use gap_big"]()
-    streams, _ = F._zstd_streams(list(changes.items()))
+    streams, _ = Z.zstd_streams(list(changes.items()))
     # gaps 65280 (high part 255: escaped), 65279 (high part 254), 69438 (high part 271: escaped)
     assert streams["gap_hi_mask"] == bytes([0b111])
     assert streams["gap_hi"] == bytes([255, 254, 255])
@@ -796,7 +797,7 @@ def test_zstd_streams_follow_the_documented_definitions(seed: int) -> None:
         name: sorted(set(rng.integers(0, n, size=int(rng.integers(1, 40))).tolist())) for name, n in numels.items()
     }
     state, changes = make_case(numels, index, seed=seed)
-    streams, counts = F._zstd_streams(list(changes.items()))
+    streams, counts = Z.zstd_streams(list(changes.items()))
     items = [(c.index.tolist(), bits_of(c.old), bits_of(c.new)) for c in changes.values()]
     assert streams == ref_streams(items)
     assert counts == [len(i) for i, _, _ in items]
@@ -804,15 +805,15 @@ def test_zstd_streams_follow_the_documented_definitions(seed: int) -> None:
 
 def test_ordered_bit_pattern_transform() -> None:
     every = torch.arange(-0x8000, 0x8000, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    ordered = F._ordered(every)
+    ordered = Z.ordered(every)
     bits = bits_of(every)
     assert ordered.tolist() == [ref_ordered(b) for b in bits]
     assert sorted(ordered.tolist()) == list(range(-0x8000, 0x8000))  # a bijection onto int16
-    assert bits_of(F._from_ordered(ordered)) == bits
-    assert bits_of(F._from_ordered(ordered + 0x10000)) == bits  # taken modulo 2**16
-    assert F._ordered(bf16([0x0000, 0x8000, 0x0001, 0x8001, 0x7FFF, 0xFFFF])).tolist() == [0, -1, 1, -2, 32767, -32768]
+    assert bits_of(Z.from_ordered(ordered)) == bits
+    assert bits_of(Z.from_ordered(ordered + 0x10000)) == bits  # taken modulo 2**16
+    assert Z.ordered(bf16([0x0000, 0x8000, 0x0001, 0x8001, 0x7FFF, 0xFFFF])).tolist() == [0, -1, 1, -2, 32767, -32768]
     finite = torch.tensor([-3.0, -1.0, -1e-30, 0.0, 1e-30, 2.0, float("inf")], dtype=torch.bfloat16)
-    assert F._ordered(finite).tolist() == sorted(F._ordered(finite).tolist())  # monotone in the value
+    assert Z.ordered(finite).tolist() == sorted(Z.ordered(finite).tolist())  # monotone in the value
     assert all(ref_from_ordered(ref_ordered(b)) == b for b in range(0x10000))
 
 
@@ -831,7 +832,7 @@ def test_no_changes(codec: str, empty: str) -> None:
         assert header.names == ()
         assert header_json(data)["__metadata__"]["names"] == "[]"
         assert tensors["zstd:counts"].shape == (0,) and tensors["zstd:counts"].dtype == torch.int64
-        assert all(tensors["zstd:" + key].shape == (0,) for key in F._STREAMS)
+        assert all(tensors["zstd:" + key].shape == (0,) for key in Z.STREAMS)
 
 
 @pytest.mark.parametrize(("numel", "dtype"), [(2**31 - 1, torch.int32), (2**31, torch.int64), (2**40, torch.int64)])

@@ -37,7 +37,8 @@ from deltasync import (
     fingerprint,
     open_store,
 )
-from deltasync import _format as F
+from deltasync import format as F
+from deltasync.format.codecs import zstd as Z
 
 MiB = 1 << 20
 SHAPES = {"w": (8, 16), "b": (16,)}
@@ -405,7 +406,7 @@ def replace_stream(chain: Chain, version: int, key: str, blob: bytes) -> None:
     header = F.read_header(data, where=entry.path)
     tensors = st_load(data)
     tensors["zstd:" + key] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    replace_file(chain.store, version, F._safetensors_bytes(tensors, header.to_metadata()))
+    replace_file(chain.store, version, F.safetensors_bytes(tensors, header.to_metadata()))
 
 
 BOMBS = {
@@ -428,9 +429,9 @@ def test_zstd_bombs_are_refused_within_bounded_memory(zchain, case) -> None:
 
 def test_bounded_decompress_reads_one_byte_past_the_promise() -> None:
     frame = zstandard.ZstdCompressor(write_content_size=False).compress(b"abcdef" * 1000)
-    assert F._bounded_decompress(frame, 6000) == b"abcdef" * 1000
-    assert len(F._bounded_decompress(frame, 10)) == 11
-    assert F._bounded_decompress(frame, 7000) == b"abcdef" * 1000  # short: the caller refuses it
+    assert Z.bounded_decompress(frame, 6000) == b"abcdef" * 1000
+    assert len(Z.bounded_decompress(frame, 10)) == 11
+    assert Z.bounded_decompress(frame, 7000) == b"abcdef" * 1000  # short: the caller refuses it
 
 
 # --------------------------------------------------------------------------- oversized objects

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load as st_load
 
 from deltasync import DeltaSyncError, FormatError, Pointer
-from deltasync import _format as F
+from deltasync import format as F
 from deltasync._fingerprint import fingerprint, fingerprint_update
 from deltasync._receiver import _Patch
 
@@ -216,7 +216,7 @@ def test_any_codec_stream_is_decoded_within_bounds_or_refused(key: str, blob: by
     tensors = st_load(data)
     tensors["zstd:" + key] = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8)
     try:
-        changes = decode(F._safetensors_bytes(tensors, header.to_metadata()))
+        changes = decode(F.safetensors_bytes(tensors, header.to_metadata()))
     except DeltaSyncError:
         return
     check_decoded(changes)
@@ -230,7 +230,7 @@ def test_any_counts_are_checked(counts: list[int]) -> None:
     tensors = st_load(data)
     tensors["zstd:counts"] = torch.tensor(counts, dtype=torch.int64)
     try:
-        changes = decode(F._safetensors_bytes(tensors, header.to_metadata()))
+        changes = decode(F.safetensors_bytes(tensors, header.to_metadata()))
     except DeltaSyncError:
         return
     check_decoded(changes)

@@ -16,7 +16,7 @@ from deltasync import (
     VersionError,
     open_store,
 )
-from deltasync._format import Change, _safetensors_bytes, encode_delta, read_header
+from deltasync.format import Change, safetensors_bytes, encode_delta, read_header
 from safetensors.torch import load
 
 Q = "model.layers.0.self_attn.q_proj.weight"
@@ -60,7 +60,7 @@ def rewrite_delta(store, version: int, edit) -> bytes:
     tensors = load(data)
     meta = header.to_metadata()
     edit(tensors, meta)
-    return _safetensors_bytes(tensors, meta)
+    return safetensors_bytes(tensors, meta)
 
 
 def check(receiver, before, exc_type, pattern) -> None:

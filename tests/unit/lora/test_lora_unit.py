@@ -13,7 +13,7 @@ from lora_helpers import TARGETS, lora_model, train, trainable  # noqa: E402
 from peft import get_peft_model_state_dict  # noqa: E402
 
 from deltasync import DeltaReceiver, fingerprint  # noqa: E402
-from deltasync._format import read_metadata  # noqa: E402
+from deltasync.format import read_metadata  # noqa: E402
 from deltasync._lora import (  # noqa: E402
     ADAPTER_CONFIG_KEY,
     BASE_FINGERPRINT_KEY,

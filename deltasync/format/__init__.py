@@ -1,0 +1,128 @@
+"""The wire format: file names, the pointer, and the bytes of anchors and deltas.
+
+This package is the only code that knows how files in a bucket are laid out;
+docs/protocol.md describes every byte of what it writes, and tests pin golden bytes. Both the
+trainer side (``_publisher``) and the server side (``_receiver``) go through it. One module
+per concern, lowest first:
+
+- :mod:`~deltasync.format.versions`: the format's name and version numbers;
+- :mod:`~deltasync.format.limited_json`: untrusted JSON parsed within limits, and checks of
+  its integers and hex strings;
+- :mod:`~deltasync.format.container`: safetensors files, written byte for byte (sorted
+  metadata keys: the same content always gives the same bytes) and read after their tensor
+  table was checked;
+- :mod:`~deltasync.format.codecs`: the registry of delta codecs, one module each
+  (:mod:`~deltasync.format.codecs.raw`, :mod:`~deltasync.format.codecs.zstd`), and
+  :class:`Change`;
+- :mod:`~deltasync.format.pointer`: the pointer (``latest.json``) and the data files' paths;
+- :mod:`~deltasync.format.header`: the metadata every anchor and delta carries;
+- :mod:`~deltasync.format.anchors` and :mod:`~deltasync.format.delta`: the two kinds of file.
+"""
+
+from __future__ import annotations
+
+from .anchors import AnchorSource, anchor_stream, decode_anchor, encode_anchor
+from .codecs import CODECS, BaseLookup, Change, Codec, DeltaContext, get_codec, register_codec, unregister_codec
+from .container import (
+    MAX_HEADER_BYTES,
+    TensorChunks,
+    TensorSpan,
+    load_safetensors,
+    load_tensors,
+    safetensors_bytes,
+    safetensors_stream,
+    tensor_spans,
+)
+from .delta import decode_delta, encode_delta
+from .header import (
+    MAX_SLICES_BYTES,
+    FileHeader,
+    header_length,
+    parse_header,
+    read_header,
+    read_metadata,
+    with_extra_metadata,
+)
+from .limited_json import MAX_COUNT, check_hex, check_int, parse_json
+from .pointer import (
+    DATA_PATH_RE,
+    HISTORY_PATH,
+    MAX_ANCHORS,
+    MAX_HISTORY_BYTES,
+    MAX_PARTS,
+    MAX_POINTER_BYTES,
+    POINTER_PATH,
+    ChainEntry,
+    PartEntry,
+    Pointer,
+    anchor_path,
+    data_path_version,
+    delta_path,
+    part_path,
+    sha256_hex,
+)
+from .versions import (
+    CHAIN_FORMAT_VERSION,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    PARTS_FORMAT_VERSION,
+    READABLE_FILE_FORMAT_VERSIONS,
+    READABLE_FORMAT_VERSIONS,
+)
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "PARTS_FORMAT_VERSION",
+    "CHAIN_FORMAT_VERSION",
+    "READABLE_FORMAT_VERSIONS",
+    "READABLE_FILE_FORMAT_VERSIONS",
+    "POINTER_PATH",
+    "HISTORY_PATH",
+    "DATA_PATH_RE",
+    "MAX_ANCHORS",
+    "MAX_COUNT",
+    "MAX_HEADER_BYTES",
+    "MAX_HISTORY_BYTES",
+    "MAX_PARTS",
+    "MAX_POINTER_BYTES",
+    "MAX_SLICES_BYTES",
+    "CODECS",
+    "Codec",
+    "DeltaContext",
+    "get_codec",
+    "register_codec",
+    "unregister_codec",
+    "BaseLookup",
+    "ChainEntry",
+    "PartEntry",
+    "Pointer",
+    "Change",
+    "FileHeader",
+    "AnchorSource",
+    "TensorChunks",
+    "TensorSpan",
+    "anchor_path",
+    "delta_path",
+    "part_path",
+    "data_path_version",
+    "encode_anchor",
+    "anchor_stream",
+    "encode_delta",
+    "decode_anchor",
+    "decode_delta",
+    "read_header",
+    "read_metadata",
+    "with_extra_metadata",
+    "parse_header",
+    "header_length",
+    "tensor_spans",
+    "load_tensors",
+    "load_safetensors",
+    "safetensors_bytes",
+    "safetensors_stream",
+    "parse_json",
+    "check_int",
+    "check_hex",
+    "sha256_hex",
+]

@@ -1,0 +1,109 @@
+"""Anchors: the complete bf16 state of a version, every parameter under its checkpoint name."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .._errors import FormatError
+from .container import TensorChunks, load_tensors, safetensors_stream
+from .header import FileHeader, read_header, with_extra_metadata
+
+__all__ = ["AnchorSource", "encode_anchor", "anchor_stream", "decode_anchor"]
+
+
+def encode_anchor(
+    state: Mapping[str, torch.Tensor],
+    *,
+    version: int,
+    fingerprint: str,
+    extra_metadata: Mapping[str, str] | None = None,
+) -> bytes:
+    """An anchor: every parameter, in bf16, under its checkpoint name.
+
+    ``extra_metadata``: further metadata keys, each starting with ``x-`` (e.g. the PEFT
+    adapter config of an adapter bucket, see :mod:`deltasync._lora`); readers that do not
+    know a key ignore it."""
+    for name, tensor in state.items():
+        if tensor.dtype != torch.bfloat16:
+            raise FormatError(f"anchor {version}: parameter {name!r} is {tensor.dtype}, anchors hold bfloat16")
+    sources = [
+        AnchorSource(name, tuple(t.shape), 0, t.numel(), lambda t=t: (t.detach().reshape(-1),)) for name, t in state.items()
+    ]
+    total = sum(t.numel() for t in state.values())
+    return b"".join(anchor_stream(sources, version=version, fingerprint=fingerprint, total=total, extra_metadata=extra_metadata))
+
+
+@dataclass(frozen=True)
+class AnchorSource:
+    """Flat elements ``begin .. end - 1`` of parameter ``name`` (full shape ``shape``), given
+    as consecutive bf16 chunks, for :func:`anchor_stream`."""
+
+    name: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    chunks: Callable[[], Iterable[torch.Tensor]]
+
+
+def anchor_stream(
+    sources: Sequence[AnchorSource],
+    *,
+    version: int,
+    fingerprint: str,
+    total: int,
+    part: int | None = None,
+    parts: int | None = None,
+    extra_metadata: Mapping[str, str] | None = None,
+) -> Iterator[memoryview]:
+    """The bytes of an anchor (or of part ``part`` of ``parts`` of a split anchor), chunk by chunk.
+
+    A single-file anchor holds every parameter whole, in its shape; a part holds a 1-D slice
+    of each parameter (format version 2). The bytes are those :func:`encode_anchor` and
+    :func:`~deltasync._parts.encode_anchor_part` give, without the whole file in memory.
+    """
+    ordered = sorted(sources, key=lambda s: s.name)
+    if parts is None and any(s.begin != 0 or s.end != math.prod(s.shape) for s in ordered):
+        raise FormatError(f"anchor {version}: a single-file anchor holds every parameter whole")
+    header = FileHeader(
+        kind="anchor",
+        version=version,
+        base=None,
+        anchor=version,
+        codec="raw",
+        params=len(ordered),
+        changed=sum(s.end - s.begin for s in ordered),
+        total=total,
+        fingerprint=fingerprint,
+        part=part,
+        parts=parts,
+        slices=None if parts is None else tuple((s.name, tuple(s.shape), s.begin, s.end) for s in ordered),
+    )
+    meta = with_extra_metadata(header.to_metadata(), extra_metadata, f"anchor {version}")
+    tensors = [
+        TensorChunks(s.name, torch.bfloat16, s.shape if parts is None else (s.end - s.begin,), s.chunks) for s in ordered
+    ]
+    return safetensors_stream(tensors, meta)
+
+
+def decode_anchor(data: bytes | bytearray, *, where: str) -> tuple[FileHeader, dict[str, torch.Tensor]]:
+    """An anchor's header and tensors. From a ``bytearray`` (what stores' ``read_buffer``
+    gives) the tensors are views of it: the file and its tensors are never both in memory."""
+    header = read_header(data, where=where)
+    if header.kind != "anchor":
+        raise FormatError(f"{where}: expected an anchor, found a {header.kind}")
+    tensors = load_tensors(data, where=where)
+    total = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.bfloat16:
+            raise FormatError(f"{where}: parameter {name!r} is {tensor.dtype}, anchors hold bfloat16")
+        total += tensor.numel()
+    if len(tensors) != header.params or total != header.total:
+        raise FormatError(
+            f"{where}: holds {len(tensors)} parameters / {total} elements, "
+            f"its metadata says {header.params} / {header.total}"
+        )
+    return header, tensors

@@ -1,0 +1,242 @@
+"""The zstd codec (the default): per version, the gaps between changed indices and the
+differences of the new values from the old ones in bf16 bit order, split into byte streams
+that each compress well, each a zstd frame (docs/protocol.md describes every stream)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+import zstandard
+
+from ..._errors import FormatError
+from .base import Change, Codec, DeltaContext, Table, known_numel
+
+__all__ = ["ZstdCodec", "STREAMS", "ENCODE_CHUNK", "zstd_streams", "ordered", "from_ordered", "bounded_decompress"]
+
+PREFIX = "zstd:"
+"""Every tensor of a zstd delta is named ``zstd:<stream>`` (or ``zstd:counts``)."""
+STREAMS = ("gap_lo", "gap_hi_mask", "gap_hi", "gap_big", "sym", "esc_lo", "esc_hi")
+"""The byte streams of a zstd delta, in the order docs/protocol.md describes them."""
+_MIN_WINDOW = 1 << 20
+
+
+class ZstdCodec(Codec):
+    name = "zstd"
+    lists_names = True
+    levels = range(1, 23)
+    default_level = 3
+
+    def encode(
+        self, items: Sequence[tuple[str, Change]], *, numels: Mapping[str, int] | None, level: int | None
+    ) -> dict[str, torch.Tensor]:
+        streams, counts = zstd_streams(items)
+        compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        tensors = {
+            PREFIX + key: torch.frombuffer(bytearray(compressor.compress(raw)), dtype=torch.uint8)
+            if raw
+            else torch.zeros(0, dtype=torch.uint8)
+            for key, raw in streams.items()
+        }
+        tensors[PREFIX + "counts"] = torch.tensor(counts, dtype=torch.int64)
+        return tensors
+
+    def decode(self, tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[str, Change]:
+        return _decode(tensors, delta)
+
+    def describe(
+        self, tensors: Mapping[str, torch.Tensor], *, names: tuple[str, ...] | None, changed: int
+    ) -> list[Table]:
+        counts = tensors[PREFIX + "counts"].tolist()
+        rows = [[name, str(count)] for name, count in zip(names or (), counts)]
+        streams = [
+            [key.removeprefix(PREFIX), str(t.numel()), f"{t.numel() / max(changed, 1):.3f}"]
+            for key, t in sorted(tensors.items())
+            if key != PREFIX + "counts"
+        ]
+        return [(["parameter", "changed"], rows), (["stream", "compressed bytes", "bytes/change"], streams)]
+
+
+ENCODE_CHUNK = 1 << 16
+"""Elements of a parameter's changes that the zstd codec transforms at a time: its wide
+temporaries (int64 gaps, int32 differences) stay a few MiB however big the version is."""
+
+
+def zstd_streams(items: Sequence[tuple[str, Change]]) -> tuple[dict[str, bytes], list[int]]:
+    counts = [change.index.numel() for _, change in items]
+    pieces: dict[str, list[np.ndarray]] = {key: [] for key in ("lo", "hi_nz", "hi", "big", "sym", "esc")}
+    for name, change in items:
+        if change.old is None:
+            raise FormatError(f"parameter {name!r}: the zstd codec needs the previous values")
+        for start in range(0, change.index.numel(), ENCODE_CHUNK):
+            stop = min(start + ENCODE_CHUNK, change.index.numel())
+            index = change.index[start:stop].to(torch.int64).cpu()
+            gap = torch.empty_like(index)
+            gap[0] = index[0] if start == 0 else index[0] - int(change.index[start - 1]) - 1
+            gap[1:] = index[1:] - index[:-1] - 1
+            g = gap.numpy().astype(np.uint64)
+            pieces["lo"].append((g & np.uint64(0xFF)).astype(np.uint8))
+            hi = g >> np.uint64(8)
+            hi_nz = hi != 0
+            hv = hi[hi_nz]
+            pieces["hi_nz"].append(hi_nz)
+            pieces["big"].append(hv[hv >= 255].astype("<u8"))
+            pieces["hi"].append(np.minimum(hv, 255).astype(np.uint8))
+            # New minus old ordered bit pattern modulo 2**16, as a signed 16-bit number,
+            # zigzag-mapped: -1 -> 1, +1 -> 2, -2 -> 3, +2 -> 4, ... Symbols 0..2 stand for
+            # zigzag 1..3; 3 escapes.
+            d = ((ordered(change.new[start:stop]) - ordered(change.old[start:stop])) & 0xFFFF).numpy().astype(np.int32)
+            d = np.where(d >= 0x8000, d - 0x10000, d)
+            zig = ((d << 1) ^ (d >> 31)).astype(np.uint32)
+            if (zig == 0).any():
+                raise FormatError("a delta lists changed elements only, but an element's new value equals its old one")
+            pieces["sym"].append(np.where(zig <= 3, zig - 1, 3).astype(np.uint8))
+            pieces["esc"].append(zig[zig > 3])
+    if not items:
+        return {key: b"" for key in STREAMS}, counts
+    sym = np.concatenate(pieces["sym"])
+    padded = np.zeros(-(-sym.size // 4) * 4, dtype=np.uint8)
+    padded[: sym.size] = sym
+    quads = padded.reshape(-1, 4)
+    packed = (quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)).astype(np.uint8)
+    esc = np.concatenate(pieces["esc"])
+    streams = {
+        "gap_lo": np.concatenate(pieces["lo"]).tobytes(),
+        "gap_hi_mask": np.packbits(np.concatenate(pieces["hi_nz"]), bitorder="little").tobytes(),
+        "gap_hi": np.concatenate(pieces["hi"]).tobytes(),
+        "gap_big": np.concatenate(pieces["big"]).tobytes(),
+        "sym": packed.tobytes(),
+        "esc_lo": (esc & 0xFF).astype(np.uint8).tobytes(),
+        "esc_hi": (esc >> 8).astype(np.uint8).tobytes(),
+    }
+    return streams, counts
+
+
+def ordered(values: torch.Tensor) -> torch.Tensor:
+    """bf16 -> int32 in [-32768, 32767], monotone in the value: the ordered bit pattern.
+
+    Positive patterns map to themselves, negative ones (sign bit set) to ``0x7FFF - bits``,
+    so -0.0 is -1 and +0.0 is 0. Neighbouring bf16 values, across zero too, differ by one.
+    """
+    bits = values.to(torch.bfloat16).cpu().contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    return torch.where(bits >= 0x8000, 0x7FFF - bits, bits)
+
+
+def from_ordered(pattern: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`ordered`, taken modulo 2**16."""
+    o = ((pattern + 0x8000) & 0xFFFF) - 0x8000
+    bits = torch.where(o < 0, 0x7FFF - o, o)
+    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.bfloat16)
+
+
+def _decompress(blob: torch.Tensor, expected: int, key: str, where: str) -> bytes:
+    if blob.dtype != torch.uint8 or blob.dim() != 1:
+        raise FormatError(f"{where}: stream {key!r} must be a 1-D uint8 tensor")
+    if expected == 0:
+        if blob.numel():
+            raise FormatError(f"{where}: stream {key!r} should be empty")
+        return b""
+    data = blob.numpy().tobytes()
+    try:
+        declared = zstandard.frame_content_size(data)
+        if declared not in (-1, expected):  # -1: the frame does not say
+            raise FormatError(f"{where}: stream {key!r} decodes to {declared} bytes, expected {expected}")
+        raw = bounded_decompress(data, expected)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{where}: stream {key!r} is not valid zstd data ({exc})") from exc
+    if len(raw) != expected:
+        got = f"more than {expected}" if len(raw) > expected else str(len(raw))
+        raise FormatError(
+            f"{where}: stream {key!r} is not valid zstd data (it decodes to {got} bytes, expected {expected})"
+        )
+    return raw
+
+
+def bounded_decompress(blob: bytes, expected: int) -> bytes:
+    """Decompress at most ``expected + 1`` bytes, whatever the frame header claims.
+
+    The one-shot API trusts a frame's declared content size (a 1 KB frame can ask for a
+    terabyte). Streaming with a bounded window keeps memory at ``expected`` plus a constant.
+    """
+    window = max(_MIN_WINDOW, 1 << max(expected - 1, 1).bit_length())
+    dctx = zstandard.ZstdDecompressor(max_window_size=window)
+    out = bytearray()
+    with dctx.stream_reader(io.BytesIO(blob), read_across_frames=False) as reader:
+        while len(out) <= expected:
+            chunk = reader.read(expected + 1 - len(out))
+            if not chunk:
+                break
+            out += chunk
+    return bytes(out)
+
+
+def _decode(tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[str, Change]:
+    where, numels = delta.where, delta.numels
+    expected_keys = {PREFIX + key for key in (*STREAMS, "counts")}
+    if set(tensors) != expected_keys:
+        extra = sorted(set(tensors) - expected_keys)
+        missing = sorted(expected_keys - set(tensors))
+        raise FormatError(f"{where}: zstd delta has unexpected tensors {extra} / lacks {missing}")
+    if delta.names is None:
+        raise FormatError(f"{where}: a zstd delta needs the metadata key 'names'")
+    names = list(delta.names)
+    counts_t = tensors[PREFIX + "counts"]
+    if counts_t.dtype != torch.int64 or counts_t.dim() != 1 or counts_t.numel() != len(names):
+        raise FormatError(f"{where}: 'zstd:counts' must be int64 with one entry per name ({len(names)})")
+    counts = counts_t.tolist()
+    for name, count in zip(names, counts):
+        numel = known_numel(name, numels, where)
+        if count <= 0 or count > numel:
+            raise FormatError(f"{where}: parameter {name!r} claims {count} changes (it has {numel} elements)")
+    if len(set(names)) != len(names):
+        raise FormatError(f"{where}: a parameter is listed twice in 'names'")
+    n = sum(counts)
+    if n != delta.changed:
+        raise FormatError(f"{where}: counts add up to {n}, metadata says {delta.changed} changed")
+    lo = np.frombuffer(_decompress(tensors[PREFIX + "gap_lo"], n, "gap_lo", where), dtype=np.uint8)
+    mask_raw = _decompress(tensors[PREFIX + "gap_hi_mask"], -(-n // 8), "gap_hi_mask", where)
+    hi_nz = np.unpackbits(np.frombuffer(mask_raw, dtype=np.uint8), bitorder="little")[:n].astype(bool)
+    n_hi = int(hi_nz.sum())
+    hv = np.frombuffer(_decompress(tensors[PREFIX + "gap_hi"], n_hi, "gap_hi", where), dtype=np.uint8).astype(np.uint64)
+    n_big = int((hv == 255).sum())
+    big = np.frombuffer(_decompress(tensors[PREFIX + "gap_big"], 8 * n_big, "gap_big", where), dtype="<u8")
+    if n_big and (int(big.min()) < 255 or int(big.max()) >= 2**55):
+        raise FormatError(f"{where}: stream 'gap_big' holds a value outside 255..2**55-1")
+    hv[hv == 255] = big
+    hi = np.zeros(n, dtype=np.uint64)
+    hi[hi_nz] = hv
+    gaps = torch.from_numpy(((hi << np.uint64(8)) | lo.astype(np.uint64)).astype(np.int64))
+    packed = np.frombuffer(_decompress(tensors[PREFIX + "sym"], -(-n // 4), "sym", where), dtype=np.uint8)
+    sym = np.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], axis=1).reshape(-1)[:n]
+    is_esc = sym == 3
+    n_esc = int(is_esc.sum())
+    esc_lo = np.frombuffer(_decompress(tensors[PREFIX + "esc_lo"], n_esc, "esc_lo", where), dtype=np.uint8)
+    esc_hi = np.frombuffer(_decompress(tensors[PREFIX + "esc_hi"], n_esc, "esc_hi", where), dtype=np.uint8)
+    esc = (esc_hi.astype(np.uint32) << 8) | esc_lo
+    if n_esc and int(esc.min()) <= 3:
+        raise FormatError(f"{where}: the escape streams hold a value that has its own symbol")
+    zig = sym.astype(np.uint32) + 1
+    zig[is_esc] = esc
+    diff = ((zig >> 1) ^ (-(zig & 1).astype(np.int64)).astype(np.uint32)) & 0xFFFF
+    diff_t = torch.from_numpy(diff.astype(np.int32))
+    changes: dict[str, Change] = {}
+    start = 0
+    for name, count in zip(names, counts):
+        gap = gaps[start : start + count]
+        if int(gap.max()) >= numels[name]:
+            raise FormatError(
+                f"{where}: a gap of {int(gap.max())} in parameter {name!r} is out of range "
+                f"(it has {numels[name]} elements)"
+            )
+        index = torch.cumsum(gap + 1, dim=0) - 1
+        if int(index[-1]) >= numels[name] or (count > 1 and not bool((index[1:] > index[:-1]).all())):
+            raise FormatError(
+                f"{where}: index {int(index[-1])} of parameter {name!r} is out of range "
+                f"(it has {numels[name]} elements)"
+            )
+        new = from_ordered(ordered(delta.base_values(name, index)) + diff_t[start : start + count])
+        changes[name] = Change(index=index, new=new)
+        start += count
+    return changes
