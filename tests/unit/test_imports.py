@@ -23,7 +23,7 @@ OPTIONAL = ("trl", "transformers", "peft", "accelerate", "datasets", "openenv", 
 LAYERS = (
     ("deltasync._errors", "deltasync._env", "deltasync._fingerprint", "deltasync._collective", "deltasync._memory"),
     ("deltasync._format", "deltasync._auth", "deltasync._messages", "deltasync.stores"),
-    ("deltasync._sharded", "deltasync._parts", "deltasync._client", "deltasync._checkpoint_layout"),
+    ("deltasync._sharded", "deltasync._parts", "deltasync._client", "deltasync._checkpoint_layout", "deltasync._sources"),
     ("deltasync._detector", "deltasync._receiver"),
     ("deltasync._publisher",),
     ("deltasync._lora",),
