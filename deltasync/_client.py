@@ -351,7 +351,6 @@ class RolloutClient(BaseRolloutClient):
         ``vllm_ext.UpdateMiddleware`` whose parameters are all patched in place, else they pause
         and say so) or "pause"; None: each server's own ``--update-mode``.
         """
-        version = check_version(version)
         if mode not in (None, "pause", "inflight"):
             raise ConfigError(f"mode must be 'pause', 'inflight' or None (the server's own), got {mode!r}")
         return self._update_each(version, lambda server, number, tag: self._update_one(server, number, tag, mode))

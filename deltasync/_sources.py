@@ -61,7 +61,7 @@ class SourceWeight:
     local rows when sharded). Its bf16 rounding is what is compared and published."""
     stepped_by: tuple[torch.Tensor, ...] = ()
     """The parameters whose optimizer step changes it: it is compared after a step that gave
-    one of them (trainable, and in the optimizer) a gradient. None: it never changes, and is
+    one of them (trainable, and in the optimizer) a gradient. Empty: it never changes, and is
     read live for anchors."""
 
 
