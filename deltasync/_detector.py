@@ -12,7 +12,7 @@ import torch
 from ._errors import ConfigError
 from ._format import Change
 from ._sharded import OwnedSlice, ShardLayout
-from ._sources import WeightSource, checkpoint_name, named_parameters, weight_source
+from ._sources import SourceWeight, WeightSource, checkpoint_name, named_parameters, weight_source
 
 __all__ = ["BF16ChangeDetector", "checkpoint_name", "named_parameters", "bf16_state_dict"]
 
@@ -91,19 +91,7 @@ class BF16ChangeDetector:
         """How ranks split the work; None in a single process."""
         self._slices: dict[str, OwnedSlice] = {} if self.layout is None else self.layout.slices
         inner = None if optimizer is None else _inner_optimizer(optimizer)
-        steppers = {w.name: [p for p in w.stepped_by if p.requires_grad] for w in weights}
-        if inner is not None:
-            in_optimizer = {id(p) for group in inner.param_groups for p in group["params"]}
-            if self.layout is not None:
-                unseen = [n for n, ps in steppers.items() if any(id(p) not in in_optimizer for p in ps)]
-                if unseen:
-                    raise ConfigError(
-                        f"{len(unseen)} trainable parameter(s) are not in the optimizer ({', '.join(unseen[:5])}"
-                        f"{', ...' if len(unseen) > 5 else ''}); with {self.layout.description} the optimizer must hold "
-                        "the model's own parameters (wrap the model before building the optimizer, and pass that "
-                        "optimizer), or freeze them with requires_grad_(False)"
-                    )
-            steppers = {n: [p for p in ps if id(p) in in_optimizer] for n, ps in steppers.items()}
+        steppers = self._steppers(weights, inner)
         # Only what this rank owns is compared here; other ranks own the rest.
         self._tracked = {
             w.name: w.value
@@ -135,6 +123,23 @@ class BF16ChangeDetector:
         self._pins = 0
         self._overlay: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.reset()
+
+    def _steppers(self, weights: list[SourceWeight], inner: torch.optim.Optimizer | None) -> dict[str, list[torch.Tensor]]:
+        """Each weight's parameters that can step it: trainable, and in the optimizer if there is one."""
+        steppers = {w.name: [p for p in w.stepped_by if p.requires_grad] for w in weights}
+        if inner is None:
+            return steppers
+        in_optimizer = {id(p) for group in inner.param_groups for p in group["params"]}
+        if self.layout is not None:
+            unseen = [n for n, ps in steppers.items() if any(id(p) not in in_optimizer for p in ps)]
+            if unseen:
+                raise ConfigError(
+                    f"{len(unseen)} trainable parameter(s) are not in the optimizer ({', '.join(unseen[:5])}"
+                    f"{', ...' if len(unseen) > 5 else ''}); with {self.layout.description} the optimizer must hold "
+                    "the model's own parameters (wrap the model before building the optimizer, and pass that "
+                    "optimizer), or freeze them with requires_grad_(False)"
+                )
+        return {n: [p for p in ps if id(p) in in_optimizer] for n, ps in steppers.items()}
 
     @property
     def overlap_problem(self) -> str | None:
