@@ -6,7 +6,7 @@ rollout servers follow it with :class:`DeltaReceiver`. See docs/protocol.md for 
 
 from __future__ import annotations
 
-from ._client import RolloutClient, ServerResult, ServerStatus, UpdateReport
+from ._client import BaseRolloutClient, RolloutClient, ServerResult, ServerStatus, UpdateReport
 from ._detector import BF16ChangeDetector, bf16_state_dict, checkpoint_name
 from ._errors import (
     AuthError,
@@ -20,10 +20,18 @@ from ._errors import (
     VersionError,
 )
 from ._fingerprint import fingerprint
-from ._lora import AdapterError, AdapterRolloutClient, adapter_publisher, merged_publisher
+from ._lora import (
+    AdapterError,
+    AdapterRolloutClient,
+    AdapterWeights,
+    MergedLoraWeights,
+    adapter_publisher,
+    merged_publisher,
+)
 from .format import Change, Pointer
 from ._publisher import DeltaPublisher, PublishOptions, PublishResult
 from ._receiver import DeltaReceiver, StagedUpdate
+from ._sources import ModelWeights, SourceWeight, WeightSource
 from .stores import Store, open_store
 
 __version__ = "0.1.0"
@@ -31,7 +39,9 @@ __version__ = "0.1.0"
 __all__ = [
     "AdapterError",
     "AdapterRolloutClient",
+    "AdapterWeights",
     "AuthError",
+    "BaseRolloutClient",
     "BF16ChangeDetector",
     "Change",
     "ConfigError",
@@ -40,6 +50,8 @@ __all__ = [
     "DeltaSyncError",
     "FormatError",
     "IntegrityError",
+    "MergedLoraWeights",
+    "ModelWeights",
     "NotFoundError",
     "Pointer",
     "PublishError",
@@ -48,11 +60,13 @@ __all__ = [
     "RolloutClient",
     "ServerResult",
     "ServerStatus",
+    "SourceWeight",
     "StagedUpdate",
     "Store",
     "StoreError",
     "UpdateReport",
     "VersionError",
+    "WeightSource",
     "adapter_publisher",
     "bf16_state_dict",
     "checkpoint_name",

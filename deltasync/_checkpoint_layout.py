@@ -222,14 +222,11 @@ class CheckpointLayout:
 
 
 def find_pretrained(model: Any) -> Any | None:
-    """The transformers model in ``model`` (itself, or inside DDP / PEFT / a view), or None."""
+    """The transformers model in ``model`` (itself, or inside DDP / PEFT), or None."""
     if "transformers" not in sys.modules:
         return None  # nothing can be a transformers model
     from transformers import PreTrainedModel
 
-    source = getattr(model, "__dict__", {}).get("checkpoint_model")
-    if source is not None:
-        return source
     modules: Callable[[], Iterator[Any]] | None = getattr(model, "modules", None)
     for module in modules() if modules is not None else ():
         if isinstance(module, PreTrainedModel):

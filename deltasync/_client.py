@@ -30,8 +30,10 @@ A server that fails is reported with the server's own error text; it never raise
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -43,7 +45,16 @@ from ._messages import ServedBody, check_version
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["STATUS_ROUTE", "UPDATE_ROUTE", "VERSION_HEADER", "RolloutClient", "ServerResult", "ServerStatus", "UpdateReport"]
+__all__ = [
+    "STATUS_ROUTE",
+    "UPDATE_ROUTE",
+    "VERSION_HEADER",
+    "BaseRolloutClient",
+    "RolloutClient",
+    "ServerResult",
+    "ServerStatus",
+    "UpdateReport",
+]
 
 #: The one-request update route of ``vllm_ext.UpdateMiddleware`` (stage, pause, apply, resume).
 UPDATE_ROUTE = "/deltasync/update"
@@ -234,8 +245,10 @@ def _combine(url: str, workers: list[dict[str, Any]]) -> ServerStatus:
     return ServerStatus(url=url, ok=True, version=version, fingerprint=fingerprint, mode=mode, workers=workers)
 
 
-class RolloutClient:
-    """Tells rollout servers which committed version to serve, and reads back what they serve.
+class BaseRolloutClient(ABC):
+    """Tells rollout servers which committed version to serve (:meth:`update`), and reads back
+    what they serve (:meth:`status`); a subclass says how one server does each.
+    :class:`RolloutClient` (full weights) and ``AdapterRolloutClient`` (LoRA adapters) are the two.
 
     Args:
         urls: base URL of each server (``http://host:port``), or one URL.
@@ -271,7 +284,62 @@ class RolloutClient:
         self.token = token
         self.timeout = float(timeout)
         self._transport = transport
-        # url -> whether the server answers UPDATE_ROUTE (None: not known yet).
+
+    def update(self, version: int) -> UpdateReport:
+        """Make every server serve committed ``version``; waits until each has applied it or failed."""
+        return self._update_each(version, self._update_one)
+
+    def status(self) -> dict[str, ServerStatus]:
+        """What each server serves (all of a server's workers must agree)."""
+        statuses = self._each(self._status_one)
+        return {s.url: s for s in statuses}
+
+    @abstractmethod
+    def _update_one(self, server: _Server, version: int, tag: str | None) -> ServerResult:
+        """Make one server serve ``version``; report, never raise."""
+
+    @abstractmethod
+    def _status_one(self, server: _Server) -> ServerStatus:
+        """What one server serves; report, never raise."""
+
+    def _update_each(self, version: int, update_one: Callable[[_Server, int, str | None], ServerResult]) -> UpdateReport:
+        version = check_version(version)
+        tag = self._tag(version)
+        return UpdateReport(version=version, results=self._each(lambda server: update_one(server, version, tag)))
+
+    def _tag(self, version: int) -> str | None:
+        return None if self.token is None else update_tag(self.token, version)
+
+    def _each(self, call: Callable[[_Server], _T]) -> list[_T]:
+        """Run ``call`` for every server, a thread each; results in ``urls`` order."""
+        try:
+            import httpx
+        except ImportError as exc:  # pragma: no cover
+            raise ConfigError("RolloutClient needs httpx: pip install httpx") from exc
+
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token is not None else {}
+
+        def run(url: str) -> _T:
+            with httpx.Client(headers=headers, timeout=self.timeout, transport=self._transport) as client:
+                return call(_Server(client, url))
+
+        if len(self.urls) == 1:
+            return [run(self.urls[0])]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="deltasync") as pool:
+            return list(pool.map(run, self.urls))
+
+
+class RolloutClient(BaseRolloutClient):
+    """Tells rollout servers which committed version of the full weights to serve, stages it
+    ahead (:meth:`prefetch`), and reads back what they serve.
+
+    Args: as :class:`BaseRolloutClient`.
+    """
+
+    @functools.wraps(BaseRolloutClient.__init__)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # url -> whether the server answers UPDATE_ROUTE (absent: not known yet).
         self._one_route: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ public
@@ -283,12 +351,9 @@ class RolloutClient:
         ``vllm_ext.UpdateMiddleware`` whose parameters are all patched in place, else they pause
         and say so) or "pause"; None: each server's own ``--update-mode``.
         """
-        version = check_version(version)
         if mode not in (None, "pause", "inflight"):
             raise ConfigError(f"mode must be 'pause', 'inflight' or None (the server's own), got {mode!r}")
-        tag = self._tag(version)
-        results = self._each(lambda server: self._update_one(server, version, tag, mode))
-        return UpdateReport(version=version, results=results)
+        return self._update_each(version, lambda server, number, tag: self._update_one(server, number, tag, mode))
 
     def prefetch(self, version: int) -> dict[str, ServerResult]:
         """Servers start downloading and decoding ``version`` in the background and keep generating.
@@ -322,11 +387,6 @@ class RolloutClient:
             if len(done) == len(self.urls) or time.monotonic() > deadline:
                 return {url: done.get(url, False) for url in self.urls}
             time.sleep(poll)
-
-    def status(self) -> dict[str, ServerStatus]:
-        """What each server serves (all of a server's workers must agree)."""
-        statuses = self._each(self._status_one)
-        return {s.url: s for s in statuses}
 
     def served(self) -> dict[str, ServerStatus]:
         """What each server reports serving on ``GET /deltasync/status`` (servers with
@@ -480,30 +540,6 @@ class RolloutClient:
         except _RequestError as exc:
             return ServerStatus(url=server.url, ok=False, error=str(exc))
         return _combine(server.url, workers)
-
-    # ------------------------------------------------------------------ plumbing
-
-    def _tag(self, version: int) -> str | None:
-        return None if self.token is None else update_tag(self.token, version)
-
-    def _each(self, call: Callable[[_Server], _T]) -> list[_T]:
-        """Run ``call`` for every server, a thread each; results in ``urls`` order."""
-        try:
-            import httpx
-        except ImportError as exc:  # pragma: no cover
-            raise ConfigError("RolloutClient needs httpx: pip install httpx") from exc
-
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token is not None else {}
-
-        def run(url: str) -> _T:
-            with httpx.Client(headers=headers, timeout=self.timeout, transport=self._transport) as client:
-                return call(_Server(client, url))
-
-        if len(self.urls) == 1:
-            return [run(self.urls[0])]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="deltasync") as pool:
-            return list(pool.map(run, self.urls))
-
 
 def _close_session(server: _Server) -> None:
     """End a weight-update session that may be open on some of the server's workers.

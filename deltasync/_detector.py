@@ -11,39 +11,14 @@ import torch
 
 from ._errors import ConfigError
 from .format import Change
-from ._sharded import OwnedSlice, ShardLayout, check_not_zero3, shard_layout
+from ._sharded import OwnedSlice, ShardLayout
+from ._sources import SourceWeight, WeightSource, checkpoint_name, named_parameters, weight_source
 
 __all__ = ["BF16ChangeDetector", "checkpoint_name", "named_parameters", "bf16_state_dict"]
 
 CHUNK = 1 << 18
 """Elements compared (and streamed into an anchor) at a time: the detector's scratch buffers
 hold at most this many, whatever the largest parameter."""
-
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-
-
-def checkpoint_name(name: str) -> str:
-    """A parameter's checkpoint (Hugging Face) name: wrapper prefixes removed anywhere in it.
-
-    DDP adds ``module.``, ``torch.compile`` adds ``_orig_mod.`` and FSDP / activation
-    checkpointing add their own; none of them is part of the checkpoint a server loads.
-    """
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace("." + prefix, ".")
-        while name.startswith(prefix):
-            name = name[len(prefix) :]
-    return name
-
-
-def named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """Each distinct parameter once (tied weights under their first name), checkpoint-named."""
-    seen: set[str] = set()
-    for name, param in model.named_parameters():
-        key = checkpoint_name(name)
-        if key in seen:
-            raise ConfigError(f"two parameters map to the checkpoint name {key!r}")
-        seen.add(key)
-        yield key, param
 
 
 def bf16_state_dict(model: torch.nn.Module, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -72,17 +47,21 @@ def _inner_optimizer(optimizer: object) -> torch.optim.Optimizer:
 
 
 class BF16ChangeDetector:
-    """Finds exactly which elements of each parameter's bf16 value changed since the last publish.
+    """Finds exactly which elements of each weight's bf16 value changed since the last publish.
 
     It keeps the bf16 state that was last *published* and compares the current bf16 rounding
-    of each tracked parameter against it, bit for bit. Because the comparison is against what
+    of each tracked weight against it, bit for bit. Because the comparison is against what
     receivers hold, not against the state before the last optimizer step, several optimizer
     steps between publishes, gradient accumulation and skipped steps are all exact.
 
-    With an ``optimizer``, a post-step hook records which parameters the optimizer stepped
-    (those with a gradient); only those are compared at publish time. Tracked parameters are
-    the trainable ones inside the optimizer (or every trainable one without an optimizer);
-    the others never appear in deltas, only in anchors.
+    The weights come from a :class:`~deltasync._sources.WeightSource`: a plain module's
+    parameters (:class:`~deltasync._sources.ModelWeights`, what a module passed as ``model``
+    is read through), a LoRA model's merged weights or its adapter alone
+    (:mod:`deltasync._lora`), or a source of one's own. A weight is tracked when a trainable
+    parameter in the optimizer (any trainable one, without an optimizer) steps it; the others
+    never appear in deltas, only in anchors. With an ``optimizer``, a post-step hook records
+    which weights a step touched (one of their parameters had a gradient); only those are
+    compared at publish time.
 
     Several processes (``torch.distributed`` initialised): with FSDP2 (``Shard(0)`` DTensor
     parameters, uneven and empty shards included) each rank compares only its local shard
@@ -91,7 +70,7 @@ class BF16ChangeDetector:
     DDP rank 0 alone keeps a snapshot; with HSDP one replica group does (see :attr:`layout`).
 
     Args:
-        model: the model being trained (wrappers such as DDP are fine).
+        model: the model being trained (wrappers such as DDP are fine), or a weight source.
         optimizer: the optimizer stepping it, or None.
         snapshot_device: where the bf16 snapshot lives: "cpu" (default; costs host memory,
             not accelerator memory) or None for each parameter's own device (fastest compare).
@@ -99,59 +78,78 @@ class BF16ChangeDetector:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | WeightSource,
         optimizer: object | None = None,
         *,
         snapshot_device: str | torch.device | None = "cpu",
     ) -> None:
-        self._model = model
+        self.source = weight_source(model)
+        """Where the weights come from."""
         self._snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
-        check_not_zero3(model)
-        params = dict(named_parameters(model))
-        self.layout: ShardLayout | None = shard_layout(list(params.items()))
+        weights = self.source.weights()
+        self.layout: ShardLayout | None = self.source.layout()
         """How ranks split the work; None in a single process."""
         self._slices: dict[str, OwnedSlice] = {} if self.layout is None else self.layout.slices
-        if optimizer is not None:
-            inner = _inner_optimizer(optimizer)
-            in_optimizer = {id(p) for group in inner.param_groups for p in group["params"]}
-            if self.layout is not None:
-                unseen = [n for n, p in params.items() if p.requires_grad and id(p) not in in_optimizer]
-                if unseen:
-                    raise ConfigError(
-                        f"{len(unseen)} trainable parameter(s) are not in the optimizer ({', '.join(unseen[:5])}"
-                        f"{', ...' if len(unseen) > 5 else ''}); with {self.layout.description} the optimizer must hold "
-                        "the model's own parameters (wrap the model before building the optimizer, and pass that "
-                        "optimizer), or freeze them with requires_grad_(False)"
-                    )
-            self._tracked = {n: p for n, p in params.items() if p.requires_grad and id(p) in in_optimizer}
-            self._hook_optimizer(inner)
-        else:
-            self._tracked = {n: p for n, p in params.items() if p.requires_grad}
-            self._hook_optimizer(None)
-        if self.layout is not None:
-            # Only what this rank owns is compared here; other ranks own the rest.
-            self._tracked = {n: p for n, p in self._tracked.items() if self._slices[n].end > self._slices[n].begin}
-        self._by_id = {id(p): n for n, p in self._tracked.items()}
-        self._init_state()
-
-    def _hook_optimizer(self, inner: torch.optim.Optimizer | None) -> None:
-        """Hook the optimizer that steps (``None``: no optimizer, every parameter may change)."""
+        inner = None if optimizer is None else _inner_optimizer(optimizer)
+        steppers = self._steppers(weights, inner)
+        # Only what this rank owns is compared here; other ranks own the rest.
+        self._tracked = {
+            w.name: w.value
+            for w in weights
+            if steppers[w.name] and (self.layout is None or self._slices[w.name].end > self._slices[w.name].begin)
+        }
+        # id of a parameter -> the tracked weights its steps change
+        self._by_id: dict[int, list[str]] = {}
+        for name in self._tracked:
+            for param in steppers[name]:
+                self._by_id.setdefault(id(param), []).append(name)
         self._hooks = [] if inner is None else [
             inner.register_step_post_hook(self._on_step),
             inner.register_step_pre_hook(self._before_step),
         ]
-        # name -> number of the last optimizer step that touched it
+        # name -> number of the last optimizer step that touched it (None: no optimizer, every
+        # tracked weight may change)
         self._marks: dict[str, int] | None = None if inner is None else {}
         self._gate: threading.Event | None = None
         self._gate_waiting: float | None = None
+        self._step = 0
+        self._captured_at = 0
+        self._pending_at = 0
+        self._snapshot: dict[str, torch.Tensor] = {}
+        self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # Guards the marks (the optimizer hook runs in the training thread, commits may run in
+        # a publisher's background thread) and the snapshot against a pin's end.
+        self._lock = threading.RLock()
+        self._pins = 0
+        self._overlay: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.reset()
+
+    def _steppers(self, weights: list[SourceWeight], inner: torch.optim.Optimizer | None) -> dict[str, list[torch.Tensor]]:
+        """Each weight's parameters that can step it: trainable, and in the optimizer if there is one."""
+        steppers = {w.name: [p for p in w.stepped_by if p.requires_grad] for w in weights}
+        if inner is None:
+            return steppers
+        in_optimizer = {id(p) for group in inner.param_groups for p in group["params"]}
+        if self.layout is not None:
+            unseen = [n for n, ps in steppers.items() if any(id(p) not in in_optimizer for p in ps)]
+            if unseen:
+                raise ConfigError(
+                    f"{len(unseen)} trainable parameter(s) are not in the optimizer ({', '.join(unseen[:5])}"
+                    f"{', ...' if len(unseen) > 5 else ''}); with {self.layout.description} the optimizer must hold "
+                    "the model's own parameters (wrap the model before building the optimizer, and pass that "
+                    "optimizer), or freeze them with requires_grad_(False)"
+                )
+        return {n: [p for p in ps if id(p) in in_optimizer] for n, ps in steppers.items()}
 
     @property
     def overlap_problem(self) -> str | None:
         """Why :meth:`changes` may not run in another thread while the trainer goes on to its
-        next gradients, or None if it may (it needs the optimizer, whose next step it holds)."""
-        if not self._hooks:
-            return "the detector was built without the optimizer, whose next step it must hold"
-        return None
+        next gradients, or None if it may (it needs the optimizer, whose next step it holds,
+        and a source whose values need no collective)."""
+        problem = self.source.overlap_problem
+        if problem is None and not self._hooks:
+            problem = "the detector was built without the optimizer, whose next step it must hold"
+        return problem
 
     def hold_next_step(self) -> Callable[[], float]:
         """Make the optimizer's next step wait, until the returned ``release()`` is called.
@@ -178,20 +176,6 @@ class BF16ChangeDetector:
             gate.wait()
         self._gate, self._gate_waiting = None, None
 
-    def _init_state(self) -> None:
-        """State shared by every detector variant; takes the first snapshot."""
-        self._step = 0
-        self._captured_at = 0
-        self._pending_at = 0
-        self._snapshot: dict[str, torch.Tensor] = {}
-        self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        # Guards the marks (the optimizer hook runs in the training thread, commits may run in
-        # a publisher's background thread) and the snapshot against a pin's end.
-        self._lock = threading.RLock()
-        self._pins = 0
-        self._overlay: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.reset()
-
     @property
     def tracked(self) -> list[str]:
         """Checkpoint names of the parameters that can appear in deltas."""
@@ -208,9 +192,9 @@ class BF16ChangeDetector:
             assert self._marks is not None
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    name = self._by_id.get(id(p))
-                    if name is not None and p.grad is not None:
-                        self._marks[name] = self._step
+                    if p.grad is not None:
+                        for name in self._by_id.get(id(p), ()):
+                            self._marks[name] = self._step
 
     @property
     def snapshot_bytes(self) -> int:
@@ -247,6 +231,7 @@ class BF16ChangeDetector:
         The snapshot is overwritten in place, chunk by chunk: no second copy of it exists at
         any time. Must not be called while an anchor streams from the snapshot (:meth:`pin`).
         """
+        self.source.prepare()
         with self._lock:
             if self._pins:
                 raise RuntimeError("reset() while an anchor streams from the snapshot")
@@ -270,6 +255,7 @@ class BF16ChangeDetector:
         and ``old`` are the bf16 values now and at the last publish. Optimizer steps after this
         call are kept for the next publish even if :meth:`commit` comes after them.
         """
+        self.source.prepare()
         with self._lock:
             self._pending_at = self._step
             marks = self._marks

@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._client import RolloutClient, ServerResult, ServerStatus, _RequestError, _Server
-from ._detector import BF16ChangeDetector, _inner_optimizer, checkpoint_name
-from .format import Change
-from ._sharded import check_not_zero3, shard_layout
+from ._client import BaseRolloutClient, ServerResult, ServerStatus, _RequestError, _Server
+from ._detector import BF16ChangeDetector
+from ._sharded import ShardLayout, check_not_zero3, shard_layout
 from ._errors import AdapterError, ConfigError
 from ._fingerprint import fingerprint, fingerprint_slice_share, format_fingerprint, parse_fingerprint
-from ._publisher import DeltaPublisher, PublishOptions
+from ._publisher import DeltaPublisher
+from ._sources import SourceWeight, WeightSource, checkpoint_name
 
 if TYPE_CHECKING:
     import os
@@ -45,6 +46,9 @@ __all__ = [
     "BASE_FINGERPRINT_KEY",
     "AdapterError",
     "AdapterRolloutClient",
+    "AdapterWeights",
+    "MergedChangeDetector",
+    "MergedLoraWeights",
     "VLLM_LORA_RANKS",
     "adapter_config",
     "adapter_publisher",
@@ -321,11 +325,9 @@ class _MergedWeight:
     Under FSDP2 (the base weight a ``Shard(0)`` DTensor) it stands for this rank's rows of the
     merged weight: the rows of ``W`` and of ``lora_B`` are split alike (both are split over the
     output features, by ``torch.chunk``'s rule), and ``lora_A`` (``r`` rows) is gathered whole by
-    :meth:`_MergedView.prepare` before any value is read. Row blocks of ``B @ A`` are computed
+    :meth:`MergedLoraWeights.prepare` before any value is read. Row blocks of ``B @ A`` are computed
     as PEFT computes the whole product, so each element is PEFT's merge bit for bit.
     """
-
-    requires_grad = False
 
     def __init__(self, layer: Any, adapter: str, name: str = "") -> None:
         self.layer = layer
@@ -333,7 +335,7 @@ class _MergedWeight:
         self.base = layer.get_base_layer().weight
         self.sharded = _is_dtensor(self.base)
         self.gathered_a: torch.Tensor | None = None
-        """FSDP2: the whole lora_A, gathered by :meth:`_MergedView.prepare`."""
+        """FSDP2: the whole lora_A, gathered by :meth:`MergedLoraWeights.prepare`."""
         if self.sharded:
             _check_sharded_like(name, self.base, layer, adapter)
 
@@ -358,7 +360,7 @@ class _MergedWeight:
             if not self.sharded:
                 return self.base.detach() + self.layer.get_delta_weight(self.adapter)
             if self.gathered_a is None:
-                raise RuntimeError("_MergedView.prepare() must gather lora_A before a sharded merged weight is read")
+                raise RuntimeError("MergedLoraWeights.prepare() must gather lora_A before a sharded merged weight is read")
             weight_b = self.layer.lora_B[self.adapter].weight.to_local().detach()
             weight_a = self.gathered_a
             dtype = weight_b.dtype
@@ -402,97 +404,88 @@ def _check_sharded_like(name: str, base: Any, layer: Any, adapter: str) -> None:
 
 def merged_state_dict(model: torch.nn.Module, adapter: str | None = None) -> dict[str, torch.Tensor]:
     """The merged model in bf16 under checkpoint names: what merged mode publishes."""
-    return {name: p.detach().to("cpu", torch.bfloat16, copy=True) for name, p in _MergedView(model, adapter).named_parameters()}
+    source = MergedLoraWeights(model, adapter)
+    source.prepare()
+    return {w.name: w.value.detach().to("cpu", torch.bfloat16, copy=True) for w in source.weights()}
 
 
-class _View(torch.nn.Module):
-    """A module whose ``named_parameters`` are given pairs, for :class:`DeltaPublisher`."""
-
-    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
-        super().__init__()
-        self.__dict__["_pairs"] = pairs  # not registered: the tensors stay the model's own
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:  # type: ignore[override]
-        return iter(self.__dict__["_pairs"])
-
-
-class _MergedView(_View):
-    """The merged model: targeted weights as :class:`_MergedWeight`, other weights as they are."""
+class MergedLoraWeights(WeightSource):
+    """The merged model of a PEFT LoRA model, as a weight source: LoRA-targeted weights as their
+    merged value ``W + scale * B @ A`` (computed when read, never stored), stepped by their
+    layer's ``lora_A`` and ``lora_B``; the other base weights as they are. Published in the base
+    model's ``save_pretrained`` layout. Under FSDP2 reading needs :meth:`prepare` (a collective
+    that gathers each ``lora_A``), so the values may not be read while the trainer goes on."""
 
     def __init__(self, model: torch.nn.Module, adapter: str | None = None) -> None:
-        adapter = _active_adapter(model, adapter)
-        check_adapter_config(adapter_config(model.peft_config[adapter]))  # type: ignore[index]
-        layers = _lora_layers(model, adapter)
-        pairs: list[tuple[str, Any]] = []
+        check_not_zero3(model)
+        self.adapter = _active_adapter(model, adapter)
+        check_adapter_config(adapter_config(model.peft_config[self.adapter]))  # type: ignore[index]
+        layers = _lora_layers(model, self.adapter)
+        self._weights = []
         for name, param in _base_parameters(model):
-            pairs.append((name, _MergedWeight(layers[name], adapter, name) if name in layers else param))
-        super().__init__(pairs)
-        self.__dict__["layers"] = layers
-        self.__dict__["adapter"] = adapter
-        # Whose save_pretrained layout the merged weights are published in (fused MoE experts
-        # are per expert in the checkpoint); the pairs carry base names relative to it.
-        self.__dict__["checkpoint_model"] = model.get_base_model()
-        self.__dict__["sharded"] = [w for _, w in pairs if isinstance(w, _MergedWeight) and w.sharded]
+            layer = layers.get(name)
+            if layer is None:
+                self._weights.append(SourceWeight(name, param, (param,)))
+            else:
+                merged = _MergedWeight(layer, self.adapter, name)
+                steppers = (layer.lora_A[self.adapter].weight, layer.lora_B[self.adapter].weight)
+                self._weights.append(SourceWeight(name, merged, steppers))
+        # Fused MoE experts are per expert in the checkpoint; the names are relative to the base model.
+        self.checkpoint_model = model.get_base_model()
+        self._sharded = [w.value for w in self._weights if isinstance(w.value, _MergedWeight) and w.value.sharded]
+
+    def weights(self) -> list[SourceWeight]:
+        return list(self._weights)
+
+    def layout(self) -> ShardLayout | None:
+        # A merged weight is owned and split exactly as its base weight is (DDP: rank 0 owns
+        # everything; FSDP2: each rank its rows).
+        return shard_layout([(w.name, w.value.base if isinstance(w.value, _MergedWeight) else w.value) for w in self._weights])
 
     def prepare(self) -> None:
         """FSDP2: gather every targeted layer's lora_A (a collective: every rank calls it, in
         the same order). Nothing to do in one process or with replicated parameters."""
-        for weight in self.__dict__["sharded"]:
+        for weight in self._sharded:
             weight.gathered_a = weight.layer.lora_A[weight.adapter].weight.full_tensor().detach()
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:  # type: ignore[override]
-        # Whoever reads merged values reads them after this (publishers read every rank's
-        # weights in step, so the gather happens on every rank at the same point).
-        self.prepare()
-        return super().named_parameters(*args, **kwargs)
-
-
-class MergedChangeDetector(BF16ChangeDetector):
-    """:class:`BF16ChangeDetector` over the merged weights of the LoRA-targeted layers.
-
-    A step that changes a layer's ``lora_A`` or ``lora_B`` marks its base weight; at publish
-    time the merged value is computed and compared in bf16 against the snapshot of what was
-    last published. Base weights that no LoRA targets never change and are never compared.
-    """
-
-    def __init__(self, view: _MergedView, optimizer: object | None = None, *, snapshot_device: str | None = "cpu") -> None:
-        # Same state as the parent's __init__, with merged weights as the tracked "parameters".
-        check_not_zero3(view)
-        self._model = view
-        self._snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
-        pairs = list(view.named_parameters())
-        # A merged weight is owned and split exactly as its base weight is (DDP: rank 0 owns
-        # everything; FSDP2: each rank its rows).
-        self.layout = shard_layout([(n, w.base if isinstance(w, _MergedWeight) else w) for n, w in pairs])
-        self._slices = {} if self.layout is None else self.layout.slices
-        adapter = view.__dict__["adapter"]
-        layers = view.__dict__["layers"]
-        self._tracked = {
-            name: weight
-            for name, weight in pairs
-            if isinstance(weight, _MergedWeight) and (self.layout is None or self._slices[name].end > self._slices[name].begin)
-        }
-        self._by_id = {}
-        for name in self._tracked:
-            layer = layers[name]
-            for param in (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight):
-                self._by_id[id(param)] = name
-        self._hook_optimizer(None if optimizer is None else _inner_optimizer(optimizer))
-        self._init_state()
-
-    def reset(self) -> None:
-        self._model.prepare()  # type: ignore[attr-defined]
-        super().reset()
 
     @property
     def overlap_problem(self) -> str | None:
-        if self._model.__dict__["sharded"]:
+        if self._sharded:
             return "merged LoRA weights under FSDP2 are gathered by a collective of the training process group"
-        return super().overlap_problem
+        return None
 
-    def changes(self) -> dict[str, Change]:
-        self._model.prepare()  # type: ignore[attr-defined]
-        return super().changes()
+
+class AdapterWeights(WeightSource):
+    """A PEFT model's adapter alone, as a weight source: its LoRA tensors under the names
+    ``save_pretrained`` writes (what an adapter version holds), each stepped by itself."""
+
+    def __init__(self, model: torch.nn.Module, adapter: str | None = None) -> None:
+        check_not_zero3(model)
+        self.adapter = _active_adapter(model, adapter)
+        self._weights = [SourceWeight(name, p, (p,)) for name, p in _adapter_parameters(model, self.adapter)]
+
+    def weights(self) -> list[SourceWeight]:
+        return list(self._weights)
+
+
+class MergedChangeDetector(BF16ChangeDetector):
+    """:class:`BF16ChangeDetector` over the merged weights of a LoRA model (:class:`MergedLoraWeights`).
+
+    A step that changes a layer's ``lora_A`` or ``lora_B`` marks its base weight; at publish
+    time the merged value is computed and compared in bf16 against the snapshot of what was
+    last published. Base weights that no LoRA targets are not trained, and never compared.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | MergedLoraWeights,
+        optimizer: object | None = None,
+        *,
+        adapter: str | None = None,
+        snapshot_device: str | torch.device | None = "cpu",
+    ) -> None:
+        source = model if isinstance(model, MergedLoraWeights) else MergedLoraWeights(model, adapter)
+        super().__init__(source, optimizer, snapshot_device=snapshot_device)
 
 
 # --------------------------------------------------------------------------- publishers
@@ -510,7 +503,7 @@ def adapter_publisher(
     adapter = _active_adapter(model, adapter)
     config = adapter_config(model.peft_config[adapter])  # type: ignore[index]
     check_adapter_config(config)
-    publisher = DeltaPublisher(bucket, _View(_adapter_parameters(model, adapter)), optimizer, **options)
+    publisher = DeltaPublisher(bucket, AdapterWeights(model, adapter), optimizer, **options)
     publisher.anchor_metadata = {
         ADAPTER_CONFIG_KEY: json.dumps(config, sort_keys=True),
         BASE_FINGERPRINT_KEY: base_fingerprint(model),
@@ -527,29 +520,26 @@ def merged_publisher(
     **options: object,
 ) -> DeltaPublisher:
     """A :class:`DeltaPublisher` of the merged weights (merged mode), for a server without LoRA."""
-    view = _MergedView(model, adapter)
-    given = options.get("options")
-    snapshot_device = given.snapshot_device if isinstance(given, PublishOptions) else options.get("snapshot_device", "cpu")
-    detector = MergedChangeDetector(view, optimizer, snapshot_device=snapshot_device)  # type: ignore[arg-type]
-    return DeltaPublisher(bucket, view, optimizer, detector=detector, **options)
+    return DeltaPublisher(bucket, MergedLoraWeights(model, adapter), optimizer, **options)
 
 
 # --------------------------------------------------------------------------- the client
 
 
-class AdapterRolloutClient(RolloutClient):
-    """:class:`RolloutClient` for adapter mode: ``update(N)`` makes servers load adapter version N.
+class AdapterRolloutClient(BaseRolloutClient):
+    """The rollout client of adapter mode: ``update(N)`` makes servers load adapter version N.
 
     Each server (``vllm_ext.LoraSyncMiddleware``) reads version N from its own bucket, loads it
     as ``<lora_name>-v<N>`` and unloads versions older than the newest ``keep``. Generation
-    never pauses: a new version is a new adapter name. :meth:`status` reports the newest
-    loaded version and its fingerprint.
+    never pauses and nothing is staged ahead (:class:`RolloutClient` prefetches, this client has
+    no need): a new version is a new adapter name, loaded while the server generates. :meth:`status`
+    reports the newest loaded version and its fingerprint.
 
     Args:
         lora_name: the name adapters are served under (TRL's rollout worker requests
             ``<lora_name>-v<model_version>``).
         keep: adapter versions each server keeps loaded (TRL: ``max_staleness + 1``).
-        Others: as :class:`RolloutClient`.
+        Others: as :class:`~deltasync._client.BaseRolloutClient`.
     """
 
     def __init__(self, urls: Any, token: str | None = None, *, lora_name: str = "trl-policy", keep: int = 2, **kwargs: Any) -> None:
@@ -565,14 +555,18 @@ class AdapterRolloutClient(RolloutClient):
         return f"{self.lora_name}-v{version}"
 
     def prefetch(self, version: int) -> dict[str, ServerResult]:
-        """Nothing to prefetch: adapters load while the server keeps generating."""
+        """Deprecated: adapter versions load while the servers generate, nothing is staged ahead;
+        returns ``{}``. Call :meth:`update` alone."""
+        _warn_no_staging("prefetch")
         return {}
 
     def wait_prefetched(self, version: int, *, timeout: float = 600.0, poll: float = 0.05) -> dict[str, bool]:
+        """Deprecated: nothing is staged ahead in adapter mode (see :meth:`prefetch`); every
+        server counts as ready."""
+        _warn_no_staging("wait_prefetched")
         return {url: True for url in self.urls}
 
-    def _update_one(self, server: _Server, version: int, tag: str | None, mode: str | None = None) -> ServerResult:
-        # ``mode`` does not apply: a new adapter version is a new adapter name, loaded without a pause.
+    def _update_one(self, server: _Server, version: int, tag: str | None) -> ServerResult:
         body = {"version": version, "auth": tag, "name": self.lora_name, "keep": self.keep}
         try:
             answer = server.post(UPDATE_ROUTE, body=body)
@@ -605,6 +599,15 @@ class AdapterRolloutClient(RolloutClient):
         return ServerStatus(
             url=server.url, ok=True, version=answer.get("version"), fingerprint=answer.get("fingerprint"), workers=[answer]
         )
+
+
+def _warn_no_staging(method: str) -> None:
+    warnings.warn(
+        f"AdapterRolloutClient.{method} is deprecated and does nothing: adapter versions load while the servers "
+        "generate, nothing is staged ahead; call update() alone",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def server_lora_modules(url: str, token: str | None = None, *, timeout: float = 60.0) -> list[str] | None:

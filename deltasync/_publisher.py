@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._checkpoint_layout import checkpoint_layout
-from ._detector import BF16ChangeDetector, named_parameters
+from ._detector import BF16ChangeDetector
 from ._errors import ConfigError, DeltaSyncError, IntegrityError, NotFoundError, PublishError
 from ._fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
 from .format import (
@@ -42,6 +42,7 @@ from .format import (
 )
 from ._memory import release_free_memory
 from ._sharded import ShardLayout, solo_layout
+from ._sources import WeightSource, weight_source
 from .stores import TempCleaningStore, open_store, read_limited, write_stream
 
 if TYPE_CHECKING:
@@ -222,7 +223,8 @@ class DeltaPublisher:
     Args:
         bucket: a path, URL (``file://``, ``hf://buckets/ns/name``, ``s3://``, ``memory://``)
             or a :class:`~deltasync.stores.Store`.
-        model: the model being trained.
+        model: the model being trained, or a weight source (:mod:`deltasync._sources`; the LoRA
+            publishers of :mod:`deltasync._lora` pass one).
         optimizer: its optimizer (a hook records which parameters each step touched).
         options: how versions are written (:class:`PublishOptions`; default: its defaults).
         **overrides: single fields of :class:`PublishOptions` (``anchor_every=5``), applied on
@@ -232,7 +234,7 @@ class DeltaPublisher:
     def __init__(
         self,
         bucket: str | os.PathLike[str] | Store,
-        model: torch.nn.Module,
+        model: torch.nn.Module | WeightSource,
         optimizer: object | None = None,
         *,
         options: PublishOptions | None = None,
@@ -242,19 +244,16 @@ class DeltaPublisher:
         self.options = _publish_options(options, overrides)
         self.store = open_store(bucket)
         self.model = model
-        self.detector = detector or BF16ChangeDetector(
-            model, optimizer, snapshot_device=self.options.snapshot_device
-        )
+        source = weight_source(model)
+        self.detector = detector or BF16ChangeDetector(source, optimizer, snapshot_device=self.options.snapshot_device)
         problem = self.detector.overlap_problem if self.options.capture == "overlap" else None
         if problem is not None:
             raise ConfigError(f"capture='overlap' is not possible here: {problem}; use capture='submit'")
-        named = list(named_parameters(model))
-        # Read once, here: a view's named_parameters may be collective (merged LoRA under FSDP2
-        # gathers lora_A), and anchors are written from a background thread.
+        named = [(w.name, w.value) for w in source.weights()]
         self._params = dict(named)
         # Versions are named and shaped as save_pretrained writes the model; detection stays on
         # the live parameters, whose changes are mapped to checkpoint tensors at capture.
-        self._checkpoint = checkpoint_layout(model, named)
+        self._checkpoint = checkpoint_layout(source.checkpoint_model, named)
         self._live_layout: ShardLayout = self.detector.layout or solo_layout(named)
         self._layout = self._checkpoint.owned(self._live_layout)
         self._numels = self._checkpoint.numels

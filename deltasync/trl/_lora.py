@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .._client import RolloutClient
+from .._client import BaseRolloutClient, RolloutClient
 from .._errors import ConfigError
 from .._lora import (
     AdapterError,
@@ -137,12 +137,12 @@ def start_peft_sync(
     token: str | None,
     config: DeltaSyncConfig,
     options: PublishOptions,
-) -> tuple[DeltaPublisher, RolloutClient]:
+) -> tuple[DeltaPublisher, BaseRolloutClient]:
     """The publisher and client of a PEFT model's sync in ``mode``."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     if mode == "adapter":
         publisher = adapter_publisher(bucket, model, trainer.optimizer, options=options)
-        client: RolloutClient = AdapterRolloutClient(
+        client: BaseRolloutClient = AdapterRolloutClient(
             urls, token, timeout=config.timeout, lora_name=config.lora_name, keep=trainer.args.max_staleness + 1
         )
     else:

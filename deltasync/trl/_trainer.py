@@ -20,7 +20,7 @@ from typing import Any
 from trl.experimental.async_grpo import AsyncGRPOConfig as _TRLAsyncGRPOConfig
 from trl.experimental.async_grpo import AsyncGRPOTrainer as _TRLAsyncGRPOTrainer
 
-from .._client import RolloutClient, ServerResult, UpdateReport
+from .._client import BaseRolloutClient, RolloutClient, ServerResult, UpdateReport
 from .._errors import ConfigError
 from .._publisher import DeltaPublisher, PublishFuture, PublishResult
 from ._config import DeltaSyncConfig
@@ -101,7 +101,7 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
             raise ConfigError("delta_sync and weight_transfer both set: delta sync is a weight transfer; pass one")
         self._delta_config: DeltaSyncConfig | None = delta_sync  # type: ignore[assignment]
         self._publisher: DeltaPublisher | None = None
-        self._client: RolloutClient | None = None
+        self._client: BaseRolloutClient | None = None
         self.delta_history: list[dict[str, Any]] = []
         """One record per sync: version, kind, bytes, changed fraction, upload and paused seconds."""
         self._sync_pool: ThreadPoolExecutor | None = None
@@ -169,7 +169,7 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         return self._publisher
 
     @property
-    def rollout_client(self) -> RolloutClient | None:
+    def rollout_client(self) -> BaseRolloutClient | None:
         return self._client
 
     # ------------------------------------------------------------------ the sync
@@ -230,6 +230,7 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         if self._delta_config.follow:
             # The servers move by themselves: wait until they report the version, never assume it.
             t_staged = time.time()
+            assert isinstance(self._client, RolloutClient)  # adapter mode refuses follow
             states = self._client.wait_served(result.version, timeout=self._delta_config.timeout)
             report = UpdateReport(version=result.version, results=[
                 ServerResult(url=s.url, ok=s.ok and s.version is not None and s.version >= result.version,
@@ -239,8 +240,9 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
                 for s in states.values()
             ])  # fmt: skip
         else:
-            if self._delta_config.prefetch:
+            if self._delta_config.prefetch and isinstance(self._client, RolloutClient):
                 # Servers download and decode while still generating; pause only once staged.
+                # (Adapter versions load while the servers generate: nothing to stage.)
                 self._client.prefetch(result.version)
                 self._client.wait_prefetched(result.version, timeout=self._delta_config.timeout)
             t_staged = time.time()

@@ -13,7 +13,15 @@ import time
 import httpx
 import pytest
 
-from deltasync import ConfigError, RolloutClient, ServerResult, UpdateReport, VersionError
+from deltasync import (
+    AdapterRolloutClient,
+    BaseRolloutClient,
+    ConfigError,
+    RolloutClient,
+    ServerResult,
+    UpdateReport,
+    VersionError,
+)
 from deltasync._auth import bearer_matches, update_tag
 from deltasync._server import free_port
 
@@ -302,3 +310,29 @@ def test_bad_arguments():
     for version in (-1, True, "3", 1.0):
         with pytest.raises(VersionError, match="version must be a non-negative integer"):
             client.update(version)  # type: ignore[arg-type]
+
+
+def test_the_adapter_client_shares_the_base_and_stages_nothing():
+    requests: list[tuple[str, object]] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        requests.append((request.url.path, body))
+        if request.url.path == "/deltasync/lora/update":
+            return httpx.Response(200, json={"version": body["version"], "fingerprint": "fp3", "kind": "delta", "nbytes": 10})
+        if request.url.path == "/deltasync/lora/status":
+            return httpx.Response(200, json={"version": 3, "fingerprint": "fp3"})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    client = AdapterRolloutClient("http://a:8000", "t", lora_name="policy", keep=3, transport=httpx.MockTransport(handle))
+    assert isinstance(client, BaseRolloutClient) and not isinstance(client, RolloutClient)
+    (result,) = client.update(3).results
+    assert result.ok and (result.version, result.fingerprint, result.nbytes, result.paused_s) == (3, "fp3", 10, 0.0)
+    assert requests == [("/deltasync/lora/update", {"version": 3, "auth": update_tag("t", 3), "name": "policy", "keep": 3})]
+    assert client.status()["http://a:8000"].version == 3 and client.adapter_name(3) == "policy-v3"
+    # What it used to disable is deprecated: it warns and asks nothing of the servers.
+    with pytest.warns(DeprecationWarning, match=r"AdapterRolloutClient\.prefetch is deprecated"):
+        assert client.prefetch(4) == {}
+    with pytest.warns(DeprecationWarning, match=r"AdapterRolloutClient\.wait_prefetched is deprecated"):
+        assert client.wait_prefetched(4) == {"http://a:8000": True}
+    assert len(requests) == 2

@@ -26,7 +26,7 @@ LAYERS = (
     ("deltasync.format.versions", "deltasync.format.limited_json", "deltasync.format.container",
      "deltasync.format.codecs"),
     ("deltasync.format", "deltasync._auth", "deltasync._messages", "deltasync.stores"),
-    ("deltasync._sharded", "deltasync._parts", "deltasync._client", "deltasync._checkpoint_layout"),
+    ("deltasync._sharded", "deltasync._parts", "deltasync._client", "deltasync._checkpoint_layout", "deltasync._sources"),
     ("deltasync._detector", "deltasync._receiver"),
     ("deltasync._publisher",),
     ("deltasync._lora",),

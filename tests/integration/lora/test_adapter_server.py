@@ -162,11 +162,12 @@ def test_served_fingerprint_is_hashed_from_the_workers_lora_tensors(lab) -> None
 def test_adapter_on_a_module_vllm_does_not_serve_is_refused(lab) -> None:
     # The bucket claims q_proj and v_proj, but its tensors put LoRA on lm_head too: the server
     # checks the tensors it would load against what its vLLM serves LoRA on.
-    from deltasync import DeltaPublisher
-    from deltasync._lora import BASE_FINGERPRINT_KEY, _adapter_parameters, _View, adapter_config, base_fingerprint
+    from deltasync import AdapterWeights, DeltaPublisher
+    from deltasync._lora import BASE_FINGERPRINT_KEY, adapter_config, base_fingerprint
 
     model = lora_model(lab.model_dir, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
-    publisher = DeltaPublisher(lab.bucket, _View(_adapter_parameters(model, "default")))
+    # The adapter's own source, without adapter_publisher's checks of its config.
+    publisher = DeltaPublisher(lab.bucket, AdapterWeights(model, "default"))
     config = adapter_config(model.peft_config["default"])
     publisher.anchor_metadata = {
         ADAPTER_CONFIG_KEY: json.dumps({**config, "target_modules": ["q_proj", "v_proj"]}),

@@ -6,7 +6,18 @@ import pytest
 import torch
 from helpers import small_transformer, train_step
 
-from deltasync import BF16ChangeDetector, ConfigError, bf16_state_dict, checkpoint_name
+from deltasync import (
+    BF16ChangeDetector,
+    ConfigError,
+    DeltaPublisher,
+    DeltaReceiver,
+    ModelWeights,
+    SourceWeight,
+    WeightSource,
+    bf16_state_dict,
+    checkpoint_name,
+    fingerprint,
+)
 
 
 def brute_force(before: dict[str, torch.Tensor], model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
@@ -142,3 +153,78 @@ def test_accelerate_wrapped_optimizer() -> None:
     train_step(model, opt, seed=0)
     assert detector.steps_since_publish == 1
     assert_exact(detector, published, model)
+
+
+# --------------------------------------------------------------------------- weight sources
+
+
+class _Averaged:
+    """A weight computed when read: the mean of two parameters (not a tensor of its own)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a, self.b = a, b
+        self.shape, self.dtype, self.device = a.shape, a.dtype, a.device
+
+    def numel(self) -> int:
+        return self.a.numel()
+
+    def detach(self) -> torch.Tensor:
+        return (self.a.detach() + self.b.detach()) / 2
+
+
+class _AveragedGates(WeightSource):
+    """A source of one's own: each layer's averaged gate and up projections under a name of its
+    own, stepped by both, and a constant that nothing steps."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.prepared = 0
+
+    def weights(self) -> list[SourceWeight]:
+        out = [SourceWeight("constant", torch.arange(6.0).reshape(2, 3))]
+        for i, layer in enumerate(self.model.model.layers):
+            gate, up = layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight
+            out.append(SourceWeight(f"layers.{i}.gate_up_mean", _Averaged(gate, up), (gate, up)))
+        return out
+
+    def prepare(self) -> None:
+        self.prepared += 1
+
+
+def _averaged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = {"constant": torch.arange(6.0).reshape(2, 3).to(torch.bfloat16)}
+    for i, layer in enumerate(model.model.layers):
+        mean = (layer.mlp.gate_proj.weight.detach() + layer.mlp.up_proj.weight.detach()) / 2
+        state[f"layers.{i}.gate_up_mean"] = mean.to(torch.bfloat16)
+    return state
+
+
+def test_a_source_of_ones_own_feeds_the_same_detector_and_publisher(tmp_path) -> None:
+    model = small_transformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    source = _AveragedGates(model)
+    with DeltaPublisher(tmp_path / "bucket", source, opt, anchor_every=100, anchor_bytes_ratio=0) as publisher:
+        assert type(publisher.detector) is BF16ChangeDetector and publisher.detector.source is source
+        # Tracked: what a parameter in the optimizer steps; the constant is read live for anchors.
+        assert publisher.detector.tracked == ["layers.0.gate_up_mean", "layers.1.gate_up_mean"]
+        receiver = DeltaReceiver(tmp_path / "bucket")
+        for step in range(3):
+            result = publisher.publish()
+            assert source.prepared >= step + 1  # before every read of the values
+            receiver.sync()
+            want = _averaged_state(model)
+            assert result.fingerprint == fingerprint(want) == receiver.fingerprint
+            assert all(torch.equal(receiver.state_dict()[n], t) for n, t in want.items())
+            if step:
+                assert result.kind == "delta" and 0 < result.changed < want["layers.0.gate_up_mean"].numel() * 2
+            train_step(model, opt, seed=step)
+
+
+def test_a_module_is_read_through_its_model_weights() -> None:
+    model = small_transformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    plain, sourced = BF16ChangeDetector(model, opt), BF16ChangeDetector(ModelWeights(model), opt)
+    assert isinstance(plain.source, ModelWeights) and plain.tracked == sourced.tracked
+    train_step(model, opt, seed=0)
+    got, want = plain.changes(), sourced.changes()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n].index, want[n].index) for n in want)

@@ -12,12 +12,21 @@ peft = pytest.importorskip("peft")
 from lora_helpers import TARGETS, lora_model, train, trainable  # noqa: E402
 from peft import get_peft_model_state_dict  # noqa: E402
 
-from deltasync import DeltaReceiver, fingerprint  # noqa: E402
+from deltasync import (  # noqa: E402
+    AdapterWeights,
+    BF16ChangeDetector,
+    DeltaPublisher,
+    DeltaReceiver,
+    MergedLoraWeights,
+    ModelWeights,
+    fingerprint,
+)
 from deltasync.format import read_metadata  # noqa: E402
 from deltasync._lora import (  # noqa: E402
     ADAPTER_CONFIG_KEY,
     BASE_FINGERPRINT_KEY,
     AdapterError,
+    MergedChangeDetector,
     adapter_config,
     adapter_publisher,
     adapter_state_dict,
@@ -92,6 +101,54 @@ def test_merged_publisher_replays_exactly_and_snapshots_only_targeted_weights(tr
             assert 0 < result.changed < sum(t.numel() for n, t in want.items() if "q_proj.weight" in n or "v_proj.weight" in n)
         train(model, optimizer, 1, seed=10 + step)
     assert kinds == ["anchor", "delta", "delta"]
+
+
+def test_plain_merged_and_adapter_are_three_sources_of_one_detector(trained, tmp_path) -> None:
+    model, optimizer = trained
+    publishers = {
+        "plain": DeltaPublisher(tmp_path / "plain", model, optimizer),
+        "merged": merged_publisher(tmp_path / "merged", model, optimizer),
+        "adapter": adapter_publisher(tmp_path / "adapter", model, optimizer),
+    }
+    try:
+        assert {type(p.detector) for p in publishers.values()} == {BF16ChangeDetector}
+        sources = {mode: type(p.detector.source) for mode, p in publishers.items()}
+        assert sources == {"plain": ModelWeights, "merged": MergedLoraWeights, "adapter": AdapterWeights}
+        # Each tracks what its source says a step changes: the LoRA tensors (under the model's
+        # names, or save_pretrained's), or the base weights they are merged into.
+        lora = sorted(f"model.layers.{i}.self_attn.{t}.lora_{ab}.weight" for i in range(2) for t in TARGETS for ab in "AB")
+        assert sorted(publishers["adapter"].detector.tracked) == ["base_model.model." + n for n in lora]
+        assert sorted(publishers["plain"].detector.tracked) == [
+            "base_model.model." + n.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
+            for n in lora
+        ]
+        assert sorted(publishers["merged"].detector.tracked) == sorted(
+            f"model.layers.{i}.self_attn.{t}.weight" for i in range(2) for t in TARGETS
+        )
+        for publisher in publishers.values():
+            publisher.publish()
+        train(model, optimizer, 1, seed=7)
+        states = {"plain": None, "merged": merged_state_dict(model), "adapter": adapter_state_dict(model)}
+        for mode, publisher in publishers.items():
+            result = publisher.publish()
+            assert result.kind == "delta" and result.changed > 0, mode
+            if states[mode] is not None:
+                assert result.fingerprint == fingerprint(states[mode]), mode
+    finally:
+        for publisher in publishers.values():
+            publisher.close()
+
+
+def test_merged_change_detector_only_picks_the_merged_source(trained, tmp_path) -> None:
+    model, optimizer = trained
+    detector = MergedChangeDetector(model, optimizer)
+    assert type(detector.source) is MergedLoraWeights and detector.source.adapter == "default"
+    with merged_publisher(tmp_path / "bucket", model, optimizer) as publisher:
+        assert detector.tracked == publisher.detector.tracked
+        train(model, optimizer, 1, seed=3)
+        got, want = detector.changes(), publisher.detector.changes()
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n].new, want[n].new) for n in want)
+    detector.close()
 
 
 def test_adapter_publisher_writes_config_and_base_fingerprint(trained, model_dir, tmp_path) -> None:
