@@ -15,7 +15,7 @@ import pytest
 
 from deltasync import ConfigError, RolloutClient, ServerResult, UpdateReport, VersionError
 from deltasync._auth import bearer_matches, update_tag
-from deltasync._server import free_port
+from deltasync.examples.launcher import free_port
 
 
 class FakeServer:
