@@ -42,7 +42,7 @@ class Refuse:
             raise ImportError(f"No module named {{name!r}} (refused by the test)")
 sys.meta_path.insert(0, Refuse())
 import deltasync, deltasync.stores, deltasync.cli
-# The core and the CLI load no example (the CLI imports one when its command runs).
+# The core and the CLI module load no example (the CLI imports them when it builds its parser).
 loaded = sorted(m for m in sys.modules if m.startswith(("deltasync.examples", "deltasync.envs", "deltasync.tiny")))
 assert not loaded, loaded
 needs = {{}}
