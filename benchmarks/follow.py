@@ -56,8 +56,8 @@ from server import SHAPE, Trainer, log, tree_rss  # noqa: E402  (also finds the 
 
 from deltasync import RolloutClient, bf16_state_dict, fingerprint  # noqa: E402
 from deltasync._serve import FOLLOW_ENV, FOLLOW_INTERVAL_ENV, PLAIN_GEMM_ENV, extension_args  # noqa: E402
-from deltasync._server import VLLMServer  # noqa: E402
-from deltasync.tiny import build_tiny_model  # noqa: E402
+from deltasync.examples.launcher import VLLMServer  # noqa: E402
+from deltasync.examples.tiny import build_tiny_model  # noqa: E402
 
 STATUS = "/deltasync/status"
 #: What one server needs here (server.py measured 3.5 GiB for the process tree of the 0.36B

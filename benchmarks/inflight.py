@@ -56,8 +56,8 @@ from server import SHAPE, Trainer, log, server_env  # noqa: E402  (also finds th
 
 from deltasync import RolloutClient  # noqa: E402
 from deltasync._serve import extension_args  # noqa: E402
-from deltasync._server import VLLMServer  # noqa: E402
-from deltasync.tiny import build_tiny_model  # noqa: E402
+from deltasync.examples.launcher import VLLMServer  # noqa: E402
+from deltasync.examples.tiny import build_tiny_model  # noqa: E402
 
 PROMPT = "Once upon a time, in a land far away, there lived"
 TARGETS = {

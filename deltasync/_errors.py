@@ -18,11 +18,7 @@ __all__ = [
     "NotFoundError",
     "AuthError",
     "PublishError",
-    "ServerError",
     "UpdateError",
-    "VLLMServerError",
-    "WordleRequestError",
-    "WordleServerError",
 ]
 
 
@@ -60,31 +56,6 @@ class AuthError(DeltaSyncError):
 
 class PublishError(DeltaSyncError):
     """A collective publish failed on at least one rank; no rank committed the version."""
-
-
-class ServerError(DeltaSyncError, RuntimeError):
-    """A server process this package started (or waits for) did not become healthy, or died."""
-
-
-class VLLMServerError(ServerError):
-    """A vLLM server did not start, or died; the message carries the end of its log."""
-
-
-class WordleRequestError(DeltaSyncError, ValueError):
-    """A reset or step the game cannot take; ``status`` is its HTTP status, ``code`` a short tag."""
-
-    def __init__(self, message: str, *, code: str = "BAD_REQUEST", status: int = 400) -> None:
-        super().__init__(message)
-        self.code = code
-        self.status = status
-
-
-class WordleServerError(DeltaSyncError, RuntimeError):
-    """The Wordle server answered a client's message with an error; ``code`` is the server's tag."""
-
-    def __init__(self, message: str, *, code: str) -> None:
-        super().__init__(f"{message} (code: {code})")
-        self.code = code
 
 
 class UpdateError(DeltaSyncError):

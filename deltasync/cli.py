@@ -270,14 +270,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
-    from ._demo import add_parser
+    from .examples.demo import add_parser
 
     add_parser(sub)
 
 
 @_command("demo")
 def _demo(args: argparse.Namespace) -> int:
-    from ._demo import run
+    from .examples.demo import run
 
     return run(args)
 
@@ -296,14 +296,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _spaces_parser(sub: argparse._SubParsersAction) -> None:
-    from ._spaces import add_parser
+    from .examples.spaces import add_parser
 
     add_parser(sub)
 
 
 @_command("spaces")
 def _spaces(args: argparse.Namespace) -> int:
-    from ._spaces import run
+    from .examples.spaces import run
 
     return run(args)
 

@@ -4,7 +4,7 @@ Three processes on as many machines as you like:
 
 - a vLLM rollout server with deltasync's extension (``deltasync serve``, or the Space in
   ``spaces/vllm``) that follows a bucket;
-- a Wordle environment server (``python -m deltasync.envs.wordle``, or ``spaces/wordle``);
+- a Wordle environment server (``python -m deltasync.examples.wordle``, or ``spaces/wordle``);
 - this trainer: ``AsyncGRPOTrainer(delta_sync=...)`` publishes every new version into the
   bucket and tells the rollout server to load it; with ``--follow``, against a server that
   follows the bucket by itself (``deltasync serve --follow``, ``deltasync spaces --follow``),
@@ -13,8 +13,8 @@ Three processes on as many machines as you like:
 Every rollout is one whole game, played turn by turn in TRL's rollout process: the model's
 reply is the guess (the last ``[word]`` in it), the environment's feedback is the next user
 message, until the word is found or the six guesses are used up. Each game of a GRPO group
-plays the same secret word. The rewards are deltasync.envs.wordle's per-game terms
-(:func:`~deltasync.envs.wordle.episode_rewards`): ``reward_win``, ``reward_greens`` and
+plays the same secret word. The rewards are deltasync.examples.wordle's per-game terms
+(:func:`~deltasync.examples.wordle.episode_rewards`): ``reward_win``, ``reward_greens`` and
 ``reward_yellows`` (of the last guess), ``penalty_invalid`` and ``penalty_repetition`` (the
 share of invalid / repeated guesses, subtracted). Logged per step as ``rewards/<name>``; TRL's
 ``rollout/turns_mean`` is guesses per game. ``--format-reward W`` adds ``reward_format``, dense
@@ -69,8 +69,8 @@ from trl.experimental.async_grpo.async_rollout_worker import (  # noqa: E402
 
 from deltasync._auth import TOKEN_ENV  # noqa: E402
 from deltasync._serve import BUCKET_ENV, FOLLOW_ENV, PLAIN_GEMM_ENV, extension_args  # noqa: E402
-from deltasync._server import stop_process_group, wait_healthy  # noqa: E402
-from deltasync.envs.wordle import WordleEnvClient, WordleObservation, episode_rewards  # noqa: E402
+from deltasync.examples.launcher import stop_process_group, wait_healthy  # noqa: E402
+from deltasync.examples.wordle import WordleEnvClient, WordleObservation, episode_rewards  # noqa: E402
 
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
 
@@ -255,7 +255,7 @@ def _format_score(reply: str) -> float:
     return 0.25 * sum(c.isascii() and c.isalpha() for c in text) / len(text) if text else 0.0
 
 REWARD_FUNCS = [reward_win, reward_greens, reward_yellows, penalty_invalid, penalty_repetition]
-"""The Wordle terms of deltasync.envs.wordle, summed by TRL with weight 1 each."""
+"""The Wordle terms of deltasync.examples.wordle, summed by TRL with weight 1 each."""
 
 
 # --------------------------------------------------------------------------- trainer process
@@ -332,13 +332,13 @@ def _served_context(rollout_url: str, model: str) -> int | None:
 
 
 class _WordleServer:
-    """``python -m deltasync.envs.wordle`` as a subprocess in its own process group."""
+    """``python -m deltasync.examples.wordle`` as a subprocess in its own process group."""
 
     def __init__(self, port: int, log_file: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log_file, "wb")  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "deltasync.envs.wordle", "--host", "127.0.0.1", "--port", str(port),
+            [sys.executable, "-m", "deltasync.examples.wordle", "--host", "127.0.0.1", "--port", str(port),
              "--max-sessions", "64"],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
@@ -507,8 +507,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run_tiny(args: argparse.Namespace, out: Path, token: str, chosen: dict[str, Any]) -> dict[str, Any]:
     for name, value in (("OMP_NUM_THREADS", "1"), ("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(name, value)  # inherited by TRL's rollout process
-    from deltasync._server import VLLMServer, free_port
-    from deltasync.tiny import build_tiny_model
+    from deltasync.examples.launcher import VLLMServer, free_port
+    from deltasync.examples.tiny import build_tiny_model
 
     logs = out / "logs"
     logs.mkdir(exist_ok=True)

@@ -17,7 +17,7 @@ torch.set_num_threads(1)  # servers and trainers share two cores with the test p
 
 from helpers import small_transformer  # noqa: E402  (tests/ is on pythonpath)
 
-from deltasync.tiny import build_tiny_model  # noqa: E402
+from deltasync.examples.tiny import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture

@@ -57,7 +57,7 @@ def greedy_for(url: str, model: str | None = None, max_tokens: int = 12) -> Gree
 
 
 def make_trl_trainer(model_dir, bucket, url, tmp_path, *, steps, peft_config, **delta_options):
-    from deltasync._demo import reward_target_letter
+    from deltasync.examples.demo import reward_target_letter
     from deltasync.trl import AsyncGRPOTrainer, DeltaSyncConfig
 
     config, dataset = tiny_grpo_args(tmp_path / "out", url, steps, learning_rate=1e-3)

@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from deltasync._serve import extension_args as _production_extension_args
-from deltasync._server import VLLMServer
+from deltasync.examples.launcher import VLLMServer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 

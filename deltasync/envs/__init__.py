@@ -1,80 +1,28 @@
-"""RL environments for deltasync's examples, served over openenv-core's protocol.
+"""Deprecated alias: the Wordle environment moved to :mod:`deltasync.examples.wordle`.
 
-:mod:`deltasync.envs.wordle` is a Wordle server (``python -m deltasync.envs.wordle``) with its
-clients and reward helpers. It needs the ``wordle`` extra (``pip install 'deltasync[wordle]'``);
-the names below load it on first use, so ``import deltasync.envs`` alone needs nothing more.
+``deltasync.envs.NAME`` loads ``deltasync.examples.wordle`` on first use, as before, so
+``import deltasync.envs`` alone needs nothing more; ``deltasync.envs.wordle`` re-exports it.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import Any
 
-if TYPE_CHECKING:
-    from .wordle import (
-        MAX_GUESSES,
-        WORD_LENGTH,
-        BoardRow,
-        GuessOutcome,
-        RewardComponents,
-        RewardWeights,
-        WordleAction,
-        WordleClient,
-        WordleEnvClient,
-        WordleEnvironment,
-        WordleObservation,
-        WordleRequestError,
-        WordleServerConfig,
-        WordleServerError,
-        WordleState,
-        allowed_words,
-        answer_words,
-        create_wordle_app,
-        draw_secret,
-        episode_rewards,
-        feedback_counts,
-        guess_reward,
-        judge_guess,
-        main,
-        parse_guess,
-        score_guess,
-        serve,
-    )
-
-# The same names as deltasync.envs.wordle.__all__; tests/envs/test_wordle.py checks that this
-# list, the import above and the module's own list agree.
-__all__ = [
-    "MAX_GUESSES",
-    "WORD_LENGTH",
-    "BoardRow",
-    "GuessOutcome",
-    "RewardComponents",
-    "RewardWeights",
-    "WordleAction",
-    "WordleClient",
-    "WordleEnvClient",
-    "WordleEnvironment",
-    "WordleObservation",
-    "WordleRequestError",
-    "WordleServerConfig",
-    "WordleServerError",
-    "WordleState",
-    "allowed_words",
-    "answer_words",
-    "create_wordle_app",
-    "draw_secret",
-    "episode_rewards",
-    "feedback_counts",
-    "guess_reward",
-    "judge_guess",
-    "main",
-    "parse_guess",
-    "score_guess",
-    "serve",
-]
+warnings.warn(
+    "deltasync.envs moved to deltasync.examples (the Wordle environment: deltasync.examples.wordle); "
+    "import it from there",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module(".wordle", __name__), name)
+    # Public names (and __all__) come from the Wordle package, imported on first use; a
+    # submodule's name falls through to the import system.
+    if name == "__all__" or not (name.startswith("_") or name == "wordle"):
+        wordle = importlib.import_module("deltasync.examples.wordle")
+        if name == "__all__" or name in wordle.__all__:
+            return getattr(wordle, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

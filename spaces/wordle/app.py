@@ -1,4 +1,4 @@
-"""The Wordle Space: serve deltasync.envs.wordle until stopped.
+"""The Wordle Space: serve deltasync.examples.wordle until stopped.
 
 Configured by environment variables (Space variables): ``HOST`` (default 0.0.0.0), ``PORT``
 (8000, the Space's ``app_port``), ``MAX_SESSIONS`` (256 games at once), ``MAX_GUESSES`` (6),
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from deltasync.envs.wordle import main
+from deltasync.examples.wordle import main
 
 
 def argv(environ: dict[str, str] | os._Environ[str] = os.environ) -> list[str]:

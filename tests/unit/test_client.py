@@ -23,7 +23,7 @@ from deltasync import (
     VersionError,
 )
 from deltasync._auth import bearer_matches, update_tag
-from deltasync._server import free_port
+from deltasync.examples.launcher import free_port
 
 
 class FakeServer:

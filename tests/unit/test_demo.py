@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from deltasync._demo import ANCHOR_EVERY, _plot_line, _summary, reward_target_letter
+from deltasync.examples.demo import ANCHOR_EVERY, _plot_line, _summary, reward_target_letter
 
 
 def _run(n: int = 2 * ANCHOR_EVERY + 1):
@@ -52,7 +52,7 @@ def test_silence_noise_drops_the_known_noise_only(monkeypatch) -> None:
     import subprocess
     import warnings
 
-    from deltasync._demo import NOISE, NOISE_LOGS, silence_noise
+    from deltasync.examples.demo import NOISE, NOISE_LOGS, silence_noise
 
     environ = {"PYTHONWARNINGS": "default::DeprecationWarning"}
     loggers = [logging.getLogger(name) for name, _ in NOISE_LOGS]

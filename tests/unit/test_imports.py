@@ -33,9 +33,9 @@ LAYERS = (
     ("deltasync",),
     # The integrations: each uses the core, neither the other.
     ("deltasync.trl", "vllm_ext"),
-    # The commands, examples and what only they use.
-    ("deltasync.cli", "deltasync._serve", "deltasync._server", "deltasync._demo", "deltasync._spaces",
-     "deltasync.envs", "deltasync.tiny"),
+    # The commands, the examples (and the deprecated aliases of their old paths).
+    ("deltasync.cli", "deltasync._serve", "deltasync.examples", "deltasync._server", "deltasync.envs",
+     "deltasync.tiny"),
 )  # fmt: skip
 _BLOCKER = f"""
 import importlib, pkgutil, sys
@@ -45,6 +45,9 @@ class Refuse:
             raise ImportError(f"No module named {{name!r}} (refused by the test)")
 sys.meta_path.insert(0, Refuse())
 import deltasync, deltasync.stores, deltasync.cli
+# The core and the CLI module load no example (the CLI imports them when it builds its parser).
+loaded = sorted(m for m in sys.modules if m.startswith(("deltasync.examples", "deltasync.envs", "deltasync.tiny")))
+assert not loaded, loaded
 needs = {{}}
 for info in pkgutil.walk_packages(deltasync.__path__, "deltasync."):
     try:
@@ -63,9 +66,11 @@ def test_the_core_imports_without_trl_transformers_or_openenv() -> None:
     proc = subprocess.run([sys.executable, "-c", _BLOCKER], capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     needs = dict(ast.literal_eval(proc.stdout.splitlines()[0]))
-    # Only the integrations that are their extras refuse, and they say which extra.
-    assert sorted(needs) == ["deltasync.envs.wordle", "deltasync.trl"], needs
-    assert "pip install 'deltasync[wordle]'" in needs["deltasync.envs.wordle"]
+    # Only the integrations that are their extras refuse (the Wordle example, and the deprecated
+    # alias of its old path), and they say which extra.
+    assert sorted(needs) == ["deltasync.envs.wordle", "deltasync.examples.wordle", "deltasync.trl"], needs
+    assert all("pip install 'deltasync[wordle]'" in needs[name] for name in ("deltasync.examples.wordle",
+                                                                               "deltasync.envs.wordle"))
     assert all(f"    {command} " in proc.stdout for command in ("inspect", "demo", "serve", "spaces"))  # the CLI's help
 
 

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from deltasync._errors import ConfigError
-from deltasync._server import VLLMServer, VLLMServerError, _group_alive
+from deltasync.examples.launcher import VLLMServer, VLLMServerError, _group_alive
 
 # A stand-in for the API server: serves /health (after HEALTH_DELAY s, unless it is
 # negative), prints its environment, and keeps a child in its process group the way
@@ -172,7 +172,7 @@ def test_group_alive_sees_a_live_group():
 def test_wait_healthy_names_the_server_that_died_or_never_answered() -> None:
     import subprocess
 
-    from deltasync._server import ServerError, free_port, wait_healthy
+    from deltasync.examples.launcher import ServerError, free_port, wait_healthy
 
     url = f"http://127.0.0.1:{free_port()}"
     dead = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])

@@ -11,7 +11,7 @@ import torch
 from servers import REPO_ROOT
 
 from deltasync._errors import ConfigError
-from deltasync.tiny import CHATML_SPECIAL_TOKENS, QWEN2_5_CHAT_TEMPLATE, TINY_SHAPE, build_tiny_model, fit_tiny_model
+from deltasync.examples.tiny import CHATML_SPECIAL_TOKENS, QWEN2_5_CHAT_TEMPLATE, TINY_SHAPE, build_tiny_model, fit_tiny_model
 
 
 def _digests(path: pathlib.Path) -> dict[str, str]:
@@ -147,7 +147,7 @@ def test_rejects_bad_shapes(tmp_path, kwargs, message):
 
 def test_imports_neither_vllm_nor_trl(tmp_path):
     code = (
-        "import sys; from deltasync.tiny import build_tiny_model; "
+        "import sys; from deltasync.examples.tiny import build_tiny_model; "
         f"build_tiny_model({str(tmp_path / 'm')!r}); "
         "bad = sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'trl'}); "
         "assert not bad, bad"

@@ -22,8 +22,8 @@ import uvicorn
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from deltasync._server import free_port
-from deltasync.envs.wordle import (
+from deltasync.examples.launcher import free_port
+from deltasync.examples.wordle import (
     RewardComponents,
     WordleClient,
     WordleEnvClient,
@@ -314,7 +314,7 @@ def test_sessions_beyond_max_sessions_are_refused() -> None:
 
 def test_cli_serves() -> None:
     port = free_port()
-    command = [sys.executable, "-m", "deltasync.envs.wordle", "--port", str(port), "--max-sessions", "4"]
+    command = [sys.executable, "-m", "deltasync.examples.wordle", "--port", str(port), "--max-sessions", "4"]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )

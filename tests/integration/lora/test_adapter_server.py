@@ -19,7 +19,7 @@ from servers import SERVER_START_TIMEOUT, extension_args, requires_vllm, running
 
 from deltasync import AdapterRolloutClient, fingerprint
 from deltasync._lora import ADAPTER_CONFIG_KEY, adapter_publisher, adapter_state_dict
-from deltasync._server import VLLMServer
+from deltasync.examples.launcher import VLLMServer
 
 pytestmark = [pytest.mark.server, requires_vllm]
 

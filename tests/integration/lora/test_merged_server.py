@@ -22,7 +22,7 @@ from servers import SERVER_START_TIMEOUT, requires_vllm, running_server, server_
 from deltasync import RolloutClient, fingerprint
 from deltasync._lora import merged_publisher, merged_state_dict
 from deltasync._serve import extension_args
-from deltasync._server import VLLMServer
+from deltasync.examples.launcher import VLLMServer
 
 pytestmark = [pytest.mark.server, requires_vllm]
 

@@ -22,7 +22,7 @@ def main(model_dir: str, bucket: str, url: str, token: str, out: str, mode: str,
     from torch.distributed.tensor import DTensor
 
     from deltasync import Pointer, RolloutClient, checkpoint_name, fingerprint, open_store
-    from deltasync._demo import reward_target_letter
+    from deltasync.examples.demo import reward_target_letter
     from deltasync.trl import AsyncGRPOConfig, AsyncGRPOTrainer, DeltaSyncConfig
 
     torch.set_num_threads(1)

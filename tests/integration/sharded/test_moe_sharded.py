@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from deltasync.tiny import build_tiny_moe_model
+from deltasync.examples.tiny import build_tiny_moe_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _moe_workers  # noqa: E402

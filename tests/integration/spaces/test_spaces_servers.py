@@ -16,8 +16,8 @@ import pytest
 from servers import REPO_ROOT, requires_vllm, server_env
 
 from deltasync import RolloutClient
-from deltasync._server import free_port
-from deltasync.envs.wordle import WordleClient, draw_secret
+from deltasync.examples.launcher import free_port
+from deltasync.examples.wordle import WordleClient, draw_secret
 
 SPACES = REPO_ROOT / "spaces"
 KINDS = ("vllm", "wordle")

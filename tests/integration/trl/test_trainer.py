@@ -10,7 +10,7 @@ from helpers import tiny_grpo_args
 from servers import requires_vllm, running_server, server_env
 
 from deltasync import DeltaReceiver, PublishOptions, RolloutClient, bf16_state_dict, fingerprint
-from deltasync._demo import reward_target_letter
+from deltasync.examples.demo import reward_target_letter
 from deltasync._serve import extension_args
 
 pytestmark = [pytest.mark.server, pytest.mark.trainer, requires_vllm]

@@ -32,7 +32,7 @@ from servers import (
 from deltasync import RolloutClient
 from deltasync._auth import update_tag
 from deltasync._serve import extension_args
-from deltasync._server import VLLMServer
+from deltasync.examples.launcher import VLLMServer
 
 pytestmark = [pytest.mark.server, requires_vllm]
 

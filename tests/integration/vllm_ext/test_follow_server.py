@@ -238,7 +238,7 @@ def test_push_beside_follow_never_applies_twice_or_goes_back(lab, followers):
 
 @pytest.mark.trainer
 def test_trl_with_follow_only_publishes_and_tags_samples_with_served_versions(lab, followers, tmp_path):
-    from deltasync._demo import reward_target_letter
+    from deltasync.examples.demo import reward_target_letter
     from deltasync.trl import AsyncGRPOTrainer, DeltaSyncConfig
 
     server = followers["in-place"]

@@ -20,7 +20,7 @@ from servers import PROMPTS, SERVER_START_TIMEOUT, TP2, fresh_greedy, greedy, re
 
 from deltasync import DeltaPublisher, RolloutClient
 from deltasync._serve import extension_args
-from deltasync.tiny import build_tiny_moe_model
+from deltasync.examples.tiny import build_tiny_moe_model
 
 pytestmark = [pytest.mark.server, requires_vllm]
 
@@ -92,7 +92,7 @@ def test_trl_async_grpo_with_a_moe_keeps_the_server_exact(lab, servers, tmp_path
     from moe_helpers import saved_state
 
     from deltasync import PublishOptions, fingerprint
-    from deltasync._demo import reward_target_letter
+    from deltasync.examples.demo import reward_target_letter
     from deltasync.trl import AsyncGRPOTrainer, DeltaSyncConfig
 
     url = servers[1].url

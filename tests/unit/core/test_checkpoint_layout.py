@@ -12,7 +12,7 @@ from deltasync import ConfigError, DeltaPublisher, DeltaReceiver
 from deltasync._checkpoint_layout import checkpoint_layout
 from deltasync._detector import named_parameters
 from deltasync.format import Change
-from deltasync.tiny import build_tiny_moe_model
+from deltasync.examples.tiny import build_tiny_moe_model
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from deltasync import ConfigError
-from deltasync.envs.wordle import (
+from deltasync.examples.wordle import (
     RewardComponents,
     RewardWeights,
     WordleAction,
@@ -197,27 +197,3 @@ def test_environment_plays_without_a_server() -> None:
 def test_cli_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--max-sessions", "0"]) == 2
     assert capsys.readouterr().err == "error: WordleServerConfig.max_sessions=0: needs an integer >= 1\n"
-
-
-def test_envs_exports_exactly_what_the_wordle_package_does() -> None:
-    """deltasync.envs loads its names lazily, so its __all__ and TYPE_CHECKING import are written
-    out; they must match deltasync.envs.wordle's own __all__ and resolve to the same objects."""
-    import ast
-    import inspect
-
-    import deltasync.envs as envs
-    import deltasync.envs.wordle as wordle
-
-    assert sorted(envs.__all__) == sorted(wordle.__all__)
-    tree = ast.parse(inspect.getsource(envs))
-    typed = {
-        alias.name
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module == "wordle"
-        for alias in node.names
-    }
-    assert typed == set(wordle.__all__)
-    for name in wordle.__all__:
-        assert getattr(envs, name) is getattr(wordle, name)
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        envs.nope  # noqa: B018

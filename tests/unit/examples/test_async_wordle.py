@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 from servers import REPO_ROOT
 
-from deltasync.envs.wordle import WordleAction, WordleEnvironment
+from deltasync.examples.wordle import WordleAction, WordleEnvironment
 
 EXAMPLE = REPO_ROOT / "examples" / "async_wordle.py"
 
@@ -43,7 +43,7 @@ def _game(example: ModuleType, seed: int, guesses: list[str]) -> list[dict]:
 
 
 def test_reward_terms_follow_the_environment(example: ModuleType) -> None:
-    from deltasync.envs.wordle import draw_secret
+    from deltasync.examples.wordle import draw_secret
 
     secret = draw_secret(11)
     other = "crane" if secret != "crane" else "slate"

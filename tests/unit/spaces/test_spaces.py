@@ -17,7 +17,7 @@ import yaml
 from servers import REPO_ROOT
 
 from deltasync._errors import ConfigError
-from deltasync._spaces import SpacesConfig, deploy_spaces, space_files, space_url
+from deltasync.examples.spaces import SpacesConfig, deploy_spaces, space_files, space_url
 from deltasync.cli import main as cli_main
 
 SPACES = REPO_ROOT / "spaces"
@@ -138,7 +138,7 @@ def test_uploaded_space_builds_from_its_own_files(kind: str) -> None:
     for src in copied(kind)[0]:
         assert src in files or any(name.startswith(src.rstrip("/") + "/") for name in files), src
     assert not [name for name in files if "__pycache__" in name or name.endswith(".pyc")]
-    assert "deltasync/envs/data/wordle_answers.txt" in files
+    assert "deltasync/examples/wordle/data/wordle_answers.txt" in files
     assert ("vllm_ext/__init__.py" in files) == (kind == "vllm")
 
 

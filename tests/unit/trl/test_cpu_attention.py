@@ -272,7 +272,7 @@ def test_cpu_patches_make_the_trainer_constructible(tmp_path):
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from trl.experimental.async_grpo import async_grpo_trainer as trainer_module
 
-    from deltasync.tiny import build_tiny_model
+    from deltasync.examples.tiny import build_tiny_model
     from deltasync.trl._cpu_compat import async_grpo_cpu_patches, cpu_config_overrides
 
     if torch.cuda.is_available():

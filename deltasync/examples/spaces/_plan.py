@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._errors import ConfigError
-from .._env import BUCKET_ENV, DEFAULT_FOLLOW_INTERVAL, FOLLOW_ENV, FOLLOW_INTERVAL_ENV, TOKEN_ENV
+from ..._errors import ConfigError
+from ..._env import BUCKET_ENV, DEFAULT_FOLLOW_INTERVAL, FOLLOW_ENV, FOLLOW_INTERVAL_ENV, TOKEN_ENV
 
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
 #: The rollout server's interval when ``follow_interval`` is None (``vllm_ext``'s default).
@@ -236,17 +236,20 @@ def _summarize(files: Mapping[str, Path]) -> str:
     return f"{len(files)} files: " + ", ".join(parts)
 
 
-def _repo_root(given: str | os.PathLike[str] | None) -> Path:
+def find_repo_root(given: str | os.PathLike[str] | None) -> Path:
+    """``given``, else the source checkout this package runs from (it holds ``spaces/``), else the cwd."""
     if given is not None:
         return Path(given).resolve()
-    here = Path(__file__).resolve().parents[2]  # a source checkout (editable install)
+    here = Path(__file__).resolve().parents[3]  # a source checkout (editable install)
     if (here / "spaces").is_dir():
         return here
     return Path.cwd()
 
 
 @dataclass
-class _Token:
+class SharedToken:
+    """The token the trainer and the rollout Space share, and where it comes from."""
+
     value: str | None
     source: str
     """Where the value comes from, shown instead of it."""
@@ -255,24 +258,25 @@ class _Token:
     generate_to: Path | None = None
 
 
-def _shared_token(config: SpacesConfig, namespace: str, environ: Mapping[str, str]) -> _Token:
+def shared_token(config: SpacesConfig, namespace: str, environ: Mapping[str, str]) -> SharedToken:
+    """The shared token: from ``config.token_env``, else ``config.token_file``, else a new one to write."""
     value = environ.get(config.token_env)
     if value:
         export = f"export {TOKEN_ENV}=...   # the value of ${config.token_env} here"
-        return _Token(value, f"the value of ${config.token_env}", export)
+        return SharedToken(value, f"the value of ${config.token_env}", export)
     path = Path(config.token_file).expanduser() if config.token_file else default_token_file(namespace,
                                                                                               config.rollout_space)
     export = f"export {TOKEN_ENV}=$(cat {path})"
     if path.is_file() and path.read_text().strip():
-        return _Token(path.read_text().strip(), f"the token in {path}", export)
-    return _Token(None, f"a new token, written to {path} (mode 600)", export, generate_to=path)
+        return SharedToken(path.read_text().strip(), f"the token in {path}", export)
+    return SharedToken(None, f"a new token, written to {path} (mode 600)", export, generate_to=path)
 
 
-def _plan(
+def build_plan(
     config: SpacesConfig,
     *,
     namespace: str,
-    token: _Token,
+    token: SharedToken,
     hf_token: str | None,
     hf_token_note: str,
     repo_root: Path,

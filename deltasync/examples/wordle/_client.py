@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._errors import WordleServerError
+from .._errors import WordleServerError
 try:
     from openenv.core.client_types import StepResult
     from openenv.core.env_client import EnvClient
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
-        f"deltasync.envs.wordle needs the 'wordle' extra ({exc}); install it with: pip install 'deltasync[wordle]'"
+        f"deltasync.examples.wordle needs the 'wordle' extra ({exc}); install it with: pip install 'deltasync[wordle]'"
     ) from exc
 
 from ._models import WordleAction, WordleObservation, WordleState

@@ -10,7 +10,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 from importlib import resources
 
-from ..._errors import ConfigError, FormatError, WordleRequestError
+from ..._errors import ConfigError, FormatError
+from .._errors import WordleRequestError
 
 WORD_LENGTH = 5
 MAX_GUESSES = 6
@@ -88,16 +89,16 @@ def allowed_words() -> frozenset[str]:
 
 
 def _read_word_list(name: str) -> tuple[str, ...]:
-    text = resources.files("deltasync.envs").joinpath("data", name).read_text(encoding="utf-8")
+    text = resources.files(__package__).joinpath("data", name).read_text(encoding="utf-8")
     words = text.split()
     for number, word in enumerate(words, 1):
         if len(word) != WORD_LENGTH or not _WORD.fullmatch(word):
             raise FormatError(
-                f"deltasync/envs/data/{name}: word {number} {word!r} is not {WORD_LENGTH} lower-case letters a-z; "
-                "reinstall deltasync or rebuild the list (see deltasync/envs/data/README.md)"
+                f"deltasync/examples/wordle/data/{name}: word {number} {word!r} is not {WORD_LENGTH} lower-case "
+                "letters a-z; reinstall deltasync or rebuild the list (see deltasync/examples/wordle/data/README.md)"
             )
     if not words:
-        raise FormatError(f"deltasync/envs/data/{name} is empty; reinstall deltasync")
+        raise FormatError(f"deltasync/examples/wordle/data/{name} is empty; reinstall deltasync")
     return tuple(words)
 
 

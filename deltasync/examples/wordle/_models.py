@@ -9,7 +9,7 @@ try:
     from pydantic import BaseModel, ConfigDict, Field, StrictStr
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
-        f"deltasync.envs.wordle needs the 'wordle' extra ({exc}); install it with: pip install 'deltasync[wordle]'"
+        f"deltasync.examples.wordle needs the 'wordle' extra ({exc}); install it with: pip install 'deltasync[wordle]'"
     ) from exc
 
 from ._rules import MAX_GUESSES

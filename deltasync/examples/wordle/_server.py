@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..._errors import ConfigError, WordleRequestError
+from ..._errors import ConfigError
+from .._errors import WordleRequestError
 try:
     import uvicorn
     from fastapi import FastAPI, Request
@@ -25,7 +26,7 @@ try:
     from openenv.core.env_server.types import ConcurrencyConfig, EnvironmentMetadata
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
-        f"deltasync.envs.wordle needs the 'wordle' extra ({exc}); install it with: pip install 'deltasync[wordle]'"
+        f"deltasync.examples.wordle needs the 'wordle' extra ({exc}); install it with: pip install 'deltasync[wordle]'"
     ) from exc
 
 from ._models import BoardRow, WordleAction, WordleObservation, WordleState
@@ -413,9 +414,9 @@ def serve(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m deltasync.envs.wordle``: serve until interrupted; 2 on bad options."""
+    """``python -m deltasync.examples.wordle``: serve until interrupted; 2 on bad options."""
     parser = argparse.ArgumentParser(
-        prog="python -m deltasync.envs.wordle",
+        prog="python -m deltasync.examples.wordle",
         description="Serve Wordle games over HTTP and WebSocket (openenv-core's protocol).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

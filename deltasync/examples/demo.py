@@ -28,7 +28,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
-from ._errors import DeltaSyncError
+from .._errors import DeltaSyncError
 
 __all__ = ["NOISE", "NOISE_LOGS", "add_parser", "run", "reward_target_letter", "silence_noise"]
 
@@ -138,14 +138,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from ._env import BUCKET_ENV, PLAIN_GEMM_ENV
-    from ._serve import extension_args
-    from ._server import VLLMServer
-    from .stores import open_store
+    from .. import open_store
+    from .._env import BUCKET_ENV, PLAIN_GEMM_ENV
+    from .._serve import extension_args
+    from .launcher import VLLMServer
     from .tiny import build_tiny_model, fit_tiny_model
 
     if args.steps < 1:
-        from ._errors import ConfigError
+        from .._errors import ConfigError
 
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     out = Path(args.output).resolve()
@@ -203,11 +203,8 @@ def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, ur
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    from ._client import RolloutClient
-    from ._detector import bf16_state_dict
-    from ._fingerprint import fingerprint
-    from ._publisher import PublishOptions
-    from .trl import AsyncGRPOConfig, AsyncGRPOTrainer, DeltaSyncConfig, cpu_config_overrides
+    from .. import PublishOptions, RolloutClient, bf16_state_dict, fingerprint
+    from ..trl import AsyncGRPOConfig, AsyncGRPOTrainer, DeltaSyncConfig, cpu_config_overrides
 
     _say(f"[3/5] training {args.steps} steps at learning rate {args.lr:g} with AsyncGRPOTrainer(delta_sync=...), "
          f"bucket {bucket}; reward: the share of '{TARGET}' in the answer")
@@ -300,7 +297,7 @@ def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, ur
 def _anchor_sizes(bucket: str) -> dict[int, int]:
     """Version -> size of its anchor file, from the bucket's history (anchors beside deltas are
     written in the background: the sync records do not know their size)."""
-    from .stores import open_store
+    from .. import open_store
 
     sizes: dict[int, int] = {}
     try:

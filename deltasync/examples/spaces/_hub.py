@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .._errors import ConfigError
-from ._plan import SpacesConfig, Step, SpacesPlan, _plan, _repo_root, _shared_token
+from ..._errors import ConfigError
+from ._plan import SpacesConfig, SpacesPlan, Step, build_plan, find_repo_root, shared_token
 
 _PLACEHOLDER_NAMESPACE = "your-namespace"
 
@@ -32,7 +32,7 @@ def deploy_spaces(
     namespace, when not given, shows as a placeholder), no token generated or written.
     """
     environ = os.environ if environ is None else environ
-    root = _repo_root(repo_root)
+    root = find_repo_root(repo_root)
     if not dry_run and api is None:
         from huggingface_hub import HfApi
 
@@ -43,14 +43,14 @@ def deploy_spaces(
             namespace = _PLACEHOLDER_NAMESPACE
         else:
             namespace = api.whoami()["name"]
-    token = _shared_token(config, namespace, environ)
+    token = shared_token(config, namespace, environ)
     hf_token, hf_token_note = _hub_token(config, api, environ)
     if hf_token is None and not config.public_bucket and not dry_run:
         raise ConfigError(
             f"the rollout Space needs a Hub token to read the private bucket {namespace}/{config.bucket}: set "
             f"{config.hf_token_env} (a read token is enough), log in with `hf auth login`, or use --public-bucket"
         )
-    plan = _plan(config, namespace=namespace, token=token, hf_token=hf_token, hf_token_note=hf_token_note,
+    plan = build_plan(config, namespace=namespace, token=token, hf_token=hf_token, hf_token_note=hf_token_note,
                  repo_root=root)
     if config.namespace is None and dry_run:
         plan.notes.insert(0, f"no --namespace: shown as {namespace!r}; a real run uses the logged-in user's")
@@ -63,7 +63,7 @@ def deploy_spaces(
         token.value = secrets.token_urlsafe(32)
         _write_secret(token.generate_to, token.value)
         echo(f"generated the shared token and wrote it to {token.generate_to} (mode 600)")
-        plan = _plan(config, namespace=namespace, token=token, hf_token=hf_token, hf_token_note=hf_token_note,
+        plan = build_plan(config, namespace=namespace, token=token, hf_token=hf_token, hf_token_note=hf_token_note,
                      repo_root=root)
     for i, step in enumerate(plan.steps, 1):
         echo(f"[{i}/{len(plan.steps)}] {step.describe()}")
