@@ -41,7 +41,6 @@ import torch
 from deltasync import AuthError, DeltaReceiver, DeltaSyncError, VersionError
 from deltasync._auth import check_update_tag
 from deltasync._env import BUCKET_ENV
-from deltasync._format import anchor_path, part_path, read_metadata
 from deltasync._lora import (
     ADAPTER_CONFIG_KEY,
     BASE_FINGERPRINT_KEY,
@@ -279,34 +278,25 @@ class _AdapterSync:
     ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any], str, tuple[int, dict[str, str]], DeltaReceiver]:
         """Download and check version ``version``; returns it with the full adapter state and its metadata."""
         receiver = self.receiver
-        if receiver is None or self.anchor_meta is None or receiver.pointer().root != self.anchor_meta[0]:
+        root = None if receiver is None else receiver.pointer().root
+        if receiver is None or self.anchor_meta is None or root != self.anchor_meta[0]:
             # A new chain (a trainer started anew: maybe another adapter, of another rank) is
             # staged on a fresh receiver, whose manifest is its anchor's; it replaces the current
             # one only once the adapter passed every check and loaded.
             receiver = DeltaReceiver(self.bucket)  # type: ignore[arg-type]
-        pointer = receiver.pointer()
-        if version > pointer.version:
-            raise VersionError(f"version {version} is not committed in {receiver.store.url} (the newest is {pointer.version})")
+            root = receiver.pointer().root
         staged = receiver.stage(version)
         if staged.kind == "anchor":
             state = dict(staged.tensors())
-            loaded: int | None = staged.versions[0]
+            # Every anchor carries the adapter's metadata, read and checked with its tensors.
+            anchor = staged.versions[0]
+            anchor_meta = (root, staged.anchor_metadata)
         else:
             state = receiver.state_dict()
             state.update(staged.tensors())
-            loaded = None
-        if loaded is None:
             assert self.anchor_meta is not None
             anchor_meta = self.anchor_meta
             anchor = anchor_meta[0]
-        else:
-            # Every anchor carries the adapter's metadata (a split one, in every part).
-            anchor = loaded
-            path = anchor_path(anchor)
-            if not receiver.store.exists(path):
-                path = part_path("anchor", anchor, 0)
-            where = f"{receiver.store.url}/{path}"
-            anchor_meta = (pointer.root, read_metadata(receiver.store.read_bytes(path), where=where))
         meta = anchor_meta[1]
         if ADAPTER_CONFIG_KEY not in meta or BASE_FINGERPRINT_KEY not in meta:
             raise AdapterError(

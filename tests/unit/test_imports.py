@@ -24,6 +24,7 @@ LAYERS = (
     ("deltasync._errors", "deltasync._env", "deltasync._fingerprint", "deltasync._collective", "deltasync._memory"),
     ("deltasync._format", "deltasync._auth", "deltasync._messages", "deltasync.stores"),
     ("deltasync._sharded", "deltasync._parts", "deltasync._client", "deltasync._checkpoint_layout"),
+    ("deltasync._chain",),
     ("deltasync._detector", "deltasync._receiver"),
     ("deltasync._publisher",),
     ("deltasync._lora",),
