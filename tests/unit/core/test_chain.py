@@ -9,54 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import replace_file
+from helpers import checkpoint_model, edit_bits, publish_chain, replace_file, same_state
 
 from deltasync import DeltaPublisher, DeltaReceiver, IntegrityError, VersionError, fingerprint, open_store
 from deltasync._chain import ChainReader, Overlay, bits, read_pointer
 
 SHAPES = {"a.weight": (8, 6), "b.weight": (7,)}
-#: bf16 bit patterns a float path would not keep: NaN payloads, -0.0, infinities, subnormals.
-PATTERNS = [0x7FC1, 0xFFFF, 0x8000, 0x7F80, 0xFF80, 0x0001, 0x7F81]
-
-
-def checkpoint_model(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> torch.nn.Module:
-    """A module whose parameters are named ``<module>.<attr>`` as ``shapes`` says (bf16)."""
-    gen = torch.Generator().manual_seed(seed)
-    model = torch.nn.Module()
-    for name, shape in shapes.items():
-        module, attr = name.split(".")
-        sub = torch.nn.Module()
-        sub.register_parameter(attr, torch.nn.Parameter(torch.randn(shape, generator=gen).to(torch.bfloat16)))
-        model.add_module(module, sub)
-    return model
-
-
-def edit(model: torch.nn.Module, step: int) -> None:
-    """Step ``step``'s changes: a few elements of every parameter, special patterns included."""
-    with torch.no_grad():
-        for k, param in enumerate(model.parameters()):
-            flat = bits(param.data.view(-1))
-            for j in range(3):
-                pattern = PATTERNS[(step + j) % len(PATTERNS)]
-                flat[(step * 5 + k * 3 + j * 7) % flat.numel()] = pattern - 0x10000 if pattern >= 0x8000 else pattern
-            param.data.view(-1)[(step * 11 + k) % flat.numel()] += 1
-
-
-def publish_chain(bucket, model: torch.nn.Module, *, deltas: int, anchor_at: int | None = None, **options) -> list[dict]:
-    """Anchor 0 and ``deltas`` deltas (an extra anchor at ``anchor_at``, both kept); the state of each version."""
-    publisher = DeltaPublisher(bucket, model, **{"anchor_bytes_ratio": 0, "keep_anchors": 2, **options})
-    states = []
-    for step in range(deltas + 1):
-        if step:
-            edit(model, step)
-        publisher.publish(anchor=step == anchor_at)
-        states.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    publisher.close()
-    return states
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return set(a) == set(b) and all(torch.equal(bits(a[n].reshape(-1)), bits(b[n].reshape(-1))) for n in a)
 
 
 @pytest.fixture
@@ -77,7 +35,7 @@ def test_the_reader_replays_what_was_published_bit_for_bit(tmp_path, codec) -> N
     reader = ChainReader(store, read_pointer(store))
     assert reader.target(None) == 3
     anchor = reader.anchor(reader.pointer.anchors[0])
-    assert same(anchor.tensors, states[0]) and anchor.header.fingerprint == fingerprint(states[0])
+    assert same_state(anchor.tensors, states[0]) and anchor.header.fingerprint == fingerprint(states[0])
     overlay = host_overlay(anchor.tensors)
     for step in reader.deltas(1, 3, overlay, numels={n: t.numel() for n, t in anchor.tensors.items()}):
         assert step.header.version == step.entry.version and step.nbytes == step.entry.nbytes
@@ -90,7 +48,7 @@ def test_the_reader_replays_what_was_published_bit_for_bit(tmp_path, codec) -> N
     replayed = {n: t.clone() for n, t in anchor.tensors.items()}
     for name, patch in overlay.patches.items():
         patch.write(replayed[name].view(-1))
-    assert same(replayed, states[3])
+    assert same_state(replayed, states[3])
 
 
 def test_a_reader_that_holds_some_elements_decodes_and_patches_only_those(chain) -> None:
@@ -145,7 +103,7 @@ def test_anchor_metadata_comes_from_the_checked_read_of_the_anchor(tmp_path) -> 
     publisher = DeltaPublisher(tmp_path / "b", model, anchor_bytes_ratio=0)
     publisher.anchor_metadata = {"x-note": "written with the anchor"}
     publisher.publish()
-    edit(model, 1)
+    edit_bits(model, 1)
     publisher.publish()
     publisher.close()
     receiver = DeltaReceiver(tmp_path / "b")
