@@ -7,6 +7,7 @@ and SHA-256) and then :func:`iter_delta_parts` (each part decoded and checked ag
 entry and the other parts) or :func:`decode_version` (the whole version assembled: full anchor
 tensors, or one merged :class:`Change` per parameter). Anchors, the big files, are read by
 :func:`fetch_anchor` straight from the store into their tensors, checked as they stream.
+:class:`~deltasync._chain.ChainReader` reads a whole chain with them.
 """
 
 from __future__ import annotations
