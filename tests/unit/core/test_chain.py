@@ -94,6 +94,10 @@ def test_a_header_the_pointer_does_not_list_is_refused(chain) -> None:
     reader = ChainReader(store, read_pointer(store))
     with pytest.raises(VersionError, match=r"version 2\): the file is version 3, the pointer lists it as 2"):
         list(reader.deltas(1, 3, host_overlay(states[0]), numels={n: t.numel() for n, t in states[0].items()}))
+    # Without the state before it (a delta only followers replay), as far as it can be checked.
+    assert reader.check_files(1) == reader.pointer.delta(1).nbytes
+    with pytest.raises(VersionError, match=r"version 2\): the file is version 3, the pointer lists it as 2"):
+        reader.check_files(2)
     with pytest.raises(VersionError, match="version 4 is not committed in .* \\(the newest is 3\\)"):
         reader.target(4)
 
