@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from deltasync._chain import ChainReader
 from deltasync._parts import decode_version
 from vllm_ext import DeltaWorkerExtension
 from vllm_ext._inplace import InPlaceState
@@ -48,7 +49,7 @@ class PeerExtension(DeltaWorkerExtension):
         assert shapes is not None, "the served checkpoint's shapes are unknown"
         start = time.perf_counter()
         receiver = updater._open_receiver()
-        entry = receiver.pointer().delta(version)
+        reader = ChainReader(receiver.store, receiver.pointer())
 
         def current(name: str, index: torch.Tensor) -> torch.Tensor:
             pos, bits = live.read(name, index)
@@ -56,8 +57,8 @@ class PeerExtension(DeltaWorkerExtension):
             out[pos] = bits
             return out.view(torch.bfloat16)
 
-        _, changes = decode_version(receiver._read_version(entry), entry, url=receiver.store.url,
-                                    numels=live.map.numels, base_values=current)  # fmt: skip
+        entry, files = reader.fetch(version)
+        _, changes = decode_version(files, entry, url=receiver.store.url, numels=live.map.numels, base_values=current)
         patches = {}
         for name, change in changes.items():
             if name in live.map.ignored:

@@ -7,6 +7,7 @@ and SHA-256) and then :func:`iter_delta_parts` (each part decoded and checked ag
 entry and the other parts) or :func:`decode_version` (the whole version assembled: full anchor
 tensors, or one merged :class:`Change` per parameter). Anchors, the big files, are read by
 :func:`fetch_anchor` straight from the store into their tensors, checked as they stream.
+:class:`~deltasync._chain.ChainReader` reads a whole chain with them.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from .stores import Store
 
 __all__ = [
+    "Anchor",
     "AnchorSlice",
     "DeltaPart",
     "encode_anchor_part",
@@ -64,6 +66,20 @@ class AnchorSlice:
     end: int
     values: torch.Tensor
     """bf16, 1-D, ``end - begin`` elements."""
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A whole anchor, read and checked (:func:`read_anchor`)."""
+
+    header: FileHeader
+    """The version's header (part 0's, with the counts of the whole version)."""
+    tensors: dict[str, torch.Tensor]
+    """Full bf16 tensors by name."""
+    metadata: dict[str, str]
+    """Its ``x-`` metadata keys (every part carries them; part 0's)."""
+    nbytes: int
+    """The bytes of its files."""
 
 
 @dataclass(frozen=True)
@@ -249,9 +265,7 @@ class _AnchorChecks:
         return replace(self.first, part=None, parts=None, slices=None, params=len(self.shapes), changed=self.first.total)
 
 
-def read_anchor(
-    open_file: Callable[[int], ContextManager[BinaryIO]], entry: ChainEntry, *, url: str
-) -> tuple[FileHeader, dict[str, torch.Tensor]]:
+def read_anchor(open_file: Callable[[int], ContextManager[BinaryIO]], entry: ChainEntry, *, url: str) -> Anchor:
     """An anchor's full bf16 tensors, each file read straight into them.
 
     ``open_file(number)`` opens file ``number`` of ``entry`` (see :func:`fetch_anchor`). Each
@@ -263,6 +277,7 @@ def read_anchor(
     """
     checks = _AnchorChecks(entry, url)
     tensors: dict[str, torch.Tensor] = {}
+    metadata: dict[str, str] = {}
     for number, item in enumerate(entry.files):
         where = _where(url, entry, number)
         with open_file(number) as f:
@@ -273,6 +288,8 @@ def read_anchor(
                 table, header = parse_header(head, where=where, file_bytes=item.nbytes)
                 spans = tensor_spans(table, where=where, data_bytes=item.nbytes - len(head))
                 ranges = checks.slices(header, spans, number, where)
+                if number == 0:
+                    metadata = {k: v for k, v in (table.get("__metadata__") or {}).items() if k.startswith("x-")}
                 if not tensors:
                     # Allocated from part 0's shapes, only once the files hold that many bytes.
                     if 2 * header.total > sum(part.nbytes for part in entry.files):
@@ -286,16 +303,15 @@ def read_anchor(
                 if end > begin:
                     source.readinto(memoryview(tensors[span.name].view(-1)[begin:end].view(torch.uint8).numpy()))
             source.finish()
-    return checks.finish(), tensors
+    return Anchor(checks.finish(), tensors, metadata, entry.nbytes)
 
 
-def fetch_anchor(store: Store, entry: ChainEntry) -> tuple[FileHeader, dict[str, torch.Tensor], int]:
+def fetch_anchor(store: Store, entry: ChainEntry) -> Anchor:
     """:func:`read_anchor` from ``store``, streamed where the store can (see
-    :func:`~deltasync.stores.open_read`); also the bytes read."""
-    header, tensors = read_anchor(
+    :func:`~deltasync.stores.open_read`)."""
+    return read_anchor(
         lambda number: open_read(store, entry.files[number].path, entry.files[number].nbytes), entry, url=store.url
     )
-    return header, tensors, entry.nbytes
 
 
 def _where(url: str, entry: ChainEntry, number: int) -> str:
@@ -369,7 +385,8 @@ def decode_version(
     :func:`~deltasync.format.decode_delta`.
     """
     if entry.kind == "anchor":
-        return read_anchor(lambda number: contextlib.nullcontext(io.BytesIO(files[number])), entry, url=url)
+        anchor = read_anchor(lambda number: contextlib.nullcontext(io.BytesIO(files[number])), entry, url=url)
+        return anchor.header, anchor.tensors
     assert numels is not None and base_values is not None
     changes: dict[str, Change] = {}
     pieces: dict[str, list[Change]] = {}

@@ -10,18 +10,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ._chain import ChainReader, Overlay, Patch, bits, read_pointer
 from ._errors import ConfigError, FormatError, IntegrityError, NotFoundError, VersionError
 from ._fingerprint import fingerprint, fingerprint_update
-from .format import (
-    MAX_POINTER_BYTES,
-    POINTER_PATH,
-    ChainEntry,
-    Change,
-    Pointer,
-)
-from ._messages import check_version
-from ._parts import decode_version, fetch_anchor, fetch_version
-from .stores import open_store, read_limited
+from .format import POINTER_PATH, Pointer
+from .stores import open_store
 
 if TYPE_CHECKING:
     import os
@@ -44,40 +37,6 @@ def _manifest(expected: Mapping[str, tuple[int, ...] | torch.Size] | None) -> di
             raise ConfigError(f"expected: {name!r} -> {shape!r} is not a parameter name -> shape")
         manifest[name] = dims
     return manifest
-
-
-@dataclass
-class _Patch:
-    """Pending new values for one parameter: sorted unique indices and their values."""
-
-    index: torch.Tensor
-    values: torch.Tensor
-
-    def merge(self, index: torch.Tensor, values: torch.Tensor) -> None:
-        """Add a later change; where both touch an element, the later value wins."""
-        all_index = torch.cat([self.index, index])
-        all_values = torch.cat([_bits(self.values), _bits(values)])  # bit patterns: NaN payloads survive
-        order = torch.sort(all_index, stable=True).indices
-        all_index, all_values = all_index[order], all_values[order]
-        keep = torch.ones_like(all_index, dtype=torch.bool)
-        keep[:-1] = all_index[1:] != all_index[:-1]  # the last of each run came last
-        self.index, self.values = all_index[keep], all_values[keep].view(torch.bfloat16)
-
-    def lookup(self, base: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Values at ``index`` with this patch laid over ``base`` (flat)."""
-        out = _bits(base)[index].clone()
-        if self.index.numel():
-            pos = torch.searchsorted(self.index, index).clamp(max=self.index.numel() - 1)
-            hit = self.index[pos] == index
-            # As int16: a bf16 assignment of one element goes through a float scalar, which
-            # rewrites NaN payloads.
-            out[hit] = _bits(self.values)[pos[hit]]
-        return out.view(torch.bfloat16)
-
-
-def _bits(values: torch.Tensor) -> torch.Tensor:
-    """The int16 bit patterns of a bf16 tensor (a view): copies of these are exact."""
-    return values.view(torch.int16)
 
 
 @dataclass
@@ -105,8 +64,12 @@ class StagedUpdate:
     """Bytes downloaded."""
     seconds: float = 0.0
     """Time spent downloading, decoding and validating."""
+    anchor_metadata: dict[str, str] = field(default_factory=dict)
+    """For an update that loaded an anchor: the anchor's ``x-`` metadata keys (as
+    :attr:`DeltaPublisher.anchor_metadata <deltasync.DeltaPublisher.anchor_metadata>` wrote
+    them), from the same checked read as its tensors; empty otherwise."""
     _base: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    _patches: dict[str, _Patch] = field(default_factory=dict, repr=False)
+    _patches: dict[str, Patch] = field(default_factory=dict, repr=False)
     _consumed: bool = field(default=False, repr=False)
 
     @property
@@ -136,7 +99,7 @@ class StagedUpdate:
         if patch is None:
             return base if self.kind == "anchor" else base.clone()
         out = base.clone()
-        _bits(out.view(-1))[patch.index] = _bits(patch.values)
+        patch.write(out.view(-1))
         return out
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -209,12 +172,7 @@ class DeltaReceiver:
 
     def pointer(self) -> Pointer:
         """The bucket's committed pointer."""
-        where = f"{self.store.url}/{POINTER_PATH}"
-        try:
-            data = read_limited(self.store, POINTER_PATH, MAX_POINTER_BYTES)
-        except NotFoundError as exc:
-            raise VersionError(f"{where}: no version is committed in this bucket yet") from exc
-        return Pointer.from_bytes(data, where=where)
+        return read_pointer(self.store)
 
     def latest(self) -> int:
         """The newest committed version."""
@@ -266,8 +224,7 @@ class DeltaReceiver:
             if self._manifest is None:
                 self._manifest = {n: tuple(t.shape) for n, t in staged._base.items()}
         for name, patch in staged._patches.items():
-            if patch.index.numel():
-                _bits(self._state[name].view(-1))[patch.index] = _bits(patch.values)
+            patch.write(self._state[name].view(-1))
         self._version, self._fingerprint = staged.version, staged.fingerprint
         staged._consumed = True
         return names
@@ -276,11 +233,9 @@ class DeltaReceiver:
 
     def _stage(self, pointer: Pointer, version: int | None, *, from_anchor: bool = False) -> StagedUpdate:
         start = time.perf_counter()
+        reader = ChainReader(self.store, pointer)
         url = self.store.url
-        target = pointer.version if version is None else version
-        check_version(target)
-        if target > pointer.version:
-            raise VersionError(f"version {target} is not committed in {url} (the newest is {pointer.version})")
+        target = reader.target(version)
         if self._version is not None and target < self._version:
             raise VersionError(
                 f"version {target} is older than the receiver's version {self._version}; versions only move forward"
@@ -315,57 +270,37 @@ class DeltaReceiver:
             first = self._version + 1  # type: ignore[operator]
         else:
             assert anchor is not None
-            # Streamed from the store straight into the tensors: the encoded file and the
-            # decoded tensors are never both in memory.
-            where = self._where(anchor)
-            header, tensors, nbytes = fetch_anchor(self.store, anchor)
-            self._check_header(header, anchor, pointer, where)
-            got = fingerprint(tensors)
-            if got != header.fingerprint:
-                raise IntegrityError(
-                    f"{where}: the anchor's tensors hash to {got}, its metadata says {header.fingerprint} "
-                    "(the file was altered after it was written)"
-                )
-            self._check_manifest(tensors, where)
-            staged._base = tensors
-            staged.fingerprint = got
+            loaded = reader.anchor(anchor)
+            self._check_manifest(loaded.tensors, reader.where(anchor))
+            staged._base = loaded.tensors
+            staged.fingerprint = loaded.header.fingerprint
+            staged.anchor_metadata = loaded.metadata
             staged.versions.append(anchor.version)
-            staged.nbytes += nbytes
+            staged.nbytes += loaded.nbytes
             first = anchor.version + 1
-        numels = {name: t.numel() for name, t in staged._base.items()}
-        for v in range(first, target + 1):
-            entry = pointer.delta(v)
-            files = self._read_version(entry)
-            where = self._where(entry)
-            header, changes = decode_version(  # type: ignore[assignment]
-                files, entry, url=url, numels=numels, base_values=lambda n, i: self._current(staged, n, i)
-            )
-            self._check_header(header, entry, pointer, where)
-            if header.base_fingerprint != staged.fingerprint:
+        base = staged._base
+        overlay = Overlay(lambda name, index: (None, bits(base[name].view(-1))[index]))
+        staged._patches = overlay.patches
+        numels = {name: t.numel() for name, t in base.items()}
+        for step in reader.deltas(first, target, overlay, numels=numels):
+            if step.header.base_fingerprint != staged.fingerprint:
                 raise IntegrityError(
-                    f"{where}: applies to a state with fingerprint {header.base_fingerprint}, but the state "
-                    f"at version {v - 1} has {staged.fingerprint}"
+                    f"{step.where}: applies to a state with fingerprint {step.header.base_fingerprint}, but the "
+                    f"state at version {step.entry.version - 1} has {staged.fingerprint}"
                 )
-            staged.fingerprint = self._advance(staged, changes)
-            if staged.fingerprint != header.fingerprint:
+            fp = staged.fingerprint
+            for name, move in step.moves.items():
+                fp = fingerprint_update(fp, name, move.index, move.old.view(torch.bfloat16), move.new.view(torch.bfloat16))
+            staged.fingerprint = fp
+            if fp != step.header.fingerprint:
                 raise IntegrityError(
-                    f"{where}: applying it gives fingerprint {staged.fingerprint}, the file says "
-                    f"{header.fingerprint} (corrupted values or a wrong base state)"
+                    f"{step.where}: applying it gives fingerprint {fp}, the file says "
+                    f"{step.header.fingerprint} (corrupted values or a wrong base state)"
                 )
-            staged.versions.append(v)
-            staged.nbytes += sum(map(len, files))
+            staged.versions.append(step.entry.version)
+            staged.nbytes += step.nbytes
         staged.seconds = time.perf_counter() - start
         return staged
-
-    def _read_version(self, entry: ChainEntry) -> list[bytes]:
-        """Every file of a version (one, or one per part), each read with a bound and checked
-        against the pointer's size and SHA-256."""
-        return fetch_version(self.store, entry)
-
-    def _where(self, entry: ChainEntry) -> str:
-        if not entry.parts:
-            return f"{self.store.url}/{entry.path} (version {entry.version})"
-        return f"{self.store.url}/{entry.kind}s/{entry.version:08d}.part* ({len(entry.parts)} parts of version {entry.version})"
 
     def _check_manifest(self, tensors: Mapping[str, torch.Tensor], where: str) -> None:
         """Refuse an anchor whose parameter names or shapes differ from the manifest's."""
@@ -391,37 +326,3 @@ class DeltaReceiver:
                     f"{where}: parameter {name!r} has shape {list(shape)}, the receiver serves "
                     f"{list(manifest[name])}"
                 )
-
-    @staticmethod
-    def _check_header(header, entry: ChainEntry, pointer: Pointer, where: str) -> None:  # type: ignore[no-untyped-def]
-        if header.version != entry.version:
-            raise VersionError(f"{where}: the file is version {header.version}, the pointer lists it as {entry.version}")
-        if header.kind != entry.kind:
-            raise FormatError(f"{where}: the file is a(n) {header.kind}, the pointer lists a(n) {entry.kind}")
-        root = entry.version if entry.kind == "anchor" else pointer.root
-        if header.anchor != root:
-            raise VersionError(f"{where}: descends from anchor {header.anchor}, the pointer's chain grew from {root}")
-        if header.fingerprint != entry.fingerprint:
-            raise IntegrityError(
-                f"{where}: fingerprint {header.fingerprint} in the file, {entry.fingerprint} in the pointer"
-            )
-        if header.total != pointer.total:
-            raise FormatError(f"{where}: says the state has {header.total} elements, the pointer says {pointer.total}")
-
-    @staticmethod
-    def _current(staged: StagedUpdate, name: str, index: torch.Tensor) -> torch.Tensor:
-        base = staged._base[name].view(-1)
-        patch = staged._patches.get(name)
-        return _bits(base)[index].view(torch.bfloat16) if patch is None else patch.lookup(base, index)
-
-    def _advance(self, staged: StagedUpdate, changes: dict[str, Change]) -> str:
-        fp = staged.fingerprint
-        for name, change in changes.items():
-            old = self._current(staged, name, change.index)
-            fp = fingerprint_update(fp, name, change.index, old, change.new)
-            patch = staged._patches.get(name)
-            if patch is None:
-                staged._patches[name] = _Patch(change.index, change.new)
-            else:
-                patch.merge(change.index, change.new)
-        return fp

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ._errors import DeltaSyncError, FormatError, NotFoundError, VersionError
+from ._errors import DeltaSyncError, NotFoundError, VersionError
 from .format import HISTORY_PATH, POINTER_PATH, Pointer, get_codec, read_header
 
 __all__ = ["main"]
@@ -102,7 +102,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 @_command("verify")
 def _verify(args: argparse.Namespace) -> int:
-    from ._parts import fetch_version
+    from ._chain import ChainReader
     from ._receiver import DeltaReceiver
 
     receiver = DeltaReceiver(args.bucket)
@@ -114,14 +114,10 @@ def _verify(args: argparse.Namespace) -> int:
     # Deltas before the oldest anchor serve followers only: no kept state lets them be replayed
     # here, but each file is checked as far as it can be (size, SHA-256, header).
     early = [e for e in pointer.chain if e.version <= first.version]
+    reader = ChainReader(receiver.store, pointer)
     for entry in early:
         try:
-            for number, data in enumerate(fetch_version(receiver.store, entry)):
-                header = read_header(data, where=f"{receiver.store.url}/{entry.files[number].path}")
-                if (header.kind, header.version, header.fingerprint) != ("delta", entry.version, entry.fingerprint):
-                    raise FormatError(f"{entry.files[number].path}: the file is {header.kind} {header.version} with "
-                                      f"fingerprint {header.fingerprint}, the pointer lists delta {entry.version} with "
-                                      f"{entry.fingerprint}")  # fmt: skip
+            reader.check_files(entry.version)
         except DeltaSyncError as exc:
             print(f"version {entry.version}: BAD: {exc}")
             print(f"error: the first bad version is {entry.version} ({', '.join(f.path for f in entry.files)})", file=sys.stderr)

@@ -9,6 +9,7 @@ import threading
 import torch
 
 from deltasync import NotFoundError, StoreError
+from deltasync._chain import bits
 from deltasync.stores import LocalStore
 
 def small_transformer(seed: int = 0) -> torch.nn.Module:
@@ -154,3 +155,56 @@ class FiveMethodStore:
     def delete(self, paths) -> None:  # type: ignore[no-untyped-def]
         for path in paths:
             self.files.pop(path, None)
+
+
+# --------------------------------------------------------------------------- chains of bit patterns
+
+#: bf16 bit patterns a float path would not keep: NaN payloads, -0.0, infinities, subnormals.
+PATTERNS = [0x7FC1, 0xFFFF, 0x8000, 0x7F80, 0xFF80, 0x0001, 0x7F81]
+
+
+def checkpoint_model(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> torch.nn.Module:
+    """A module whose parameters are named ``<module>.<attr>`` as ``shapes`` says (bf16)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Module()
+    for name, shape in shapes.items():
+        module, attr = name.split(".")
+        sub = torch.nn.Module()
+        sub.register_parameter(attr, torch.nn.Parameter(torch.randn(shape, generator=gen).to(torch.bfloat16)))
+        model.add_module(module, sub)
+    return model
+
+
+def edit_bits(model: torch.nn.Module, step: int) -> None:
+    """Step ``step``'s changes: a few elements of every parameter, special patterns included."""
+    with torch.no_grad():
+        for k, param in enumerate(model.parameters()):
+            flat = bits(param.data.view(-1))
+            for j in range(3):
+                pattern = PATTERNS[(step + j) % len(PATTERNS)]
+                flat[(step * 5 + k * 3 + j * 7) % flat.numel()] = pattern - 0x10000 if pattern >= 0x8000 else pattern
+            param.data.view(-1)[(step * 11 + k) % flat.numel()] += 1
+
+
+def publish_chain(
+    bucket, model: torch.nn.Module, *, deltas: int, anchor_at: int | None = None, metadata: dict | None = None, **options
+) -> list[dict]:
+    """Anchor 0 and ``deltas`` deltas of :func:`edit_bits` (an extra anchor at ``anchor_at``,
+    both kept; ``metadata`` in every anchor); the state of each version."""
+    from deltasync import DeltaPublisher
+
+    publisher = DeltaPublisher(bucket, model, **{"anchor_bytes_ratio": 0, "keep_anchors": 2, **options})
+    publisher.anchor_metadata = dict(metadata or {})
+    states = []
+    for step in range(deltas + 1):
+        if step:
+            edit_bits(model, step)
+        publisher.publish(anchor=step == anchor_at)
+        states.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    publisher.close()
+    return states
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Same names, and the same bf16 bit patterns in each."""
+    return set(a) == set(b) and all(torch.equal(bits(a[n].reshape(-1)), bits(b[n].reshape(-1))) for n in a)

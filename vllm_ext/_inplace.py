@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from deltasync import DeltaReceiver, IntegrityError
+from deltasync import IntegrityError
+from deltasync._chain import ChainReader, Overlay
 from deltasync._fingerprint import fingerprint_add, fingerprint_share
-from deltasync._parts import decode_version
 
 from ._cpus import move_off_engine_cores
 from ._weight_map import Piece, WeightMap
@@ -116,32 +116,6 @@ class LiveStaged:
     seconds: float = 0.0
     dense: Any = None
     """For an anchor: the fully staged :class:`~deltasync.StagedUpdate` to load densely."""
-
-
-class _Patch:
-    """Pending values of one checkpoint tensor on this rank across several deltas (sorted)."""
-
-    def __init__(self) -> None:
-        self.index = torch.empty(0, dtype=torch.int64)
-        self.bits = torch.empty(0, dtype=torch.int16)
-
-    def merge(self, index: torch.Tensor, bits: torch.Tensor) -> None:
-        all_index = torch.cat([self.index, index])
-        all_bits = torch.cat([self.bits, bits])
-        order = torch.sort(all_index, stable=True).indices
-        all_index, all_bits = all_index[order], all_bits[order]
-        keep = torch.ones_like(all_index, dtype=torch.bool)
-        keep[:-1] = all_index[1:] != all_index[:-1]  # the later value wins
-        self.index, self.bits = all_index[keep], all_bits[keep]
-
-    def overlay(self, index: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-        if self.index.numel() == 0 or index.numel() == 0:
-            return bits
-        pos = torch.searchsorted(self.index, index).clamp(max=self.index.numel() - 1)
-        hit = self.index[pos] == index
-        out = bits.clone()
-        out[hit] = self.bits[pos[hit]]
-        return out
 
 
 class InPlaceState:
@@ -296,11 +270,8 @@ class InPlaceState:
 
     # ------------------------------------------------------------------ staging
 
-    def stage_deltas(self, receiver: DeltaReceiver, pointer: Any, target: int) -> LiveStaged:
-        """Decode deltas ``version + 1 .. target`` for the elements this rank holds.
-
-        ``receiver`` is only used to read and check files (sizes, SHA-256); it holds no state.
-        """
+    def stage_deltas(self, reader: ChainReader, target: int) -> LiveStaged:
+        """Decode deltas ``version + 1 .. target`` of ``reader``'s chain for the elements this rank holds."""
         start = time.perf_counter()
         assert self.version is not None
         staged = LiveStaged(
@@ -308,47 +279,23 @@ class InPlaceState:
             from_fingerprint=self.fingerprint,
             version=target,
             kind="delta" if target > self.version else "none",
-            fingerprint=pointer.fingerprint_at(target) or "",
+            fingerprint=reader.pointer.fingerprint_at(target) or "",
         )
-        patches: dict[str, _Patch] = {}
-
-        def current(name: str, index: torch.Tensor) -> torch.Tensor:
-            # Old values at elements this rank holds; zeros elsewhere (decoded, then dropped).
-            pos, bits = self.read(name, index)
-            out = torch.zeros(index.numel(), dtype=torch.int16)
-            patch = patches.get(name)
-            out[pos] = bits if patch is None else patch.overlay(index[pos], bits)
-            return out
-
+        # Old values at the elements this rank holds (the others are decoded, then dropped).
+        overlay = Overlay(self.read)
+        patches = overlay.patches
         names: dict[str, None] = {}
-        for v in range(self.version + 1, target + 1):
-            entry = pointer.delta(v)
-            files = receiver._read_version(entry)  # one file, or one per part of a split version
-            where = receiver._where(entry)
-            header, changes = decode_version(  # type: ignore[assignment]
-                files,
-                entry,
-                url=receiver.store.url,
-                numels=self.map.numels,
-                base_values=lambda n, i: current(n, i).view(torch.bfloat16),
-            )
-            receiver._check_header(header, entry, pointer, where)
+        for step in reader.deltas(self.version + 1, target, overlay, numels=self.map.numels):
             share = 0
-            for name, change in changes.items():
+            for name, move in step.moves.items():
                 if name in self.map.ignored:
                     continue
-                pos, old = self.read(name, change.index)
-                if name in patches:
-                    old = patches[name].overlay(change.index[pos], old)
-                index = change.index[pos]
-                new = change.new.view(torch.int16)[pos]
-                share += self._share_move(name, index, old, new)
-                patches.setdefault(name, _Patch()).merge(index, new)
+                share += self._share_move(name, move.index, move.old, move.new)
                 names[name] = None
-                staged.changed += change.index.numel()
-            staged.chain.append((v, header.base_fingerprint or "", header.fingerprint))
+                staged.changed += move.changed
+            staged.chain.append((step.entry.version, step.header.base_fingerprint or "", step.header.fingerprint))
             staged.shares.append(share & _MASK)
-            staged.nbytes += sum(map(len, files))
+            staged.nbytes += step.nbytes
         staged.names = list(names)
         for name, patch in patches.items():
             for piece in self.map.pieces.get(name, []):

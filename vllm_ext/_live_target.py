@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from deltasync import DeltaReceiver, IntegrityError, VersionError
+from deltasync import DeltaReceiver, IntegrityError
+from deltasync._chain import ChainReader
 from deltasync._errors import UpdateError
 
 from ._checkpoint import ServedCheckpoint
@@ -75,11 +76,10 @@ class LiveTarget(UpdateTarget):
         deltas after it, decoded in full for a dense load."""
         live = self.live
         self.receiver = receiver
-        pointer = receiver.pointer()
-        if version > pointer.version:
-            raise VersionError(f"version {version} is not committed in {receiver.store.url} (the newest is {pointer.version})")
-        if not dense and live.tainted is None and pointer.replays_from(live.version, live.fingerprint):
-            return live.stage_deltas(receiver, pointer, version)
+        reader = ChainReader(receiver.store, receiver.pointer())
+        reader.target(version)
+        if not dense and live.tainted is None and reader.pointer.replays_from(live.version, live.fingerprint):
+            return live.stage_deltas(reader, version)
         full = DeltaReceiver(receiver.store).stage(version)  # a transient copy, dropped after the load
         self.checkpoint.check(full)
         return LiveStaged(

@@ -38,10 +38,9 @@ from typing import Any
 
 import torch
 
-from deltasync import AuthError, DeltaReceiver, DeltaSyncError, VersionError
+from deltasync import AuthError, DeltaReceiver, DeltaSyncError, StagedUpdate, VersionError
 from deltasync._auth import check_update_tag
 from deltasync._env import BUCKET_ENV
-from deltasync.format import anchor_path, part_path, read_metadata
 from deltasync._lora import (
     ADAPTER_CONFIG_KEY,
     BASE_FINGERPRINT_KEY,
@@ -234,7 +233,9 @@ class _AdapterSync:
             if receiver is not None and receiver.version == version and self.loaded.get(version) == adapter:
                 self.last = {"version": version, "kind": "none", "nbytes": 0, "stage_s": 0.0, "apply_s": 0.0}
                 return {**self.status(), "kind": "none", "nbytes": 0, "stage_s": 0.0, "apply_s": 0.0}
-            staged, state, config, base, anchor_meta, staging = await asyncio.to_thread(self._stage, version)
+            staged, state, config, base, anchor_meta, staging = await asyncio.to_thread(
+                stage_adapter, self.bucket, self.receiver, self.anchor_meta, version  # type: ignore[arg-type]
+            )
             check_adapter_config(config)
             rank = adapter_rank(config)
             if rank > lora_config.max_lora_rank:
@@ -285,53 +286,6 @@ class _AdapterSync:
                     "apply_s": apply_s, "unloaded": unloaded}  # fmt: skip
 
     # ------------------------------------------------------------------ steps
-
-    def _stage(
-        self, version: int
-    ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any], str, tuple[int, dict[str, str]], DeltaReceiver]:
-        """Download and check version ``version``; returns it with the full adapter state and its metadata."""
-        receiver = self.receiver
-        if receiver is None or self.anchor_meta is None or receiver.pointer().root != self.anchor_meta[0]:
-            # A new chain (a trainer started anew: maybe another adapter, of another rank) is
-            # staged on a fresh receiver, whose manifest is its anchor's; it replaces the current
-            # one only once the adapter passed every check and loaded.
-            receiver = DeltaReceiver(self.bucket)  # type: ignore[arg-type]
-        pointer = receiver.pointer()
-        if version > pointer.version:
-            raise VersionError(f"version {version} is not committed in {receiver.store.url} (the newest is {pointer.version})")
-        staged = receiver.stage(version)
-        if staged.kind == "anchor":
-            state = dict(staged.tensors())
-            loaded: int | None = staged.versions[0]
-        else:
-            state = receiver.state_dict()
-            state.update(staged.tensors())
-            loaded = None
-        if loaded is None:
-            assert self.anchor_meta is not None
-            anchor_meta = self.anchor_meta
-            anchor = anchor_meta[0]
-        else:
-            # Every anchor carries the adapter's metadata (a split one, in every part).
-            anchor = loaded
-            path = anchor_path(anchor)
-            if not receiver.store.exists(path):
-                path = part_path("anchor", anchor, 0)
-            where = f"{receiver.store.url}/{path}"
-            anchor_meta = (pointer.root, read_metadata(receiver.store.read_bytes(path), where=where))
-        meta = anchor_meta[1]
-        if ADAPTER_CONFIG_KEY not in meta or BASE_FINGERPRINT_KEY not in meta:
-            raise AdapterError(
-                f"{receiver.store.url}: anchor {anchor} holds no adapter ({ADAPTER_CONFIG_KEY} is missing): this bucket "
-                "holds full-model versions; serve it without --enable-lora, or point the server at an adapter bucket"
-            )
-        try:
-            config = json.loads(meta[ADAPTER_CONFIG_KEY])
-        except ValueError as exc:
-            raise AdapterError(f"anchor {anchor}: {ADAPTER_CONFIG_KEY} is not JSON ({exc})") from exc
-        if not isinstance(config, dict):
-            raise AdapterError(f"anchor {anchor}: {ADAPTER_CONFIG_KEY} is not a JSON object")
-        return staged, state, config, meta[BASE_FINGERPRINT_KEY], anchor_meta, receiver
 
     def _served_base_fingerprint(self) -> str:
         """Fingerprint of the checkpoint this server runs, tensor by tensor (never all in memory)."""
@@ -402,3 +356,47 @@ class _AdapterSync:
             self.retired.append(self.directory / adapter)
             unloaded.append(adapter)
         return unloaded
+
+
+def stage_adapter(
+    bucket: str, receiver: DeltaReceiver | None, anchor_meta: tuple[int, dict[str, str]] | None, version: int
+) -> tuple[StagedUpdate, dict[str, torch.Tensor], dict[str, Any], str, tuple[int, dict[str, str]], DeltaReceiver]:
+    """Download and check adapter version ``version`` of ``bucket``, changing nothing.
+
+    ``receiver`` holds the adapter versions followed so far, and ``anchor_meta`` the root of
+    their chain and the adapter metadata of its anchors (both None at first). Returns the staged
+    update, the full adapter state after it, its adapter config, the base-model fingerprint it
+    was trained on, the ``anchor_meta`` and the receiver to apply the update to: ``receiver``,
+    or a fresh one for a new chain.
+    """
+    root = None if receiver is None else receiver.pointer().root
+    if receiver is None or anchor_meta is None or root != anchor_meta[0]:
+        # A new chain (a trainer started anew: maybe another adapter, of another rank) is
+        # staged on a fresh receiver, whose manifest is its anchor's; it replaces the current
+        # one only once the adapter passed every check and loaded.
+        receiver = DeltaReceiver(bucket)
+        root = receiver.pointer().root
+    staged = receiver.stage(version)
+    if staged.kind == "anchor":
+        state = dict(staged.tensors())
+        # Every anchor carries the adapter's metadata, read and checked with its tensors.
+        anchor = staged.versions[0]
+        anchor_meta = (root, staged.anchor_metadata)
+    else:
+        state = receiver.state_dict()
+        state.update(staged.tensors())
+        assert anchor_meta is not None
+        anchor = anchor_meta[0]
+    meta = anchor_meta[1]
+    if ADAPTER_CONFIG_KEY not in meta or BASE_FINGERPRINT_KEY not in meta:
+        raise AdapterError(
+            f"{receiver.store.url}: anchor {anchor} holds no adapter ({ADAPTER_CONFIG_KEY} is missing): this bucket "
+            "holds full-model versions; serve it without --enable-lora, or point the server at an adapter bucket"
+        )
+    try:
+        config = json.loads(meta[ADAPTER_CONFIG_KEY])
+    except ValueError as exc:
+        raise AdapterError(f"anchor {anchor}: {ADAPTER_CONFIG_KEY} is not JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise AdapterError(f"anchor {anchor}: {ADAPTER_CONFIG_KEY} is not a JSON object")
+    return staged, state, config, meta[BASE_FINGERPRINT_KEY], anchor_meta, receiver

@@ -22,7 +22,7 @@ from safetensors.torch import load as st_load
 from deltasync import DeltaSyncError, FormatError, Pointer
 from deltasync import format as F
 from deltasync._fingerprint import fingerprint, fingerprint_update
-from deltasync._receiver import _Patch
+from deltasync._chain import Patch
 
 BUDGET = settings(
     max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
@@ -275,15 +275,12 @@ def test_every_bit_pattern_round_trips_through_both_codecs(codec: str, edits: di
 def test_replay_merges_and_looks_up_exact_bit_patterns(steps: list[dict[int, int]], probes: list[int]) -> None:
     base = bf16([0x3F80] * 64)
     expected = u16(base)
-    patch = None
+    patch = Patch()
     for step in steps:
         index = torch.tensor(sorted(step))
         values = bf16([step[i] for i in sorted(step)])
         for i, bits in step.items():
             expected[i] = bits
-        if patch is None:
-            patch = _Patch(index, values)
-        else:
-            patch.merge(index, values)
+        patch.merge(index, values.view(torch.int16))
     probe = torch.tensor(sorted(probes))
-    assert u16(patch.lookup(base, probe)) == [expected[i] for i in sorted(probes)]  # type: ignore[union-attr]
+    assert u16(patch.lookup(base, probe)) == [expected[i] for i in sorted(probes)]
