@@ -105,6 +105,9 @@ class Overlay:
         self.base = base
         self.patches: dict[str, Patch] = {}
         """Parameter -> the new values of the elements the deltas so far changed."""
+        self._read: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+        """What :meth:`values` read for the version being decoded (index, positions, bits), so
+        that :meth:`advance` does not read the same elements again."""
 
     def read(self, name: str, index: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """As ``base``, with the deltas replayed so far: (positions held or None, current bits)."""
@@ -117,6 +120,7 @@ class Overlay:
     def values(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """The current bf16 values at every element of ``index`` (zeros at those not held)."""
         pos, now = self.read(name, index)
+        self._read[name] = (index, pos, now)
         if pos is not None:
             out = torch.zeros(index.numel(), dtype=torch.int16)
             out[pos] = now
@@ -126,8 +130,10 @@ class Overlay:
     def advance(self, changes: Mapping[str, Change]) -> dict[str, Move]:
         """Lay a version's decoded ``changes`` over the state; what they move in the elements held."""
         moves = {}
+        read, self._read = self._read, {}
         for name, change in changes.items():
-            pos, old = self.read(name, change.index)
+            seen = read.get(name)
+            pos, old = seen[1:] if seen is not None and seen[0] is change.index else self.read(name, change.index)
             index, new = change.index, bits(change.new)
             if pos is not None:
                 index, new = index[pos], new[pos]

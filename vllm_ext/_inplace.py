@@ -43,6 +43,12 @@ _MASK = (1 << 64) - 1
 _HOST = "<host>"
 
 
+def _meet(a: Piece, b: Piece) -> bool:
+    """Whether the checkpoint ranges of two boxes overlap."""
+    (a_lo, a_hi), (b_lo, b_hi) = a.src_range, b.src_range
+    return a_lo <= b_hi and b_lo <= a_hi
+
+
 def release_freed_memory() -> None:
     """Return freed heap pages to the system. glibc keeps them (per thread arena) after large
     transient buffers, such as an anchor's full copy or a full hash's chunks; elsewhere a no-op."""
@@ -172,7 +178,8 @@ class InPlaceState:
         self.before: dict[str, list[list[Piece]]] = {}
         for name, mine in self.map.pieces.items():
             earlier = [theirs.get(name, []) for theirs in everyone[:rank_index]]
-            self.before[name] = [sum(earlier, []) + mine[:k] for k in range(len(mine))]
+            # Only boxes whose ranges meet can hold the same elements (replicated KV heads do).
+            self.before[name] = [[o for o in sum(earlier, []) + mine[:k] if _meet(o, piece)] for k, piece in enumerate(mine)]
         self.version: int | None = None
         # With a host part, nothing is known before the first anchor fills it.
         self.fingerprint: str | None = None if self.host else self.full_fingerprint()
@@ -256,9 +263,16 @@ class InPlaceState:
             )
             self.fingerprint = served
 
-    def read(self, name: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Live int16 bits at the checkpoint indices of ``name`` that this rank holds:
-        ``(positions in index, bits)``, each element once."""
+    def read(self, name: str, index: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Live int16 bits at the sorted checkpoint indices ``index`` of ``name`` that this rank
+        holds: ``(positions in index, bits)``, each element once; positions None when it holds
+        them all (the chain reader's :data:`~deltasync._chain.BaseRead`)."""
+        pieces = self.map.pieces.get(name, [])
+        if len(pieces) == 1:  # the common case: one box of one parameter (hits come sorted, once each)
+            hit, dst = pieces[0].locate(index, sorted_index=True)
+            flat = self.flat[pieces[0].param]
+            got = flat[dst.to(flat.device)].cpu()
+            return (None if hit.numel() == index.numel() else hit), got
         found = torch.zeros(index.numel(), dtype=torch.bool)
         out = torch.zeros(index.numel(), dtype=torch.int16)
         for piece in self.map.pieces.get(name, []):
@@ -319,8 +333,13 @@ class InPlaceState:
     def _share_move(self, name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> int:
         """Fingerprint move of elements ``index`` (held here) going from ``old`` to ``new`` bits,
         counting only the elements this rank owns."""
+        pieces = self.map.pieces.get(name, [])
+        if len(pieces) == 1 and not self.before[name][0]:  # held here means owned here
+            return fingerprint_share(name, index, new.view(torch.bfloat16)) - fingerprint_share(
+                name, index, old.view(torch.bfloat16)
+            )
         owned = torch.zeros(index.numel(), dtype=torch.bool)
-        for k, piece in enumerate(self.map.pieces.get(name, [])):
+        for k, piece in enumerate(pieces):
             hit, _ = piece.locate(index)
             if hit.numel():
                 owned[hit[self._owned(name, k, index[hit])]] = True

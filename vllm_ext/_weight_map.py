@@ -17,6 +17,7 @@ from the live parameters, and a name whose values are not where its loader put t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,10 +77,28 @@ class Piece:
             span += (self.sizes[d] - 1) * self.src_strides[d]
         return True
 
-    def locate(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For int64 checkpoint indices: the positions in ``index`` inside this box and their
-        parameter flat indices. O(len(index))."""
+    @functools.cached_property
+    def _dense(self) -> bool:
+        """Whether the box is one contiguous run of the checkpoint tensor, laid out in the same
+        order in the parameter (a whole tensor, or a block of leading rows, fused into a larger
+        parameter): checkpoint index ``i`` is then parameter index ``i - src_offset + dst_offset``."""
+        run = 1
+        for d in reversed(self._dims()):
+            if self.src_strides[d] != run or self.dst_strides[d] != run:
+                return False
+            run *= self.sizes[d]
+        return True
+
+    def locate(self, index: torch.Tensor, *, sorted_index: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """For int64 checkpoint indices: the positions in ``index`` inside this box (increasing)
+        and their parameter flat indices. O(len(index)); for a dense box and a sorted ``index``
+        (as deltas hold them: ``sorted_index`` says so, else it is checked), two binary searches
+        and one pass."""
         lo, hi = self.src_range
+        if self._dense and (sorted_index or index.numel() < 2 or bool((index[1:] >= index[:-1]).all())):
+            first = int(torch.searchsorted(index, torch.tensor(lo, dtype=index.dtype)))
+            last = int(torch.searchsorted(index, torch.tensor(hi, dtype=index.dtype), right=True))
+            return torch.arange(first, last), index[first:last] + (self.dst_offset - self.src_offset)
         hit = torch.nonzero((index >= lo) & (index <= hi)).reshape(-1)
         if hit.numel() == 0:
             return hit, hit
