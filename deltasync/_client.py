@@ -50,10 +50,13 @@ __all__ = [
     "UPDATE_ROUTE",
     "VERSION_HEADER",
     "BaseRolloutClient",
+    "RequestError",
     "RolloutClient",
+    "ServerHandle",
     "ServerResult",
     "ServerStatus",
     "UpdateReport",
+    "check_update_mode",
 ]
 
 #: The one-request update route of ``vllm_ext.UpdateMiddleware`` (stage, pause, apply, resume).
@@ -150,7 +153,7 @@ class ServerStatus:
     ``latest_seen``, ``lag``, ``last_error``, ``last_update_at``)."""
 
 
-class _RequestError(Exception):
+class RequestError(Exception):
     """One HTTP call failed; the message names the route and carries the server's words."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
@@ -159,8 +162,8 @@ class _RequestError(Exception):
         """The HTTP status the server answered with; None when no answer came."""
 
 
-class _Server:
-    """HTTP calls to one server, each failure turned into a :class:`_RequestError`."""
+class ServerHandle:
+    """HTTP calls to one server, each failure turned into a :class:`RequestError`."""
 
     def __init__(self, client: httpx.Client, url: str) -> None:
         self.client = client
@@ -172,7 +175,7 @@ class _Server:
 
     def call(self, method: str, route: str, *, body: Any = None, params: dict[str, str] | None = None,
              attempts: int = 1) -> Any:  # fmt: skip
-        """One request; failures become :class:`_RequestError` (see :meth:`post`)."""
+        """One request; failures become :class:`RequestError` (see :meth:`post`)."""
         import httpx
 
         for attempt in range(attempts):
@@ -185,12 +188,12 @@ class _Server:
                 if attempt + 1 < attempts:
                     time.sleep(0.1 * (attempt + 1))
                     continue
-                raise _RequestError(f"{method} {route}: {type(exc).__name__}: {str(exc) or 'no answer'}") from exc
+                raise RequestError(f"{method} {route}: {type(exc).__name__}: {str(exc) or 'no answer'}") from exc
             except httpx.HTTPError as exc:
-                raise _RequestError(f"{method} {route}: {type(exc).__name__}: {exc}") from exc
+                raise RequestError(f"{method} {route}: {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 400:
             status = response.status_code
-            raise _RequestError(f"{method} {route}: HTTP {status}: {_error_text(response)}", status)
+            raise RequestError(f"{method} {route}: HTTP {status}: {_error_text(response)}", status)
         if not response.content:
             return None
         try:
@@ -203,11 +206,17 @@ class _Server:
         answer = self.post("/collective_rpc", body=body, attempts=attempts)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list) or not results:
-            raise _RequestError(f"POST /collective_rpc ({method}): unexpected answer {answer!r}")
+            raise RequestError(f"POST /collective_rpc ({method}): unexpected answer {answer!r}")
         for rank, result in enumerate(results):
             if not isinstance(result, dict):
-                raise _RequestError(f"POST /collective_rpc ({method}): worker {rank} answered {result!r}")
+                raise RequestError(f"POST /collective_rpc ({method}): worker {rank} answered {result!r}")
         return results
+
+
+def check_update_mode(mode: object) -> None:
+    """Raise :class:`ConfigError` unless ``mode`` is an update mode :meth:`RolloutClient.update` takes."""
+    if mode not in (None, "pause", "inflight"):
+        raise ConfigError(f"mode must be 'pause', 'inflight' or None (the server's own), got {mode!r}")
 
 
 def _error_text(response: httpx.Response) -> str:
@@ -283,7 +292,7 @@ class BaseRolloutClient(ABC):
             raise ConfigError(f"timeout must be > 0 seconds, got {timeout}")
         self.token = token
         self.timeout = float(timeout)
-        self._transport = transport
+        self.transport = transport
 
     def update(self, version: int) -> UpdateReport:
         """Make every server serve committed ``version``; waits until each has applied it or failed."""
@@ -295,14 +304,14 @@ class BaseRolloutClient(ABC):
         return {s.url: s for s in statuses}
 
     @abstractmethod
-    def _update_one(self, server: _Server, version: int, tag: str | None) -> ServerResult:
+    def _update_one(self, server: ServerHandle, version: int, tag: str | None) -> ServerResult:
         """Make one server serve ``version``; report, never raise."""
 
     @abstractmethod
-    def _status_one(self, server: _Server) -> ServerStatus:
+    def _status_one(self, server: ServerHandle) -> ServerStatus:
         """What one server serves; report, never raise."""
 
-    def _update_each(self, version: int, update_one: Callable[[_Server, int, str | None], ServerResult]) -> UpdateReport:
+    def _update_each(self, version: int, update_one: Callable[[ServerHandle, int, str | None], ServerResult]) -> UpdateReport:
         version = check_version(version)
         tag = self._tag(version)
         return UpdateReport(version=version, results=self._each(lambda server: update_one(server, version, tag)))
@@ -310,7 +319,7 @@ class BaseRolloutClient(ABC):
     def _tag(self, version: int) -> str | None:
         return None if self.token is None else update_tag(self.token, version)
 
-    def _each(self, call: Callable[[_Server], _T]) -> list[_T]:
+    def _each(self, call: Callable[[ServerHandle], _T]) -> list[_T]:
         """Run ``call`` for every server, a thread each; results in ``urls`` order."""
         try:
             import httpx
@@ -320,8 +329,8 @@ class BaseRolloutClient(ABC):
         headers = {"Authorization": f"Bearer {self.token}"} if self.token is not None else {}
 
         def run(url: str) -> _T:
-            with httpx.Client(headers=headers, timeout=self.timeout, transport=self._transport) as client:
-                return call(_Server(client, url))
+            with httpx.Client(headers=headers, timeout=self.timeout, transport=self.transport) as client:
+                return call(ServerHandle(client, url))
 
         if len(self.urls) == 1:
             return [run(self.urls[0])]
@@ -351,8 +360,7 @@ class RolloutClient(BaseRolloutClient):
         ``vllm_ext.UpdateMiddleware`` whose parameters are all patched in place, else they pause
         and say so) or "pause"; None: each server's own ``--update-mode``.
         """
-        if mode not in (None, "pause", "inflight"):
-            raise ConfigError(f"mode must be 'pause', 'inflight' or None (the server's own), got {mode!r}")
+        check_update_mode(mode)
         return self._update_each(version, lambda server, number, tag: self._update_one(server, number, tag, mode))
 
     def prefetch(self, version: int) -> dict[str, ServerResult]:
@@ -408,7 +416,7 @@ class RolloutClient(BaseRolloutClient):
 
     # ------------------------------------------------------------------ per server
 
-    def _update_one(self, server: _Server, version: int, tag: str | None, mode: str | None = None) -> ServerResult:
+    def _update_one(self, server: ServerHandle, version: int, tag: str | None, mode: str | None = None) -> ServerResult:
         error: str | None = None
         start = time.perf_counter()
         if self._one_route.get(server.url, True):
@@ -418,7 +426,7 @@ class RolloutClient(BaseRolloutClient):
             answer: Any = None
             try:
                 answer = server.post(UPDATE_ROUTE, body=body)
-            except _RequestError as exc:
+            except RequestError as exc:
                 if exc.status == 404:  # a server without vllm_ext.UpdateMiddleware: vLLM's routes
                     self._one_route[server.url] = False
                 else:
@@ -439,33 +447,33 @@ class RolloutClient(BaseRolloutClient):
         try:
             try:
                 server.post("/pause", params={"mode": "keep", "clear_cache": "true"})
-            except _RequestError as exc:
+            except RequestError as exc:
                 refused_pause = exc.status is not None  # an answer, so certainly not paused
                 raise
             self._start_update(server)
             try:
                 server.post("/update_weights", body={"update_info": {"version": version, "auth": tag}})
-            except _RequestError:
+            except RequestError:
                 _close_session(server)
                 raise
             server.post("/finish_weight_update", body={"weight_version": str(version)})
-        except _RequestError as exc:
+        except RequestError as exc:
             error = str(exc)
         finally:
             try:
                 server.post("/resume", attempts=3)
-            except _RequestError as exc:
+            except RequestError as exc:
                 if not refused_pause:
                     error = f"{error}; then " if error else ""
                     error += f"{exc} (the server may still be paused)"
             paused_s = time.perf_counter() - start
         return self._report(server, version, error, paused_s)
 
-    def _report(self, server: _Server, version: int, error: str | None, paused_s: float) -> ServerResult:
+    def _report(self, server: ServerHandle, version: int, error: str | None, paused_s: float) -> ServerResult:
         """The result of an update, from the server's state read back after it."""
         try:
             state = self._status_one(server)
-        except _RequestError as exc:  # pragma: no cover - _status_one reports, never raises
+        except RequestError as exc:  # pragma: no cover - _status_one reports, never raises
             state = ServerStatus(url=server.url, ok=False, error=str(exc))
         last = _last_update(state, version)
         if error is None and not state.ok:
@@ -486,10 +494,10 @@ class RolloutClient(BaseRolloutClient):
         )
 
     @staticmethod
-    def _start_update(server: _Server) -> None:
+    def _start_update(server: ServerHandle) -> None:
         try:
             server.post("/start_weight_update")
-        except _RequestError as exc:
+        except RequestError as exc:
             if "already active" not in str(exc):
                 raise
             # A client that died between start and finish left a session open. The delta
@@ -497,10 +505,10 @@ class RolloutClient(BaseRolloutClient):
             _close_session(server)
             server.post("/start_weight_update")
 
-    def _prefetch_one(self, server: _Server, version: int, tag: str | None) -> ServerResult:
+    def _prefetch_one(self, server: ServerHandle, version: int, tag: str | None) -> ServerResult:
         try:
             workers = server.rpc("deltasync_prefetch", [version, tag], self.timeout)
-        except _RequestError as exc:
+        except RequestError as exc:
             return ServerResult(url=server.url, ok=False, error=str(exc))
         failed = [w for w in workers if w.get("error")]
         state = self._status_one(server)
@@ -523,25 +531,25 @@ class RolloutClient(BaseRolloutClient):
             error=error,
         )
 
-    def _served_one(self, server: _Server) -> ServerStatus:
+    def _served_one(self, server: ServerHandle) -> ServerStatus:
         try:
             body = server.call("GET", STATUS_ROUTE, attempts=3)
             status = ServedBody.from_answer(body, f"{server.url}{STATUS_ROUTE}")
-        except (_RequestError, FormatError) as exc:
+        except (RequestError, FormatError) as exc:
             return ServerStatus(url=server.url, ok=False, error=str(exc))
         return ServerStatus(
             url=server.url, ok=True, version=status.version, fingerprint=status.fingerprint, mode=status.mode,
             workers=[w.to_json() for w in status.workers], follow=status.follow,
         )
 
-    def _status_one(self, server: _Server) -> ServerStatus:
+    def _status_one(self, server: ServerHandle) -> ServerStatus:
         try:
             workers = server.rpc("deltasync_status", [], self.timeout, attempts=3)
-        except _RequestError as exc:
+        except RequestError as exc:
             return ServerStatus(url=server.url, ok=False, error=str(exc))
         return _combine(server.url, workers)
 
-def _close_session(server: _Server) -> None:
+def _close_session(server: ServerHandle) -> None:
     """End a weight-update session that may be open on some of the server's workers.
 
     vLLM closes the session of a worker whose update raised, but with several workers
@@ -551,7 +559,7 @@ def _close_session(server: _Server) -> None:
     """
     try:
         server.post("/finish_weight_update", attempts=3)
-    except _RequestError:
+    except RequestError:
         pass
 
 

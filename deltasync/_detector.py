@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from ._chain import Patch
 from ._errors import ConfigError
 from .format import Change
 from ._sharded import OwnedSlice, ShardLayout
@@ -121,7 +122,8 @@ class BF16ChangeDetector:
         # a publisher's background thread) and the snapshot against a pin's end.
         self._lock = threading.RLock()
         self._pins = 0
-        self._overlay: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # While pinned: parameter -> the committed values kept aside (see commit).
+        self._overlay: dict[str, Patch] = {}
         self.reset()
 
     def _steppers(self, weights: list[SourceWeight], inner: torch.optim.Optimizer | None) -> dict[str, list[torch.Tensor]]:
@@ -281,9 +283,10 @@ class BF16ChangeDetector:
                 base = snap[lo:hi]
             else:
                 base.copy_(snap[lo:hi])
-                first, last = torch.searchsorted(overlay[0], torch.tensor([lo, hi])).tolist()
+                first, last = torch.searchsorted(overlay.index, torch.tensor([lo, hi])).tolist()
                 if last > first:
-                    base.view(torch.int16)[overlay[0][first:last].to(base.device) - lo] = overlay[1][first:last].to(base.device)
+                    where = overlay.index[first:last].to(base.device) - lo
+                    base.view(torch.int16)[where] = overlay.bits[first:last].to(base.device)
             torch.ne(current.view(torch.int16), base.view(torch.int16), out=diff)
             if diff.device.type == "cpu":
                 index = torch.from_numpy(np.flatnonzero(diff.numpy()))  # several times faster here
@@ -314,7 +317,9 @@ class BF16ChangeDetector:
                 offset = self._offset(name)
                 index = change.index - offset if offset else change.index
                 if self._pins:
-                    self._overlay[name] = _merge(self._overlay.get(name), index, change.new.view(torch.int16))
+                    # Copies: a Patch keeps the first tensors it is given, and these are the caller's.
+                    patch = self._overlay.setdefault(name, Patch())
+                    patch.merge(index.clone(), change.new.view(torch.int16).clone())
                 else:
                     snap = self._snapshot[name]
                     snap[index.to(snap.device)] = change.new.to(snap.device)
@@ -336,9 +341,9 @@ class BF16ChangeDetector:
             self._pins -= 1
             if self._pins:
                 return
-            for name, (index, bits) in self._overlay.items():
+            for name, patch in self._overlay.items():
                 snap = self._snapshot[name]
-                snap.view(torch.int16)[index.to(snap.device)] = bits.to(snap.device)
+                snap.view(torch.int16)[patch.index.to(snap.device)] = patch.bits.to(snap.device)
             self._overlay.clear()
 
     def is_tracked(self, name: str) -> bool:
@@ -362,15 +367,3 @@ class BF16ChangeDetector:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-
-
-def _merge(old: tuple[torch.Tensor, torch.Tensor] | None, index: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted unique indices and int16 bits of ``old`` with ``(index, bits)`` laid over it."""
-    if old is None:
-        return index.clone(), bits.clone()
-    all_index, all_bits = torch.cat([old[0], index]), torch.cat([old[1], bits])
-    order = torch.sort(all_index, stable=True).indices
-    all_index, all_bits = all_index[order], all_bits[order]
-    keep = torch.ones_like(all_index, dtype=torch.bool)
-    keep[:-1] = all_index[1:] != all_index[:-1]  # the last of each run came last
-    return all_index[keep], all_bits[keep]

@@ -28,7 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._client import BaseRolloutClient, ServerResult, ServerStatus, _RequestError, _Server
+from ._client import (
+    BaseRolloutClient,
+    RequestError,
+    RolloutClient,
+    ServerHandle,
+    ServerResult,
+    ServerStatus,
+    UpdateReport,
+    check_update_mode,
+)
 from ._detector import BF16ChangeDetector
 from ._sharded import ShardLayout, check_not_zero3, shard_layout
 from ._errors import AdapterError, ConfigError
@@ -554,23 +563,49 @@ class AdapterRolloutClient(BaseRolloutClient):
     def adapter_name(self, version: int) -> str:
         return f"{self.lora_name}-v{version}"
 
+    def update(self, version: int, *, mode: str | None = None) -> UpdateReport:
+        """Make every server load adapter version ``version``; waits until each has loaded it or failed.
+
+        ``mode`` is deprecated and ignored: adapter servers have one update mode (a new version
+        is a new adapter name, loaded while the server generates).
+        """
+        if mode is not None:
+            check_update_mode(mode)
+            _deprecated("update(mode=...)", "adapter servers have one update mode (no pause); drop mode=")
+        return super().update(version)
+
     def prefetch(self, version: int) -> dict[str, ServerResult]:
         """Deprecated: adapter versions load while the servers generate, nothing is staged ahead;
         returns ``{}``. Call :meth:`update` alone."""
-        _warn_no_staging("prefetch")
+        _deprecated("prefetch", _NO_STAGING)
         return {}
 
     def wait_prefetched(self, version: int, *, timeout: float = 600.0, poll: float = 0.05) -> dict[str, bool]:
         """Deprecated: nothing is staged ahead in adapter mode (see :meth:`prefetch`); every
         server counts as ready."""
-        _warn_no_staging("wait_prefetched")
+        _deprecated("wait_prefetched", _NO_STAGING)
         return {url: True for url in self.urls}
 
-    def _update_one(self, server: _Server, version: int, tag: str | None) -> ServerResult:
+    def served(self) -> dict[str, ServerStatus]:
+        """Deprecated: :meth:`RolloutClient.served` for these servers, which reports the base
+        model's served version, not the adapter's; use :meth:`status`."""
+        _deprecated("served", _BASE_SERVED)
+        return self._base_client().served()
+
+    def wait_served(self, version: int, *, timeout: float = 600.0, poll: float = 0.1) -> dict[str, ServerStatus]:
+        """Deprecated: :meth:`RolloutClient.wait_served` for these servers (see :meth:`served`)."""
+        _deprecated("wait_served", _BASE_SERVED)
+        return self._base_client().wait_served(version, timeout=timeout, poll=poll)
+
+    def _base_client(self) -> RolloutClient:
+        """A :class:`RolloutClient` for the same servers, token, timeout and transport."""
+        return RolloutClient(self.urls, self.token, timeout=self.timeout, transport=self.transport)
+
+    def _update_one(self, server: ServerHandle, version: int, tag: str | None) -> ServerResult:
         body = {"version": version, "auth": tag, "name": self.lora_name, "keep": self.keep}
         try:
             answer = server.post(UPDATE_ROUTE, body=body)
-        except _RequestError as exc:
+        except RequestError as exc:
             state = self._status_one(server)
             return ServerResult(url=server.url, ok=False, version=state.version, fingerprint=state.fingerprint, error=str(exc))
         answer = answer if isinstance(answer, dict) else {}
@@ -589,10 +624,10 @@ class AdapterRolloutClient(BaseRolloutClient):
             error=error,
         )
 
-    def _status_one(self, server: _Server) -> ServerStatus:
+    def _status_one(self, server: ServerHandle) -> ServerStatus:
         try:
             answer = server.post(STATUS_ROUTE, attempts=3)
-        except _RequestError as exc:
+        except RequestError as exc:
             return ServerStatus(url=server.url, ok=False, error=str(exc))
         if not isinstance(answer, dict):
             return ServerStatus(url=server.url, ok=False, error=f"POST {STATUS_ROUTE}: unexpected answer {answer!r}")
@@ -601,13 +636,15 @@ class AdapterRolloutClient(BaseRolloutClient):
         )
 
 
-def _warn_no_staging(method: str) -> None:
-    warnings.warn(
-        f"AdapterRolloutClient.{method} is deprecated and does nothing: adapter versions load while the servers "
-        "generate, nothing is staged ahead; call update() alone",
-        DeprecationWarning,
-        stacklevel=3,
-    )
+_NO_STAGING = (
+    "it does nothing (adapter versions load while the servers generate, nothing is staged ahead); call update() alone"
+)
+_BASE_SERVED = "it reports the base model's served version, not the adapter's; use status()"
+
+
+def _deprecated(what: str, why: str) -> None:
+    """Warn that ``AdapterRolloutClient.<what>`` is deprecated, and why (for its caller's caller)."""
+    warnings.warn(f"AdapterRolloutClient.{what} is deprecated: {why}", DeprecationWarning, stacklevel=3)
 
 
 def server_lora_modules(url: str, token: str | None = None, *, timeout: float = 60.0) -> list[str] | None:

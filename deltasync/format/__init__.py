@@ -21,6 +21,7 @@ per concern, lowest first:
 
 from __future__ import annotations
 
+from . import versions
 from .anchors import AnchorSource, anchor_stream, decode_anchor, encode_anchor
 from .codecs import CODECS, BaseLookup, Change, Codec, DeltaContext, get_codec, register_codec, unregister_codec
 from .container import (
@@ -71,12 +72,6 @@ from .versions import (
 )
 
 __all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "PARTS_FORMAT_VERSION",
-    "CHAIN_FORMAT_VERSION",
-    "READABLE_FORMAT_VERSIONS",
-    "READABLE_FILE_FORMAT_VERSIONS",
     "POINTER_PATH",
     "HISTORY_PATH",
     "DATA_PATH_RE",
@@ -126,3 +121,4 @@ __all__ = [
     "check_hex",
     "sha256_hex",
 ]
+__all__ += versions.__all__  # the format's name and version numbers

@@ -336,3 +336,41 @@ def test_the_adapter_client_shares_the_base_and_stages_nothing():
     with pytest.warns(DeprecationWarning, match=r"AdapterRolloutClient\.wait_prefetched is deprecated"):
         assert client.wait_prefetched(4) == {"http://a:8000": True}
     assert len(requests) == 2
+
+
+def test_the_adapter_clients_old_mode_and_served_calls_warn_and_work_as_before():
+    adapter_requests: list[tuple[str, object]] = []
+
+    def handle_adapter(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        adapter_requests.append((request.url.path, body))
+        return httpx.Response(200, json={"version": body["version"], "fingerprint": "fp5", "kind": "delta"})
+
+    client = AdapterRolloutClient("http://a:8000", "t", transport=httpx.MockTransport(handle_adapter))
+    # update(mode=...) warns and sends the same request as without it; a bad mode is still refused.
+    with pytest.warns(DeprecationWarning, match=r"AdapterRolloutClient\.update\(mode=\.\.\.\) is deprecated: adapter servers have one update mode"):
+        assert client.update(5, mode="inflight").ok
+    assert adapter_requests == [("/deltasync/lora/update", {"version": 5, "auth": update_tag("t", 5), "name": "trl-policy", "keep": 2})]
+    with pytest.raises(ConfigError, match="mode must be"):
+        client.update(5, mode="fast")  # type: ignore[arg-type]
+
+    # served() / wait_served() warn and answer what RolloutClient's do for the same servers.
+    headers: list[str | None] = []
+
+    def handle_base(request: httpx.Request) -> httpx.Response:
+        headers.append(request.headers.get("authorization"))
+        assert (request.method, request.url.path) == ("GET", "/deltasync/status")
+        worker = {"rank": 0, "version": 4, "fingerprint": "fp4", "mode": "in-place"}
+        follow = {"enabled": True, "interval": 1.0, "latest_seen": 4, "lag": 0}
+        return httpx.Response(200, json={"version": 4, "fingerprint": "fp4", "mode": "in-place", "follow": follow, "workers": [worker]})
+
+    transport = httpx.MockTransport(handle_base)
+    adapter = AdapterRolloutClient(["http://a:8000", "http://b:8000"], "t", timeout=5, transport=transport)
+    base = RolloutClient(["http://a:8000", "http://b:8000"], "t", timeout=5, transport=transport)
+    with pytest.warns(DeprecationWarning, match=r"AdapterRolloutClient\.served is deprecated: it reports the base model's"):
+        served = adapter.served()
+    assert served == base.served() and served["http://b:8000"].version == 4 and served["http://b:8000"].follow["lag"] == 0
+    with pytest.warns(DeprecationWarning, match=r"AdapterRolloutClient\.wait_served is deprecated: .* use status\(\)"):
+        waited = adapter.wait_served(4, timeout=1)
+    assert waited == base.wait_served(4, timeout=1) == served
+    assert set(headers) == {"Bearer t"}

@@ -223,6 +223,22 @@ def test_a_pinned_snapshot_keeps_its_bytes_and_compares_with_the_commits_kept_as
     assert all(torch.equal(detector._snapshot[n].view(torch.int16), now[n]) for n in now)
 
 
+def test_commits_kept_aside_while_pinned_merge_and_the_later_value_wins() -> None:
+    model, opt = trainer()
+    detector = BF16ChangeDetector(model, opt)
+    published = bits(dict(detector._snapshot))
+    detector.pin()
+    for seed in (1, 2, 3):  # each commit overlaps the ones before it: the later values must win
+        train_step(model, opt, seed=seed)
+        detector.commit(detector.changes())
+        assert detector.changes() == {}
+    assert all(torch.equal(bits(dict(detector._snapshot))[n], published[n]) for n in published)
+    detector.unpin()
+    now = bits({n: p.detach().to(torch.bfloat16).reshape(-1) for n, p in model.named_parameters() if n in detector._snapshot})
+    assert all(torch.equal(detector._snapshot[n].view(torch.int16), now[n]) for n in now)
+    assert detector.changes() == {}
+
+
 KILLED = textwrap.dedent(
     """
     import sys, time, torch
