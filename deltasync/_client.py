@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     import httpx
 
 __all__ = [
+    "MAX_POLL_S",
     "STATUS_ROUTE",
     "UPDATE_ROUTE",
     "VERSION_HEADER",
@@ -58,6 +59,10 @@ __all__ = [
     "UpdateReport",
     "check_update_mode",
 ]
+
+#: The longest wait between two status reads of :meth:`RolloutClient.wait_prefetched` (and of
+#: the server's own wait for its workers' staging), which start fast and back off to it.
+MAX_POLL_S = 0.4
 
 #: The one-request update route of ``vllm_ext.UpdateMiddleware`` (stage, pause, apply, resume).
 UPDATE_ROUTE = "/deltasync/update"
@@ -379,10 +384,15 @@ class RolloutClient(BaseRolloutClient):
         Lets a trainer hold back the pause until the servers only have to swap the version in.
         Returns url -> whether that server has it staged; a server that failed to prefetch, or
         doesn't answer, is False (its update will stage again, or report the error).
+
+        The status is read after ``poll`` seconds, then twice as long each time, up to
+        :data:`MAX_POLL_S`: each read is a call into every worker between two engine steps, and
+        staging takes a second or more, so a fixed fast poll would slow generation for nothing.
         """
         version = check_version(version)
         deadline = time.monotonic() + timeout
         done: dict[str, bool] = {}
+        delay = poll
         while True:
             for url, state in self.status().items():
                 if url in done:
@@ -394,7 +404,8 @@ class RolloutClient(BaseRolloutClient):
                     done[url] = all(j.get("state") == "ready" for j in jobs)
             if len(done) == len(self.urls) or time.monotonic() > deadline:
                 return {url: done.get(url, False) for url in self.urls}
-            time.sleep(poll)
+            time.sleep(delay)
+            delay = min(2 * delay, max(poll, MAX_POLL_S))
 
     def served(self) -> dict[str, ServerStatus]:
         """What each server reports serving on ``GET /deltasync/status`` (servers with

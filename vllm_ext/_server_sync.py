@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltasync import DeltaReceiver
+from deltasync._client import MAX_POLL_S
 from deltasync._auth import update_tag
 from deltasync._errors import ConfigError, UpdateError
 from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus
@@ -51,7 +52,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_INTERVAL = DEFAULT_FOLLOW_INTERVAL  # the name this module exported
 #: The longest wait between two reads while the bucket keeps failing.
 MAX_BACKOFF = 60.0
-#: How often the flow asks the workers whether a staged version is ready.
+#: How often the flow asks the workers whether a staged version is ready: first after this,
+#: then twice as long each time up to MAX_POLL_S (each ask is a call between two engine steps).
 _POLL_S = 0.02
 
 
@@ -244,6 +246,7 @@ class ServerSync:
 
     async def _wait_staged(self, version: int) -> str | None:
         """Wait until every worker has ``version`` staged; the first failure's message, or None."""
+        delay = _POLL_S
         while True:
             workers = await self.workers()
             jobs = [w.prefetch for w in workers]
@@ -259,7 +262,8 @@ class ServerSync:
                 return f"deltasync: update to version {version} refused {reason}; still serving {served}"
             if all(j is not None and j.state in ("ready", "applied") for j in jobs):
                 return None
-            await asyncio.sleep(_POLL_S)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, MAX_POLL_S)
 
     async def workers(self) -> list[WorkerStatus]:
         """Every worker's typed status."""
