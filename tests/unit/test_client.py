@@ -374,3 +374,29 @@ def test_the_adapter_clients_old_mode_and_served_calls_warn_and_work_as_before()
         waited = adapter.wait_served(4, timeout=1)
     assert waited == base.wait_served(4, timeout=1) == served
     assert set(headers) == {"Bearer t"}
+
+
+def test_waiting_for_staging_backs_off(monkeypatch):
+    """Each status read is a call into every worker between two engine steps: the wait starts at
+    ``poll`` and doubles up to MAX_POLL_S, so a staging of seconds costs a handful of reads."""
+    import deltasync._client as client_module
+
+    server = FakeServer("http://a:8000", version=2)
+    answer = server.handle
+    reads = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        response = answer(request)
+        if request.url.path == "/collective_rpc" and json.loads(request.content)["method"] == "deltasync_status":
+            reads.append(1)
+            results = response.json()["results"]
+            state = "ready" if len(reads) >= 8 else "running"
+            return httpx.Response(200, json={"results": [{**r, "prefetch": {"version": 3, "state": state}} for r in results]})
+        return response
+
+    server.handle = handle
+    slept: list[float] = []
+    monkeypatch.setattr(client_module.time, "sleep", slept.append)
+    assert _client([server]).wait_prefetched(3, poll=0.05) == {"http://a:8000": True}
+    assert len(reads) == 8 and slept == [0.05, 0.1, 0.2, 0.4, 0.4, 0.4, 0.4]
+    assert client_module.MAX_POLL_S == 0.4
