@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ADAPTER_CONFIG_KEY",
     "BASE_FINGERPRINT_KEY",
+    "LORA_NAME_RE",
     "AdapterError",
     "AdapterRolloutClient",
     "AdapterWeights",
@@ -83,7 +84,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 UPDATE_ROUTE = "/deltasync/lora/update"
 STATUS_ROUTE = "/deltasync/lora/status"
 
-_LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+#: What an adapter name may be (vLLM serves it as a model name).
+LORA_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _PEFT_PREFIX = "base_model.model."
 # Modules vLLM cannot put a LoRA on (its LoRA manager covers linear layers only).
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head", "wte", "wpe", "embed_in", "embed_out")
@@ -553,7 +555,7 @@ class AdapterRolloutClient(BaseRolloutClient):
 
     def __init__(self, urls: Any, token: str | None = None, *, lora_name: str = "trl-policy", keep: int = 2, **kwargs: Any) -> None:
         super().__init__(urls, token, **kwargs)
-        if not isinstance(lora_name, str) or not _LORA_NAME.match(lora_name):
+        if not isinstance(lora_name, str) or not LORA_NAME_RE.match(lora_name):
             raise ConfigError(f"lora_name {lora_name!r}: use letters, digits, '.', '_' and '-' (at most 100)")
         if not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be an integer >= 1 (adapter versions kept loaded), got {keep!r}")

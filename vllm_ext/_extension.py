@@ -13,7 +13,7 @@ from typing import Any
 from ._lora_worker import lora_fingerprint, lora_modules
 from ._updater import WorkerUpdater, updater_for
 
-__all__ = ["DeltaWorkerExtension"]
+__all__ = ["DeltaWorkerExtension", "updater_of"]
 
 
 class DeltaWorkerExtension:
@@ -23,11 +23,11 @@ class DeltaWorkerExtension:
 
     def deltasync_status(self) -> dict[str, Any]:
         """This worker's rank, version, fingerprint, bucket, last update and prefetch state."""
-        return _updater_of(self).status()
+        return updater_of(self).status()
 
     def deltasync_prefetch(self, version: int, auth: str | None = None) -> dict[str, Any]:
         """Start downloading and decoding ``version`` in the background; returns at once."""
-        return _updater_of(self).prefetch(version, auth)
+        return updater_of(self).prefetch(version, auth)
 
     def deltasync_apply(self, version: int, auth: str | None = None) -> dict[str, Any]:
         """Apply ``version`` now, without the weight-update routes.
@@ -35,12 +35,12 @@ class DeltaWorkerExtension:
         The caller must pause generation around it and empty the prefix cache (``/pause`` with
         ``clear_cache=true`` does), as ``RolloutClient.update`` does through the routes.
         """
-        return _updater_of(self).update(version, auth)
+        return updater_of(self).update(version, auth)
 
     def deltasync_verify(self) -> dict[str, Any]:
         """Recompute the served fingerprint in full from the live weights; ``ok`` if it is the
         one tracked. A mismatch makes the next update load the newest anchor."""
-        return _updater_of(self).verify()
+        return updater_of(self).verify()
 
     def deltasync_lora_modules(self) -> dict[str, Any]:
         """The adapter module names whose LoRA this worker's vLLM loads and applies."""
@@ -52,7 +52,7 @@ class DeltaWorkerExtension:
         return lora_fingerprint(self, lora_id, path, names)
 
 
-def _updater_of(worker: Any) -> WorkerUpdater:
+def updater_of(worker: Any) -> WorkerUpdater:
     # A function, not a method: every method of the extension becomes a collective_rpc
     # target. The same updater as the "delta" engine's, so both paths share one receiver.
     return updater_for(worker.model_runner.get_model(), worker.vllm_config)

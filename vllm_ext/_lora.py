@@ -46,7 +46,7 @@ from deltasync._lora import (
     BASE_FINGERPRINT_KEY,
     STATUS_ROUTE,
     UPDATE_ROUTE,
-    _LORA_NAME,
+    LORA_NAME_RE,
     AdapterError,
     adapter_modules,
     adapter_rank,
@@ -212,7 +212,7 @@ class _AdapterSync:
         version = check_version(request.get("version"))
         check_update_tag(self.token, version, request.get("auth"))
         name = request.get("name")
-        if not isinstance(name, str) or not _LORA_NAME.match(name):
+        if not isinstance(name, str) or not LORA_NAME_RE.match(name):
             raise AdapterError(f"name {name!r}: use letters, digits, '.', '_' and '-' (at most 100)")
         keep = request.get("keep", 2)
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:

@@ -29,7 +29,7 @@ from deltasync import fingerprint
 from deltasync._errors import AdapterError
 
 
-__all__ = ["lora_fingerprint", "lora_modules", "lora_problem"]
+__all__ = ["find_lora", "held_lora_tensor", "lora_fingerprint", "lora_modules", "lora_problem"]
 
 
 def lora_problem(vllm_config: Any) -> str | None:
@@ -84,7 +84,7 @@ def lora_modules(worker: Any) -> dict[str, Any]:
     return {"modules": sorted(loadable & applied), "loadable": sorted(loadable)}
 
 
-def _held(manager: Any, lora: Any, module: str, is_a: bool) -> torch.Tensor | None:
+def held_lora_tensor(manager: Any, lora: Any, module: str, is_a: bool) -> torch.Tensor | None:
     """The tensor vLLM holds for ``module``'s lora_A (``is_a``) or lora_B, or None."""
     weights = lora.loras.get(module)
     if weights is not None and not isinstance(weights.lora_a, list):
@@ -110,7 +110,7 @@ def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else [value]
 
 
-def _find(worker: Any, lora_id: int) -> tuple[Any, Any]:
+def find_lora(worker: Any, lora_id: int) -> tuple[Any, Any]:
     manager = _manager(worker)
     lora = manager.list_adapters().get(int(lora_id))  # a plain read: no LRU touch
     if lora is None:
@@ -132,7 +132,7 @@ def lora_fingerprint(worker: Any, lora_id: int, path: str, names: list[str]) -> 
     from vllm.lora.peft_helper import PEFTHelper
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
-    manager, lora = _find(worker, lora_id)
+    manager, lora = find_lora(worker, lora_id)
     helper = PEFTHelper.from_local_dir(path, getattr(worker.model_runner.lora_manager, "max_position_embeddings", None))
     loaded = load_file(os.path.join(path, "adapter_model.safetensors"))
     mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
@@ -141,7 +141,7 @@ def lora_fingerprint(worker: Any, lora_id: int, path: str, names: list[str]) -> 
     inexact, missing, claimed = [], [], set()
     for name in names:
         module, is_a = parse_fine_tuned_lora_name(name, mapper)
-        held = _held(manager, lora, module, is_a)
+        held = held_lora_tensor(manager, lora, module, is_a)
         if held is None or name not in loaded:
             missing.append(name)
             continue

@@ -16,9 +16,9 @@ from deltasync._env import TEST_HOOKS_ENV
 from deltasync._errors import ConfigError, UpdateError
 
 from ._config import ServerConfig
-from ._extension import DeltaWorkerExtension, _updater_of
+from ._extension import DeltaWorkerExtension, updater_of
 from ._live_target import LiveTarget
-from ._lora_worker import _find, _held
+from ._lora_worker import find_lora, held_lora_tensor
 from ._updater import WorkerUpdater
 
 __all__ = ["TEST_EXTENSION", "TestingWorkerExtension"]
@@ -36,12 +36,12 @@ class TestingWorkerExtension(DeltaWorkerExtension):
 
     def deltasync_test_poke(self, name: str, index: int, bits: int) -> bool:
         """Set one live element's bf16 bit pattern (in-place mode); False on a rank that does not hold it."""
-        target = _live_target(_updater_of(self))
+        target = _live_target(updater_of(self))
         return target.live.poke(name, index, bits)
 
     def deltasync_test_fail_after_write(self, rank: int) -> None:
         """Make the next in-place write fail on ``rank`` after it has written."""
-        updater = _updater_of(self)
+        updater = updater_of(self)
         target = _live_target(updater)
         if rank != updater.rank:
             return
@@ -56,7 +56,7 @@ class TestingWorkerExtension(DeltaWorkerExtension):
     def deltasync_test_tensor_bytes(self) -> dict[str, int]:
         """Bytes of CPU tensors alive in this process, beyond the model's parameters, that are
         shaped like a checkpoint tensor: what an HF-named copy would be made of."""
-        updater = _updater_of(self)
+        updater = updater_of(self)
         _check_hooks()
         return _checkpoint_shaped_bytes(updater)
 
@@ -65,10 +65,10 @@ class TestingWorkerExtension(DeltaWorkerExtension):
         _check_hooks()
         from vllm.lora.utils import parse_fine_tuned_lora_name
 
-        manager, lora = _find(self, lora_id)
+        manager, lora = find_lora(self, lora_id)
         mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
         module, is_a = parse_fine_tuned_lora_name(name, None if mapper is None else mapper.get_rename_mapper())
-        held = _held(manager, lora, module, is_a)
+        held = held_lora_tensor(manager, lora, module, is_a)
         if held is None:
             return False
         held.view(-1)[index] *= factor

@@ -181,11 +181,11 @@ def judge_guess(
     guess = parse_guess(text)
     if guess is None:
         error = (
-            f"no guess found in {_clip(text)!r}: "
+            f"no guess found in {clip(text)!r}: "
             f"reply with a {WORD_LENGTH}-letter word in square brackets, e.g. [crane]"
         )
     elif len(guess) != WORD_LENGTH:
-        error = f"[{_clip(guess)}] has {len(guess)} letters; a guess has exactly {WORD_LENGTH}"
+        error = f"[{clip(guess)}] has {len(guess)} letters; a guess has exactly {WORD_LENGTH}"
     elif guess not in words:
         error = f"[{guess}] is not in the word list; guess an English {WORD_LENGTH}-letter word"
     else:
@@ -207,5 +207,5 @@ def guess_reward(
     return judge_guess(secret, text, previous).components.total(weights)
 
 
-def _clip(text: str, limit: int = 40) -> str:
+def clip(text: str, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + "..."

@@ -36,7 +36,7 @@ from ._rules import (
     WORD_LENGTH,
     GuessOutcome,
     RewardWeights,
-    _clip,
+    clip,
     allowed_words,
     answer_words,
     draw_secret,
@@ -113,7 +113,7 @@ class _GameBook:
 
     def new_game(self, seed: int | None, episode_id: str | None) -> _Game:
         if episode_id is not None and (not isinstance(episode_id, str) or not 1 <= len(episode_id) <= 255):
-            raise WordleRequestError(f"episode_id={_clip(repr(episode_id))}: needs a string of 1 to 255 characters")
+            raise WordleRequestError(f"episode_id={clip(repr(episode_id))}: needs a string of 1 to 255 characters")
         with self._lock:
             secret = draw_secret(seed, self.answers) if seed is not None else self._rng.choice(self.answers)
             game = _Game(secret=secret, episode_id=episode_id or uuid.uuid4().hex, max_guesses=self.config.max_guesses)
@@ -125,14 +125,14 @@ class _GameBook:
 
     def find(self, episode_id: object) -> _Game:
         if not isinstance(episode_id, str):
-            raise WordleRequestError(f"episode_id={_clip(repr(episode_id))}: needs the string that /reset returned")
+            raise WordleRequestError(f"episode_id={clip(repr(episode_id))}: needs the string that /reset returned")
         with self._lock:
             game = self._games.get(episode_id)
             if game is not None:
                 self._games.move_to_end(episode_id)
         if game is None:
             raise WordleRequestError(
-                f"unknown episode_id {_clip(episode_id)!r}: no game has it, or it was among the least recently "
+                f"unknown episode_id {clip(episode_id)!r}: no game has it, or it was among the least recently "
                 f"used beyond the {self.config.max_http_episodes} this server keeps; POST /reset starts a game",
                 code="UNKNOWN_EPISODE",
                 status=404,

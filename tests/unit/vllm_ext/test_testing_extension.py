@@ -34,7 +34,7 @@ def test_production_has_no_test_rpcs_and_test_servers_load_them() -> None:
 
 def test_the_test_rpcs_also_need_the_switch(monkeypatch) -> None:
     updater = SimpleNamespace(target=SimpleNamespace(settle=lambda: None), rank=0)
-    monkeypatch.setattr(testing, "_updater_of", lambda worker: updater)
+    monkeypatch.setattr(testing, "updater_of", lambda worker: updater)
     worker = TestingWorkerExtension()
     monkeypatch.delenv("DELTASYNC_TEST_HOOKS", raising=False)
     for call in (lambda: worker.deltasync_test_poke("w", 0, 1), lambda: worker.deltasync_test_fail_after_write(0),
