@@ -756,6 +756,9 @@ class DeltaPublisher:
             self._jobs.shutdown(wait=True)
             self._anchors.shutdown(wait=True)
             self.detector.close()
+            for group in (self._delta_group, self._anchor_group):
+                self._layout.release_group(group)
+            self._delta_group = self._anchor_group = None
 
     def __enter__(self) -> DeltaPublisher:
         return self

@@ -122,6 +122,20 @@ class ShardLayout:
 
         return dist.new_group(backend="gloo")
 
+    @staticmethod
+    def release_group(group: Any) -> None:
+        """Shut down a group from :meth:`new_group` (local; its threads end now, not while the
+        interpreter exits). A group already gone with the default one is left alone."""
+        if group is None:
+            return
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # destroyed with the world group already
+                pass
+
 
 def solo_layout(named: Sequence[tuple[str, torch.Tensor]]) -> ShardLayout:
     """The layout of a single process: a world of one that owns and writes everything."""

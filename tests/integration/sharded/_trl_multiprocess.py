@@ -98,6 +98,9 @@ def main(model_dir: str, bucket: str, url: str, token: str, out: str, mode: str,
             "server_fingerprint": status.fingerprint,
         }
         (Path(out) / "report.json").write_text(json.dumps(report, default=str))
+    # Every rank leaves together, its groups shut down before the interpreter exits.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
