@@ -46,8 +46,8 @@ def engine_free_cpus() -> frozenset[int] | None:
     """The engine-core process's CPUs that none of its workers (this process's siblings of the
     same name) is bound to; None when there are none or they cannot be read."""
     parent = os.getppid()
-    name = Path("/proc/self/comm").read_text()
     try:
+        name = Path("/proc/self/comm").read_text()
         free = set(os.sched_getaffinity(parent))
         for children in Path(f"/proc/{parent}/task").glob("*/children"):
             for pid in children.read_text().split():

@@ -275,8 +275,8 @@ class InPlaceState:
             return (None if hit.numel() == index.numel() else hit), got
         found = torch.zeros(index.numel(), dtype=torch.bool)
         out = torch.zeros(index.numel(), dtype=torch.int16)
-        for piece in self.map.pieces.get(name, []):
-            hit, dst = piece.locate(index)
+        for piece in pieces:
+            hit, dst = piece.locate(index, sorted_index=True)
             flat = self.flat[piece.param]
             out[hit] = flat[dst.to(flat.device)].cpu()
             found[hit] = True
@@ -334,17 +334,14 @@ class InPlaceState:
         """Fingerprint move of elements ``index`` (held here) going from ``old`` to ``new`` bits,
         counting only the elements this rank owns."""
         pieces = self.map.pieces.get(name, [])
-        if len(pieces) == 1 and not self.before[name][0]:  # held here means owned here
-            return fingerprint_share(name, index, new.view(torch.bfloat16)) - fingerprint_share(
-                name, index, old.view(torch.bfloat16)
-            )
-        owned = torch.zeros(index.numel(), dtype=torch.bool)
-        for k, piece in enumerate(pieces):
-            hit, _ = piece.locate(index)
-            if hit.numel():
-                owned[hit[self._owned(name, k, index[hit])]] = True
-                # An element in two of this rank's pieces: the first piece owns it.
-        index, old, new = index[owned], old[owned], new[owned]
+        if len(pieces) > 1 or self.before[name][0]:  # else held here means owned here
+            owned = torch.zeros(index.numel(), dtype=torch.bool)
+            for k, piece in enumerate(pieces):
+                hit, _ = piece.locate(index, sorted_index=True)
+                if hit.numel():
+                    owned[hit[self._owned(name, k, index[hit])]] = True
+                    # An element in two of this rank's pieces: the first piece owns it.
+            index, old, new = index[owned], old[owned], new[owned]
         return fingerprint_share(name, index, new.view(torch.bfloat16)) - fingerprint_share(
             name, index, old.view(torch.bfloat16)
         )
