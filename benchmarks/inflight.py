@@ -203,9 +203,10 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
             updates.append({"version": version, "stage": [t0, t1], "update": [ta, tb], "paused_s": answer["paused_s"],
                             "apply_s": result["apply_s"], "request_s": tb - ta, "prefetched": result["prefetched"],
                             "preemptions_before": p0, "in_flight": flight, "in_flight_tokens": flight_tokens,
-                            "worker_stage_s": job["stage_s"], "staging_cpus": job.get("cpus")})  # fmt: skip
+                            "worker_stage_s": job["stage_s"], "staging_cpus": job.get("cpus"),
+                            "staging_nice": job.get("nice")})  # fmt: skip
             log(f"{name}: version {version} staged in {t1 - t0:.2f} s (worker {job['stage_s']:.2f} s on CPUs "
-                f"{job.get('cpus') or 'of the engine'}), applied in {result['apply_s']:.3f} s, request "
+                f"{job.get('cpus') or 'of the engine'}, nice {job.get('nice')}), applied in {result['apply_s']:.3f} s, request "
                 f"{tb - ta:.3f} s, route paused_s {answer['paused_s']:.3f}, {flight} streams in flight")  # fmt: skip
         end = time.perf_counter()
         # Unmeasured: the aftermath of the last update (a pause's recompute) settles before the
@@ -232,7 +233,8 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
         "tokens_per_s": tokens / (end - start), "preemptions": after - before, "updates": updates,
         "gap_p99_outside_updates_s": percentile(outside, 0.99), "gap_median_s": percentile(outside, 0.5),
         "gaps_outside": len(outside),
-        "staging_s": staging, "tokens_per_s_staging": staged_tokens / staging if staging else None,
+        "staging_s": staging, "staged_tokens": staged_tokens,
+        "tokens_per_s_staging": staged_tokens / staging if staging else None,
         "tokens_per_s_not_staging": (tokens - staged_tokens) / (end - start - staging) if end - start > staging else None,
     }  # fmt: skip
     log(f"{name}: {tokens} tokens in {end - start:.1f} s = {phase['tokens_per_s']:.1f} tokens/s, "
@@ -245,18 +247,30 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
     baseline = sum(p["tokens"] for p in base) / sum(p["seconds"] for p in base)
     out: dict[str, Any] = {"baseline_tokens_per_s": baseline,
                            "baseline_gap_p99_s": max(p["gap_p99_outside_updates_s"] for p in base)}  # fmt: skip
-    for p in phases:
-        if p["mode"] is None:
+    for mode in ("inflight", "pause"):
+        runs = [p for p in phases if p["mode"] == mode]
+        if not runs:
             continue
-        ups = p["updates"]
-        out[p["mode"]] = {
+        ups = [u for p in runs for u in p["updates"]]
+        seconds, tokens = sum(p["seconds"] for p in runs), sum(p["tokens"] for p in runs)
+        staging, staged = sum(p["staging_s"] for p in runs), sum(p["staged_tokens"] for p in runs)
+        # Each phase against the no-update phases just before and after it (the machine drifts).
+        local = []
+        for p in runs:
+            k = phases.index(p)
+            near = [q for q in phases[max(0, k - 1) : k + 2] if q["mode"] is None]
+            local.append(p["tokens_per_s"] / (sum(q["tokens"] for q in near) / sum(q["seconds"] for q in near)))
+        out[mode] = {
             "updates": len(ups),
-            "tokens_per_s": p["tokens_per_s"],
-            "throughput_ratio": p["tokens_per_s"] / baseline,
-            "tokens_per_s_staging": p["tokens_per_s_staging"],
-            "tokens_per_s_not_staging": p["tokens_per_s_not_staging"],
-            "preemptions": p["preemptions"],
-            "preemptions_per_update": p["preemptions"] / len(ups),
+            "phases": len(runs),
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds,
+            "throughput_ratio": tokens / seconds / baseline,
+            "throughput_ratio_per_phase": local,
+            "tokens_per_s_staging": staged / staging if staging else None,
+            "tokens_per_s_not_staging": (tokens - staged) / (seconds - staging) if seconds > staging else None,
+            "preemptions": sum(p["preemptions"] for p in runs),
+            "preemptions_per_update": sum(p["preemptions"] for p in runs) / len(ups),
             "recomputed_tokens_per_update_est": statistics.mean(u["recomputed_tokens_est"] for u in ups),
             "in_flight_per_update": statistics.mean(u["in_flight"] for u in ups),
             "paused_s_median": statistics.median(u["paused_s"] for u in ups),
@@ -266,7 +280,7 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
             "stage_s_median": statistics.median(u["stage"][1] - u["stage"][0] for u in ups),
             "max_gap_during_updates_s": max(u["max_gap_s"] for u in ups),
             "median_max_gap_per_update_s": statistics.median(u["max_gap_s"] for u in ups),
-            "gap_p99_outside_updates_s": p["gap_p99_outside_updates_s"],
+            "gap_p99_outside_updates_s": max(p["gap_p99_outside_updates_s"] for p in runs),
         }
     return out
 
@@ -285,7 +299,8 @@ def verdicts(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def table(summary: dict[str, Any]) -> str:
     rows = [
         ("tokens/s over the phase (no-update: {:.1f})".format(summary["baseline_tokens_per_s"]), "tokens_per_s", "{:.1f}"),
-        ("/ no-update tokens/s", "throughput_ratio", "{:.1%}"),
+        ("/ no-update tokens/s (all no-update phases)", "throughput_ratio", "{:.1%}"),
+        ("/ no-update tokens/s, each phase against its neighbours", "throughput_ratio_per_phase", "{:.1%}"),
         ("tokens/s while staging (prefetch to ready)", "tokens_per_s_staging", "{:.1f}"),
         ("tokens/s outside staging", "tokens_per_s_not_staging", "{:.1f}"),
         ("preemptions (all updates)", "preemptions", "{:.0f}"),
@@ -301,13 +316,15 @@ def table(summary: dict[str, Any]) -> str:
         ("p99 chunk gap outside updates s (no-update: {:.3f})".format(summary["baseline_gap_p99_s"]),
          "gap_p99_outside_updates_s", "{:.3f}"),
     ]  # fmt: skip
-    lines = ["| | inflight | pause |", "|---|---:|---:|"]
+    modes = [mode for mode in ("inflight", "pause") if mode in summary]
+    lines = ["| | " + " | ".join(modes) + " |", "|---|" + "---:|" * len(modes)]
     for label, key, fmt in rows:
         cells = []
-        for mode in ("inflight", "pause"):
+        for mode in modes:
             r = summary[mode]
-            cells.append(" / ".join(fmt.format(r[k]) for k in key) if isinstance(key, tuple) else fmt.format(r[key]))
-        lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
+            value = [r[k] for k in key] if isinstance(key, tuple) else r[key]
+            cells.append(" / ".join(fmt.format(v) for v in value) if isinstance(value, list) else fmt.format(value))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -336,12 +353,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     cadence = f"one every {result['interval_s']:g} s" if result.get("interval_s") else "back to back"
     ax.set_title(f"{result['clients']} streams, {result['updates']} deltas per mode ({result['density']:.0%} each, {cadence})")
     ax.legend(fontsize=8, loc="upper right")
-    for k, mode in enumerate(("inflight", "pause")):
-        p = next(p for p in phases if p["mode"] == mode)
-        bx.bar([i + (k - 0.5) * 0.4 for i in range(len(p["updates"]))], [u["max_gap_s"] for u in p["updates"]], 0.4,
+    for k, mode in enumerate(m for m in ("inflight", "pause") if m in result["summary"]):
+        ups = [u for p in phases if p["mode"] == mode for u in p["updates"]]
+        bx.bar([i + (k - 0.5) * 0.4 for i in range(len(ups))], [u["max_gap_s"] for u in ups], 0.4,
                color=colors[mode], label=f"{mode}: longest gap during the update")  # fmt: skip
-        bx.axhline(p["gap_p99_outside_updates_s"], color=colors[mode], linestyle=":", linewidth=1,
-                   label=f"{mode}: p99 gap outside updates")  # fmt: skip
+        bx.axhline(result["summary"][mode]["gap_p99_outside_updates_s"], color=colors[mode], linestyle=":",
+                   linewidth=1, label=f"{mode}: p99 gap outside updates")  # fmt: skip
     bx.set_yscale("log")
     bx.set_xlabel("update")
     bx.set_ylabel("seconds between two chunks of a stream")
@@ -362,19 +379,36 @@ def main(argv: list[str] | None = None) -> int:
                         help="unmeasured streaming after each update phase, before the next")  # fmt: skip
     parser.add_argument("--interval", type=float, default=0.0,
                         help="seconds between two deltas' arrivals (a trainer's step time); 0: back to back")
+    parser.add_argument("--modes", default="inflight,pause",
+                        help="update phases to run, in order (comma-separated: inflight, pause)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="in-flight phases, each followed by a no-update one (the machine's speed drifts: "
+                             "each is compared with the no-update phases on either side)")
+    parser.add_argument("--staging-nice", type=int,
+                        help="the server's DELTASYNC_STAGING_NICE (default: the server's default, 19)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--workdir", type=Path)
     args = parser.parse_args(argv)
+    modes = args.modes.split(",")
     if not 0 < args.density <= 1 or args.clients < 1 or args.updates < 1:
         parser.error("--density must be in (0, 1], --clients and --updates >= 1")
+    if "inflight" not in modes or not set(modes) <= {"inflight", "pause"} or len(set(modes)) != len(modes):
+        parser.error("--modes: inflight, and optionally pause, each once")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    # pause once, right after the first in-flight phase (its recompute is the same every time)
+    plan = ["inflight"] + (["pause"] if "pause" in modes else []) + ["inflight"] * (args.repeats - 1)
     root = args.workdir or Path(tempfile.mkdtemp(prefix="deltasync-inflight-bench-"))
     model_dir = build_tiny_model(root / "model", **SHAPE)
     log(f"model: {model_dir}")
     trainer = Trainer(model_dir, root / "bucket", args.updates, args.density, args.seed, anchor_every=10**6)
-    published = trainer.publish([None] + [args.density] * (2 * args.updates))
-    server = VLLMServer(model_dir, env=server_env(root / "bucket", in_place=True),
+    published = trainer.publish([None] + [args.density] * (len(plan) * args.updates))
+    env = server_env(root / "bucket", in_place=True)
+    if args.staging_nice is not None:
+        env["DELTASYNC_STAGING_NICE"] = str(args.staging_nice)
+    server = VLLMServer(model_dir, env=env,
                         extra_args=["--enforce-eager", *extension_args()], log_file=root / "server.log")  # fmt: skip
     server.start(timeout=900)
     try:
@@ -386,12 +420,11 @@ def main(argv: list[str] | None = None) -> int:
         deltas = published[1:]
         with Streams(server.url, args.clients, args.max_tokens) as streams:
             time.sleep(args.warmup_s)
-            phases = [
-                run_phase("baseline 1", None, [], streams, server.url, args),
-                run_phase("inflight", "inflight", deltas[: args.updates], streams, server.url, args),
-                run_phase("pause", "pause", deltas[args.updates :], streams, server.url, args),
-                run_phase("baseline 2", None, [], streams, server.url, args),
-            ]
+            phases = [run_phase("baseline 1", None, [], streams, server.url, args)]
+            for r, mode in enumerate(plan):
+                batch = deltas[r * args.updates : (r + 1) * args.updates]
+                phases.append(run_phase(f"{mode} {r + 1}", mode, batch, streams, server.url, args))
+                phases.append(run_phase(f"baseline {r + 2}", None, [], streams, server.url, args))
         verify = httpx.post(server.url + "/collective_rpc", json={"method": "deltasync_verify"}, timeout=600).json()
         assert all(v["ok"] for v in verify["results"]), verify
         state = client.status()[server.url]
@@ -407,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     spans = [r["span"].split("-") for r in streams.requests if r["span"]]
     straddled = sum(1 for first, last in spans if first != last)
     result = {"shape": SHAPE, "clients": args.clients, "max_tokens": args.max_tokens, "updates": args.updates,
+              "repeats": args.repeats, "staging_nice": phases[1]["updates"][0]["staging_nice"],
               "density": args.density, "interval_s": args.interval, "phases": phases, "summary": summary,
               "targets": checks, "timeline": timeline,
               "requests": len(streams.requests), "requests_spanning_versions": straddled,

@@ -60,6 +60,8 @@ class PrefetchState:
     cpus: tuple[int, ...] | None = None
     """The CPUs the staging thread ran on, where it was moved off the engine's cores (None: the
     worker's own; see ``vllm_ext._cpus``)."""
+    nice: int = 0
+    """The staging thread's nice value (``DELTASYNC_STAGING_NICE`` above the worker's)."""
 
     @classmethod
     def from_answer(cls, data: object, where: str = "prefetch answer") -> PrefetchState:
@@ -72,6 +74,7 @@ class PrefetchState:
             nbytes=_take(d, "nbytes", (int,), where, 0),
             stage_s=_take(d, "stage_s", (int, float), where, 0.0),
             cpus=None if (cpus := _take(d, "cpus", (list, tuple), where, None)) is None else tuple(int(c) for c in cpus),
+            nice=_take(d, "nice", (int,), where, 0),
         )
 
     def to_json(self) -> dict[str, Any]:

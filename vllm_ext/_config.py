@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from deltasync._env import (
     BUCKET_ENV,
     DEFAULT_FOLLOW_INTERVAL,
+    DEFAULT_STAGING_NICE,
     FOLLOW_ENV,
     FOLLOW_INTERVAL_ENV,
     PLAIN_GEMM_ENV,
     PUBLIC_ROUTES_ENV,
     STAGING_CPUS_ENV,
+    STAGING_NICE_ENV,
     TEST_HOOKS_ENV,
     TOKEN_ENV,
     UPDATE_MODE_ENV,
@@ -56,6 +58,8 @@ class ServerConfig:
     staging_cpus: str = "auto"
     """Where a worker's background work runs (``DELTASYNC_STAGING_CPUS``: "auto", "inherit" or a
     CPU list; see ``vllm_ext._cpus``)."""
+    staging_nice: int = DEFAULT_STAGING_NICE
+    """How far those threads lower their priority (``DELTASYNC_STAGING_NICE``, 0-19)."""
     test_hooks: bool = False
     """The test extension's RPCs may run (``DELTASYNC_TEST_HOOKS=1``)."""
 
@@ -75,6 +79,9 @@ class ServerConfig:
         cpus = environ.get(STAGING_CPUS_ENV, "").strip() or "auto"
         if not STAGING_CPUS_PATTERN.fullmatch(cpus):
             raise ConfigError(f"{STAGING_CPUS_ENV} must be 'auto', 'inherit' or a CPU list such as 1,3-4, got {cpus!r}")
+        raw_nice = environ.get(STAGING_NICE_ENV, "").strip() or str(DEFAULT_STAGING_NICE)
+        if not raw_nice.isdigit() or int(raw_nice) > 19:
+            raise ConfigError(f"{STAGING_NICE_ENV} must be a whole number from 0 to 19, got {raw_nice!r}")
         return cls(
             bucket=environ.get(BUCKET_ENV) or None,
             token=environ.get(TOKEN_ENV) or None,
@@ -84,5 +91,6 @@ class ServerConfig:
             public_routes=environ.get(PUBLIC_ROUTES_ENV),
             plain_gemm=environ.get(PLAIN_GEMM_ENV, "").strip(),
             staging_cpus=cpus,
+            staging_nice=int(raw_nice),
             test_hooks=environ.get(TEST_HOOKS_ENV) == "1",
         )

@@ -1,12 +1,14 @@
-"""Where a worker's background work runs: off the cores the engine computes on.
+"""Where a worker's background work runs: off the cores the engine computes on, and behind it.
 
 vLLM-CPU binds each worker (its main thread, and every thread it starts) to that worker's
 OpenMP cores (``VLLM_CPU_OMP_THREADS_BIND``) and leaves others to the API server and the
 engine core. A prefetch thread started in the worker inherits that binding, so staging a
 version would take turns with the forward passes on the same core, and generation would slow
 by as much as staging costs. Each of deltasync's background threads (prefetch, the served
-hash, freeing memory) calls :func:`move_off_engine_cores` first; how is
-``DELTASYNC_STAGING_CPUS`` (:class:`vllm_ext._config.ServerConfig.staging_cpus`):
+hash, freeing memory) calls :func:`enter_background` first, which does two things.
+
+It moves the thread, as ``DELTASYNC_STAGING_CPUS`` says
+(:class:`vllm_ext._config.ServerConfig.staging_cpus`):
 
 - ``auto`` (the default): the CPUs the engine-core process may use that no worker of this
   engine is bound to (its sibling processes). None on a GPU server or an unbound one (nothing
@@ -14,6 +16,15 @@ hash, freeing memory) calls :func:`move_off_engine_cores` first; how is
   thread stays where it is.
 - ``inherit``: never move.
 - a CPU list, e.g. ``1`` or ``2-3,6``: those CPUs.
+
+And it lowers the priority of staging and freeing memory by ``DELTASYNC_STAGING_NICE`` (Linux
+threads each have their own nice value; 19 by default, 0 keeps the worker's), not that of the full
+hash after an anchor, which the next call of any kind waits for. The cores left to the API server and the
+engine core are not idle while the engine generates: the engine core busy-waits for each step's
+output, and it schedules the next step only when it has the CPU. A staging thread at the same
+priority takes half of such a core and every step waits for it; behind them, it takes what they
+leave, and a version takes longer to stage where no core is idle, not the streams longer to
+generate (``benchmarks/inflight.py`` measures both).
 """
 
 from __future__ import annotations
@@ -23,9 +34,11 @@ import logging
 import os
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["STAGING_CPUS_PATTERN", "configure", "engine_free_cpus", "move_off_engine_cores", "parse_cpu_list"]
+__all__ = ["STAGING_CPUS_PATTERN", "Background", "configure", "engine_free_cpus", "enter_background", "parse_cpu_list"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,24 +82,48 @@ def _target(setting: str) -> frozenset[int] | None:
     return cpus
 
 
-_setting = ["auto"]
+_setting: list[Any] = ["auto", 0]
 
 
-def configure(setting: str) -> None:
-    """This worker's ``staging_cpus`` (its :class:`~vllm_ext._config.ServerConfig`'s, set once by the
-    updater when it starts)."""
-    _setting[0] = setting
+def configure(setting: str, nice: int = 0) -> None:
+    """This worker's ``staging_cpus`` and ``staging_nice`` (its
+    :class:`~vllm_ext._config.ServerConfig`'s, set once by the updater when it starts)."""
+    _setting[:] = [setting, nice]
 
 
-def move_off_engine_cores() -> frozenset[int] | None:
-    """Bind the calling thread (only) to the configured CPUs; returns them, or None where it
-    stays. Call it first thing in a background thread."""
-    cpus = _target(_setting[0])
-    if cpus is None:
-        return None
+@dataclass(frozen=True)
+class Background:
+    """Where a background thread runs: ``cpus`` it was moved to (None: it stayed on the
+    worker's) and its ``nice`` value."""
+
+    cpus: tuple[int, ...] | None
+    nice: int
+
+
+def enter_background(*, behind: bool = True) -> Background:
+    """Move the calling thread (only) to the configured CPUs and, where ``behind``, lower its
+    priority by the configured nice value. Call it first thing in a background thread.
+
+    Work that something waits for (the served hash after an anchor, which the next call of any
+    kind settles) passes ``behind=False``: a thread cannot raise its priority again."""
+    setting, nice = _setting
+    nice = nice if behind else 0
+    thread = threading.current_thread().name
+    tid = threading.get_native_id()
+    if nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        except OSError as exc:
+            logger.warning("deltasync: cannot lower the priority of %s (%s)", thread, exc)
     try:
-        os.sched_setaffinity(threading.get_native_id(), cpus)
-    except OSError as exc:  # e.g. CPUs outside the container's set
-        logger.warning("deltasync: cannot move %s to CPUs %s (%s)", threading.current_thread().name, sorted(cpus), exc)
-        return None
-    return cpus
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+    except OSError:
+        now = 0
+    cpus = _target(setting)
+    if cpus is not None:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError as exc:  # e.g. CPUs outside the container's set
+            logger.warning("deltasync: cannot move %s to CPUs %s (%s)", thread, sorted(cpus), exc)
+            cpus = None
+    return Background(None if cpus is None else tuple(sorted(cpus)), now)

@@ -33,7 +33,7 @@ from deltasync import IntegrityError
 from deltasync._chain import ChainReader, Overlay
 from deltasync._fingerprint import fingerprint_add, fingerprint_share
 
-from ._cpus import move_off_engine_cores
+from ._cpus import enter_background
 from ._weight_map import Piece, WeightMap
 
 __all__ = ["InPlaceState", "LiveStaged", "release_freed_memory", "release_later", "wait_for_device"]
@@ -67,7 +67,7 @@ def release_later(*objects: Any) -> None:
     del objects
 
     def run() -> None:
-        move_off_engine_cores()
+        enter_background()
         for obj in held:
             obj.clear()
         held.clear()
@@ -233,7 +233,7 @@ class InPlaceState:
         job: dict[str, Any] = {"share": None, "error": None}
 
         def run() -> None:
-            move_off_engine_cores()
+            enter_background(behind=False)  # settled by the next call: not behind serving
             try:
                 job["share"] = self.local_share()
             except Exception as exc:  # noqa: BLE001  (reported by settle)

@@ -30,7 +30,7 @@ from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus, check
 from ._checkpoint import ServedCheckpoint
 from ._config import ServerConfig
 from ._cpus import configure as configure_background_cpus
-from ._cpus import move_off_engine_cores
+from ._cpus import enter_background
 from ._live_target import LiveTarget, plan_in_place
 from ._ranks import agree, is_last_rank
 from ._reload_target import ReloadTarget
@@ -51,13 +51,15 @@ class _Prefetch:
         self.staged: Staged | None = None
         self.thread: threading.Thread | None = None
         self.cpus: tuple[int, ...] | None = None
+        self.nice = 0
 
     def describe(self) -> PrefetchState:
         staged = self.staged
         if staged is None:
-            return PrefetchState(version=self.version, state=self.state, error=self.error, cpus=self.cpus)
+            return PrefetchState(version=self.version, state=self.state, error=self.error, cpus=self.cpus,
+                                 nice=self.nice)  # fmt: skip
         return PrefetchState(version=self.version, state=self.state, error=self.error, kind=staged.kind,
-                             nbytes=staged.nbytes, stage_s=staged.seconds, cpus=self.cpus)  # fmt: skip
+                             nbytes=staged.nbytes, stage_s=staged.seconds, cpus=self.cpus, nice=self.nice)  # fmt: skip
 
 
 class WorkerUpdater:
@@ -71,7 +73,7 @@ class WorkerUpdater:
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, config: ServerConfig | None = None) -> None:
         self.config = config or ServerConfig.from_env()
-        configure_background_cpus(self.config.staging_cpus)
+        configure_background_cpus(self.config.staging_cpus, self.config.staging_nice)
         self.model = model
         self.vllm_config = vllm_config
         packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", None) or {})
@@ -261,8 +263,8 @@ class WorkerUpdater:
         return staged
 
     def _run_prefetch(self, job: _Prefetch, receiver: DeltaReceiver) -> None:
-        cpus = move_off_engine_cores()
-        job.cpus = None if cpus is None else tuple(sorted(cpus))
+        where = enter_background()
+        job.cpus, job.nice = where.cpus, where.nice
         try:
             staged = self.target.stage(job.version, receiver)
         except Exception as exc:  # noqa: BLE001  (reported through status; update re-stages)

@@ -1,4 +1,5 @@
-"""Background work of a worker (staging, hashing) runs off the cores the engine's workers are bound to.
+"""Background work of a worker (staging, hashing) runs off the cores the engine's workers are bound
+to, at a lower priority than the worker's own threads.
 
 The process tree is real: an "engine" process with two "worker" children bound to CPU 0, as
 vLLM-CPU binds its workers; one of them moves a thread off its engine cores.
@@ -28,23 +29,27 @@ _WORKER = textwrap.dedent(
     time.sleep(1.0)  # the sibling has bound itself
     import importlib.util  # the module alone: importing vllm_ext would import vLLM (seconds)
     spec = importlib.util.spec_from_file_location("cpus", os.path.join("vllm_ext", "_cpus.py"))
-    _cpus = importlib.util.module_from_spec(spec); spec.loader.exec_module(_cpus)
-    _cpus.configure(sys.argv[2])
+    _cpus = sys.modules["cpus"] = importlib.util.module_from_spec(spec); spec.loader.exec_module(_cpus)
+    _cpus.configure(sys.argv[2], int(sys.argv[3]))
     seen = {}
     def background():
-        seen["moved"] = _cpus.move_off_engine_cores()
+        where = _cpus.enter_background()
+        seen["moved"], seen["reported_nice"] = where.cpus, where.nice
         seen["thread"] = os.sched_getaffinity(threading.get_native_id())
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     t = threading.Thread(target=background); t.start(); t.join()
     print(json.dumps({"free": sorted(_cpus.engine_free_cpus() or []), "moved": sorted(seen["moved"] or []),
-                      "thread": sorted(seen["thread"]), "main": sorted(os.sched_getaffinity(0))}))
+                      "thread": sorted(seen["thread"]), "main": sorted(os.sched_getaffinity(0)),
+                      "nice": seen["nice"], "reported_nice": seen["reported_nice"],
+                      "main_nice": os.getpriority(os.PRIO_PROCESS, threading.get_native_id())}))
     """
 )
 _ENGINE = textwrap.dedent(
     """
     import subprocess, sys
-    sibling = subprocess.Popen([sys.executable, "-c", sys.argv[1], "sibling", "auto"])
+    sibling = subprocess.Popen([sys.executable, "-c", sys.argv[1], "sibling", "auto", "0"])
     try:
-        probe = subprocess.run([sys.executable, "-c", sys.argv[1], "probe", sys.argv[2]], capture_output=True, text=True)
+        probe = subprocess.run([sys.executable, "-c", sys.argv[1], "probe", *sys.argv[2:]], capture_output=True, text=True)
     finally:
         sibling.kill()
     sys.stdout.write(probe.stdout); sys.stderr.write(probe.stderr)
@@ -52,10 +57,10 @@ _ENGINE = textwrap.dedent(
 )
 
 
-def _probe(setting: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", _ENGINE, _WORKER, setting], capture_output=True, text=True,
+def _probe(setting: str, nice: int = 0) -> dict:
+    done = subprocess.run([sys.executable, "-c", _ENGINE, _WORKER, setting, str(nice)], capture_output=True, text=True,
                           cwd=REPO_ROOT, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr[-2000:]
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -66,6 +71,14 @@ def test_a_background_thread_leaves_the_cores_the_workers_are_bound_to() -> None
     assert got["free"] == [c for c in allowed if c != 0]  # what no sibling worker is bound to
     assert got["moved"] == got["thread"] == got["free"]
     assert got["main"] == [0]  # only the calling thread moves
+    assert got["nice"] == got["reported_nice"] == got["main_nice"]  # nice 0: the worker's own priority
+
+
+def test_a_background_thread_runs_behind_the_worker() -> None:
+    got = _probe("inherit", 19)
+    base = got["main_nice"]
+    assert got["nice"] == got["reported_nice"] == min(19, base + 19) and got["nice"] > base  # the thread only
+    assert _probe("inherit", 5)["nice"] == min(19, base + 5)
 
 
 def test_inherit_and_an_explicit_list() -> None:
@@ -77,6 +90,11 @@ def test_inherit_and_an_explicit_list() -> None:
 
 def test_the_setting_is_checked_at_start() -> None:
     assert ServerConfig.from_env({}).staging_cpus == "auto"
+    assert ServerConfig.from_env({}).staging_nice == 19
+    assert ServerConfig.from_env({"DELTASYNC_STAGING_NICE": "0"}).staging_nice == 0
+    for bad in ("-1", "20", "low", "1.5"):
+        with pytest.raises(ConfigError, match="DELTASYNC_STAGING_NICE must be a whole number from 0 to 19"):
+            ServerConfig.from_env({"DELTASYNC_STAGING_NICE": bad})
     assert ServerConfig.from_env({"DELTASYNC_STAGING_CPUS": "2-3,6"}).staging_cpus == "2-3,6"
     assert parse_cpu_list("2-3,6") == {2, 3, 6}
     for bad in ("any", "1;2", "-1", "1-"):
