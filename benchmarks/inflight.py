@@ -46,6 +46,7 @@ import tempfile
 import threading
 import time
 from bisect import bisect_right
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,20 @@ TARGETS = {
     "paused_s": ("paused seconds per in-flight update (route's paused_s, max)", "<=", 0.01),
     "throughput_ratio": ("throughput during in-flight updates / no-update throughput", ">=", 0.95),
 }
+
+
+def sse_lines(response: httpx.Response) -> Iterator[str]:
+    """The lines of a server-sent-event stream. Not ``response.iter_lines()``: it splits like
+    ``str.splitlines``, also at U+2028 or \x85 inside a JSON string (sampled text may hold them,
+    and JSON leaves them unescaped); SSE lines end only at CR, LF or CRLF."""
+    pending = b""
+    for chunk in response.iter_bytes():
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode()
+    if pending:
+        yield pending.rstrip(b"\r").decode()
 
 
 class Streams:
@@ -108,7 +123,7 @@ class Streams:
                             self.errors.append(f"HTTP {response.status_code}: {response.read()[:300]!r}")
                             continue
                         record["admitted"] = response.headers.get("x-deltasync-version")
-                        for line in response.iter_lines():
+                        for line in sse_lines(response):
                             if line.startswith(": x-deltasync-versions "):
                                 record["span"] = line.split()[-1]
                             if not line.startswith("data: {"):

@@ -290,7 +290,9 @@ def test_prefetch_then_update(world, server, client):
     (result,) = client.prefetch(version).values()
     assert result.ok, result.error
     assert client.wait_prefetched(version, timeout=120) == {server.url: True}
-    assert _status(client).workers[0]["prefetch"]["state"] == "ready"
+    prefetch = _status(client).workers[0]["prefetch"]
+    assert prefetch["state"] == "ready"
+    assert prefetch["nice"] == 19  # staged behind serving (DELTASYNC_STAGING_NICE's default)
     assert _status(client).version == served  # staged, not applied
     report = _update(client, version, "delta: AdamW step, prefetched")
     last = _status(client).workers[0]["last_update"]

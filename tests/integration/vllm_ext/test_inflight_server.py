@@ -111,10 +111,13 @@ class Load:
                     self.errors.append(f"HTTP {response.status_code}: {text[:300]}")
                     continue
                 if stream:
-                    comments = [line for line in text.splitlines() if line.startswith(": x-deltasync-versions ")]
+                    # SSE lines end at "\n" only: str.splitlines would also cut a data line at a
+                    # generated U+2028 or \x85, which JSON leaves unescaped.
+                    lines = text.split("\n")
+                    comments = [line for line in lines if line.startswith(": x-deltasync-versions ")]
                     assert text.rstrip().endswith("data: [DONE]"), text[-200:]
                     span = comments[-1].split()[-1] if comments else None
-                    tokens = sum(1 for line in text.splitlines() if line.startswith("data: {"))
+                    tokens = sum(1 for line in lines if line.startswith("data: {"))
                 else:
                     span = response.headers.get("x-deltasync-versions")
                     tokens = len(json.loads(text)["choices"][0]["text"]) > 0
