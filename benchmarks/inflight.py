@@ -3,13 +3,20 @@
 One server (``server.py``'s ~0.36B Qwen2-shaped model, ``DELTASYNC_CPU_PLAIN_GEMM=1``,
 ``--enforce-eager``), ``--clients`` threads streaming completions of ``--max-tokens`` tokens
 (``ignore_eos``; each client's first request is shorter, so the requests do not start and end
-together), and four phases one after the other while they stream:
+together), and phases one after the other while they stream, every update phase between two
+no-update ones (``baseline``: ``--baseline-s`` seconds with no update):
 
-1. ``baseline``: ``--baseline-s`` seconds with no update;
-2. ``inflight``: ``--updates`` deltas, each prefetched (``RolloutClient.prefetch`` and
-   ``wait_prefetched``), then applied with ``POST /deltasync/update {"mode": "inflight"}``;
-3. ``pause``: as many further deltas, applied with ``"mode": "pause"``;
-4. ``baseline`` again (the no-update throughput is the two baselines' tokens over their seconds).
+- ``inflight``: ``--updates`` deltas, each prefetched (``RolloutClient.prefetch`` and
+  ``wait_prefetched``), then applied with ``POST /deltasync/update {"mode": "inflight"}``;
+- ``pause`` (once, after the first ``inflight``; ``--modes inflight`` leaves it out): as many
+  further deltas, applied with ``"mode": "pause"``;
+- ``inflight`` again, ``--repeats`` in-flight phases in all.
+
+The no-update rate is all baselines' tokens over their seconds; the machine's speed drifts by
+several percent over minutes, so each update phase is also compared with the baselines on
+either side of it. The server stages at its default priority (``DELTASYNC_STAGING_NICE``, 19:
+behind serving) unless ``--staging-nice`` says otherwise; every update records where and at what
+priority it staged.
 
 After each update phase the streams go on for ``--settle-s`` unmeasured seconds, so that the
 aftermath of its last update (a pause's recompute) does not fall into the next phase.
@@ -65,6 +72,8 @@ TARGETS = {
     "preemptions": ("preemptions during in-flight updates", "==", 0),
     "paused_s": ("paused seconds per in-flight update (route's paused_s, max)", "<=", 0.01),
     "throughput_ratio": ("throughput during in-flight updates / no-update throughput", ">=", 0.95),
+    "throughput_ratio_paired": ("the same, each update's window against the no-update window right after it (--rest)",
+                                ">=", 0.95),
 }
 
 
@@ -220,6 +229,11 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
                             "preemptions_before": p0, "in_flight": flight, "in_flight_tokens": flight_tokens,
                             "worker_stage_s": job["stage_s"], "staging_cpus": job.get("cpus"),
                             "staging_nice": job.get("nice")})  # fmt: skip
+            if args.rest:
+                # A no-update window as long as this update's, right after it: the machine's
+                # speed drifts over tens of seconds, not over one pair of windows.
+                time.sleep(args.rest * (tb - t0))
+                updates[-1]["rest"] = [tb, time.perf_counter()]
             log(f"{name}: version {version} staged in {t1 - t0:.2f} s (worker {job['stage_s']:.2f} s on CPUs "
                 f"{job.get('cpus') or 'of the engine'}, nice {job.get('nice')}), applied in {result['apply_s']:.3f} s, request "
                 f"{tb - ta:.3f} s, route paused_s {answer['paused_s']:.3f}, {flight} streams in flight")  # fmt: skip
@@ -229,6 +243,10 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
         time.sleep(args.settle_s if versions else 1.0)
         after = preemptions(http, url)
         settled = time.perf_counter()
+    for u in updates:
+        u["window_tokens"] = streams.tokens_between(u["stage"][0], u["update"][1])
+        if "rest" in u:
+            u["rest_tokens"] = streams.tokens_between(*u["rest"])
     marks = [u["preemptions_before"] for u in updates] + [after]
     for u, (p0, p1) in zip(updates, zip(marks, marks[1:])):
         u["preemptions"] = p1 - p0
@@ -275,7 +293,15 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
             k = phases.index(p)
             near = [q for q in phases[max(0, k - 1) : k + 2] if q["mode"] is None]
             local.append(p["tokens_per_s"] / (sum(q["tokens"] for q in near) / sum(q["seconds"] for q in near)))
+        paired = [u for u in ups if "rest" in u]
+        if paired:
+            window_s = sum(u["update"][1] - u["stage"][0] for u in paired)
+            rest_s = sum(u["rest"][1] - u["rest"][0] for u in paired)
+            paired_ratio = (sum(u["window_tokens"] for u in paired) / window_s) / (
+                sum(u["rest_tokens"] for u in paired) / rest_s
+            )
         out[mode] = {
+            "throughput_ratio_paired": paired_ratio if paired else None,
             "updates": len(ups),
             "phases": len(runs),
             "seconds": seconds,
@@ -302,9 +328,12 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
 
 def verdicts(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     r = summary["inflight"]
-    measured = {"preemptions": r["preemptions"], "paused_s": r["paused_s_max"], "throughput_ratio": r["throughput_ratio"]}
+    measured = {"preemptions": r["preemptions"], "paused_s": r["paused_s_max"], "throughput_ratio": r["throughput_ratio"],
+                "throughput_ratio_paired": r["throughput_ratio_paired"]}  # fmt: skip
     out = {}
     for key, (label, op, bound) in TARGETS.items():
+        if measured[key] is None:
+            continue
         value = measured[key]
         ok = value == bound if op == "==" else value <= bound if op == "<=" else value >= bound
         out[key] = {"label": label, "value": value, "bound": f"{op} {bound}", "pass": ok}
@@ -316,6 +345,7 @@ def table(summary: dict[str, Any]) -> str:
         ("tokens/s over the phase (no-update: {:.1f})".format(summary["baseline_tokens_per_s"]), "tokens_per_s", "{:.1f}"),
         ("/ no-update tokens/s (all no-update phases)", "throughput_ratio", "{:.1%}"),
         ("/ no-update tokens/s, each phase against its neighbours", "throughput_ratio_per_phase", "{:.1%}"),
+        ("tokens/s in update windows / in the no-update windows after them (--rest)", "throughput_ratio_paired", "{:.1%}"),
         ("tokens/s while staging (prefetch to ready)", "tokens_per_s_staging", "{:.1f}"),
         ("tokens/s outside staging", "tokens_per_s_not_staging", "{:.1f}"),
         ("preemptions (all updates)", "preemptions", "{:.0f}"),
@@ -338,9 +368,20 @@ def table(summary: dict[str, Any]) -> str:
         for mode in modes:
             r = summary[mode]
             value = [r[k] for k in key] if isinstance(key, tuple) else r[key]
-            cells.append(" / ".join(fmt.format(v) for v in value) if isinstance(value, list) else fmt.format(value))
+            if value is None:
+                cells.append("-")
+            else:
+                cells.append(" / ".join(fmt.format(v) for v in value) if isinstance(value, list) else fmt.format(value))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def cadence_of(interval: float | None, rest: float | None) -> str:
+    if interval:
+        return f"one every {interval:g} s"
+    if rest:
+        return f"each followed by {rest:g}x its time without updates"
+    return "back to back"
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -365,7 +406,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.axhline(result["summary"]["baseline_tokens_per_s"], color="k", linestyle="--", linewidth=1, label="no-update mean")
     ax.set_xlabel("seconds (shaded: phases; light: staging; lines: update requests)")
     ax.set_ylabel("tokens / s")
-    cadence = f"one every {result['interval_s']:g} s" if result.get("interval_s") else "back to back"
+    cadence = cadence_of(result.get("interval_s"), result.get("rest"))
     ax.set_title(f"{result['clients']} streams, {result['updates']} deltas per mode ({result['density']:.0%} each, {cadence})")
     ax.legend(fontsize=8, loc="upper right")
     for k, mode in enumerate(m for m in ("inflight", "pause") if m in result["summary"]):
@@ -399,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3,
                         help="in-flight phases, each followed by a no-update one (the machine's speed drifts: "
                              "each is compared with the no-update phases on either side)")
+    parser.add_argument("--rest", type=float, default=0.0,
+                        help="after each update, a no-update window this many times as long as the update's "
+                             "(prefetch to applied); the update windows are then compared with those right after them")
     parser.add_argument("--staging-nice", type=int,
                         help="the server's DELTASYNC_STAGING_NICE (default: the server's default, 19)")
     parser.add_argument("--seed", type=int, default=0)
@@ -413,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--modes: inflight, and optionally pause, each once")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.rest < 0 or (args.rest and args.interval):
+        parser.error("--rest must be >= 0, and cannot go with --interval")
     # pause once, right after the first in-flight phase (its recompute is the same every time)
     plan = ["inflight"] + (["pause"] if "pause" in modes else []) + ["inflight"] * (args.repeats - 1)
     root = args.workdir or Path(tempfile.mkdtemp(prefix="deltasync-inflight-bench-"))
@@ -438,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             phases = [run_phase("baseline 1", None, [], streams, server.url, args)]
             for r, mode in enumerate(plan):
                 batch = deltas[r * args.updates : (r + 1) * args.updates]
-                phases.append(run_phase(f"{mode} {r + 1}", mode, batch, streams, server.url, args))
+                phases.append(run_phase(f"{mode} {plan[: r + 1].count(mode)}", mode, batch, streams, server.url, args))
                 phases.append(run_phase(f"baseline {r + 2}", None, [], streams, server.url, args))
         verify = httpx.post(server.url + "/collective_rpc", json={"method": "deltasync_verify"}, timeout=600).json()
         assert all(v["ok"] for v in verify["results"]), verify
@@ -454,13 +500,13 @@ def main(argv: list[str] | None = None) -> int:
                 for s in range(int(phases[-1]["end"] - t0))]  # fmt: skip
     spans = [r["span"].split("-") for r in streams.requests if r["span"]]
     straddled = sum(1 for first, last in spans if first != last)
-    result = {"shape": SHAPE, "clients": args.clients, "max_tokens": args.max_tokens, "updates": args.updates,
+    result = {"shape": SHAPE, "clients": args.clients, "max_tokens": args.max_tokens, "updates": args.updates, "rest": args.rest,
               "repeats": args.repeats, "staging_nice": phases[1]["updates"][0]["staging_nice"],
               "density": args.density, "interval_s": args.interval, "phases": phases, "summary": summary,
               "targets": checks, "timeline": timeline,
               "requests": len(streams.requests), "requests_spanning_versions": straddled,
               "verify": verify["results"]}  # fmt: skip
-    cadence = f"one every {args.interval:g} s" if args.interval else "back to back"
+    cadence = cadence_of(args.interval, args.rest)
     print(f"{args.clients} streams of {args.max_tokens} tokens; {args.updates} deltas per mode ({cadence}), "
           f"{args.density:.0%} of the elements each, prefetched; {len(streams.requests)} requests ({straddled} generated by several "
           "versions), no stream error")  # fmt: skip

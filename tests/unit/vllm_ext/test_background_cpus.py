@@ -77,7 +77,8 @@ def test_a_background_thread_leaves_the_cores_the_workers_are_bound_to() -> None
 def test_a_background_thread_runs_behind_the_worker() -> None:
     got = _probe("inherit", 19)
     base = got["main_nice"]
-    assert got["nice"] == got["reported_nice"] == min(19, base + 19) and got["nice"] > base  # the thread only
+    assert got["nice"] == got["reported_nice"] == min(19, base + 19)  # the thread only: main_nice is the worker's
+    assert got["nice"] > base or base == 19  # (a test run already at nice 19 cannot go lower)
     assert _probe("inherit", 5)["nice"] == min(19, base + 5)
 
 
