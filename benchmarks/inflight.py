@@ -399,12 +399,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
     colors = {None: "0.85", "inflight": "C0", "pause": "C3"}
     for p in phases:
         ax.axvspan(p["start"] - t0, p["end"] - t0, color=colors[p["mode"]], alpha=0.12)
-        ax.text((p["start"] + p["end"]) / 2 - t0, 0, p["phase"], ha="center", va="bottom", fontsize=8)
+        label = f"{p['mode'] or 'baseline'} {sum(1 for q in phases[: phases.index(p) + 1] if q['mode'] == p['mode'])}"
+        ax.text((p["start"] + p["end"]) / 2 - t0, 0.02, label, ha="center", va="bottom", fontsize=8,
+                transform=ax.get_xaxis_transform())  # fmt: skip
         for u in p["updates"]:
             ax.axvspan(u["stage"][0] - t0, u["stage"][1] - t0, color=colors[p["mode"]], alpha=0.08)
             ax.axvline(u["update"][0] - t0, color=colors[p["mode"]], linewidth=1)
+            if "rest" in u:  # the no-update window the update is compared with
+                ax.axvspan(u["rest"][0] - t0, u["rest"][1] - t0, facecolor="none", edgecolor="0.6", hatch="//",
+                           linewidth=0)  # fmt: skip
     ax.axhline(result["summary"]["baseline_tokens_per_s"], color="k", linestyle="--", linewidth=1, label="no-update mean")
-    ax.set_xlabel("seconds (shaded: phases; light: staging; lines: update requests)")
+    ax.set_ylim(0, 1.2 * max([b["tokens"] for b in bins] + [1]))
+    ax.set_xlabel("seconds (shaded: phases; light: staging; lines: update requests; hatched: no-update windows)"
+                  if result.get("rest") else "seconds (shaded: phases; light: staging; lines: update requests)")  # fmt: skip
     ax.set_ylabel("tokens / s")
     cadence = cadence_of(result.get("interval_s"), result.get("rest"))
     ax.set_title(f"{result['clients']} streams, {result['updates']} deltas per mode ({result['density']:.0%} each, {cadence})")

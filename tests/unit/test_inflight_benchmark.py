@@ -1,0 +1,79 @@
+"""The in-flight benchmark's own arithmetic: how it reads a stream and how it compares windows.
+
+A throughput target is only as good as what counts the tokens, so the SSE reader and the
+summaries are checked here on made-up phases with known answers.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import inflight  # noqa: E402
+
+
+class _Chunks:
+    def __init__(self, body: bytes, size: int) -> None:
+        self.body, self.size = body, size
+
+    def iter_bytes(self):
+        for i in range(0, len(self.body), self.size):
+            yield self.body[i : i + self.size]
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_sse_lines_end_only_at_cr_or_lf(size: int) -> None:
+    # U+2028 and U+0085 are legal unescaped in JSON strings; str.splitlines would cut there.
+    body = 'data: {"text": "a\u2028b\u0085c é"}\r\n\r\n: x-deltasync-versions 3-4\ndata: [DONE]\n\n'.encode()
+    assert list(inflight.sse_lines(_Chunks(body, size))) == [
+        'data: {"text": "a\u2028b\u0085c é"}', "", ": x-deltasync-versions 3-4", "data: [DONE]", "",
+    ]  # fmt: skip
+
+
+def _phase(mode, start, seconds, tokens, updates=()):
+    staged = sum(u.get("staged", 0) for u in updates)
+    staging = sum(u["stage"][1] - u["stage"][0] for u in updates)
+    return {"phase": str(mode), "mode": mode, "start": start, "end": start + seconds, "seconds": seconds,
+            "tokens": tokens, "tokens_per_s": tokens / seconds, "preemptions": 0.0, "updates": list(updates),
+            "gap_p99_outside_updates_s": 0.2, "staging_s": staging, "staged_tokens": staged}  # fmt: skip
+
+
+def _update(t0, t1, tb, window_tokens, rest=None, rest_tokens=0):
+    u = {"stage": [t0, t1], "update": [t1, tb], "paused_s": 0.0, "apply_s": 0.03, "request_s": tb - t1,
+         "in_flight": 8, "recomputed_tokens_est": 0, "max_gap_s": 0.2, "window_tokens": window_tokens,
+         "staged": window_tokens}  # fmt: skip
+    if rest is not None:
+        u["rest"], u["rest_tokens"] = rest, rest_tokens
+    return u
+
+
+def test_each_phase_is_compared_with_its_neighbours_and_pairs_with_the_window_after_each_update() -> None:
+    # The machine slows from 60 to 40 tokens/s; the updates cost 10% of whatever the rate is.
+    ups = [_update(10.0, 14.0, 15.0, 45, rest=[15.0, 20.0], rest_tokens=50),  # 9/s against 10/s
+           _update(20.0, 24.0, 25.0, 36, rest=[25.0, 30.0], rest_tokens=40)]  # fmt: skip
+    phases = [
+        _phase(None, 0.0, 10.0, 600),  # 60/s
+        _phase("inflight", 10.0, 20.0, 171, ups),
+        _phase(None, 30.0, 10.0, 400),  # 40/s
+    ]
+    summary = inflight.summarize(phases)
+    r = summary["inflight"]
+    assert summary["baseline_tokens_per_s"] == pytest.approx(50.0)
+    assert r["throughput_ratio"] == pytest.approx(171 / 20 / 50)
+    assert r["throughput_ratio_per_phase"] == [pytest.approx(171 / 20 / 50)]
+    assert r["throughput_ratio_paired"] == pytest.approx((81 / 10) / (90 / 10))  # 0.9: the drift cancels
+    checks = inflight.verdicts(summary)
+    assert checks["throughput_ratio_paired"]["pass"] is False and checks["preemptions"]["pass"] is True
+
+
+def test_without_rest_windows_there_is_no_paired_figure() -> None:
+    phases = [_phase(None, 0.0, 10.0, 500), _phase("inflight", 10.0, 5.0, 240, [_update(10.0, 14.0, 15.0, 240)]),
+              _phase(None, 15.0, 10.0, 500)]  # fmt: skip
+    summary = inflight.summarize(phases)
+    assert summary["inflight"]["throughput_ratio_paired"] is None
+    assert summary["inflight"]["throughput_ratio"] == pytest.approx(48 / 50)
+    assert "throughput_ratio_paired" not in inflight.verdicts(summary)
+    assert "| - |" in inflight.table(summary)
