@@ -18,13 +18,13 @@ It moves the thread, as ``DELTASYNC_STAGING_CPUS`` says
 - a CPU list, e.g. ``1`` or ``2-3,6``: those CPUs.
 
 And it lowers the priority of staging and freeing memory by ``DELTASYNC_STAGING_NICE`` (Linux
-threads each have their own nice value; 19 by default, 0 keeps the worker's), not that of the full
-hash after an anchor, which the next call of any kind waits for. The cores left to the API server and the
-engine core are not idle while the engine generates: the engine core busy-waits for each step's
-output, and it schedules the next step only when it has the CPU. A staging thread at the same
-priority takes half of such a core and every step waits for it; behind them, it takes what they
-leave, and a version takes longer to stage where no core is idle, not the streams longer to
-generate (``benchmarks/inflight.py`` measures both).
+threads each have their own nice value; 19 by default, 0 keeps the worker's), not that of the
+full hash after an anchor, which the next call of any kind waits for. The cores left to the API
+server and the engine core are not idle while the engine generates: the engine core busy-waits
+for each step's output, and it schedules the next step only when it has the CPU. A staging
+thread at the same priority takes half of such a core and every step waits for it; behind them,
+it takes what they leave, and a version takes longer to stage where no core is idle, not the
+streams longer to generate (``benchmarks/inflight.py`` measures both).
 """
 
 from __future__ import annotations

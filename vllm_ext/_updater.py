@@ -30,7 +30,7 @@ from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus, check
 from ._checkpoint import ServedCheckpoint
 from ._config import ServerConfig
 from ._cpus import configure as configure_background_cpus
-from ._cpus import enter_background
+from ._cpus import Background, enter_background
 from ._live_target import LiveTarget, plan_in_place
 from ._ranks import agree, is_last_rank
 from ._reload_target import ReloadTarget
@@ -50,16 +50,17 @@ class _Prefetch:
         self.error: str | None = None
         self.staged: Staged | None = None
         self.thread: threading.Thread | None = None
-        self.cpus: tuple[int, ...] | None = None
-        self.nice = 0
+        self.background = Background(cpus=None, nice=0)
+        """Where and at what priority the thread stages (set when it starts)."""
 
     def describe(self) -> PrefetchState:
         staged = self.staged
         if staged is None:
-            return PrefetchState(version=self.version, state=self.state, error=self.error, cpus=self.cpus,
-                                 nice=self.nice)  # fmt: skip
+            return PrefetchState(version=self.version, state=self.state, error=self.error,
+                                 cpus=self.background.cpus, nice=self.background.nice)  # fmt: skip
         return PrefetchState(version=self.version, state=self.state, error=self.error, kind=staged.kind,
-                             nbytes=staged.nbytes, stage_s=staged.seconds, cpus=self.cpus, nice=self.nice)  # fmt: skip
+                             nbytes=staged.nbytes, stage_s=staged.seconds, cpus=self.background.cpus,
+                             nice=self.background.nice)  # fmt: skip
 
 
 class WorkerUpdater:
@@ -263,8 +264,7 @@ class WorkerUpdater:
         return staged
 
     def _run_prefetch(self, job: _Prefetch, receiver: DeltaReceiver) -> None:
-        where = enter_background()
-        job.cpus, job.nice = where.cpus, where.nice
+        job.background = enter_background()
         try:
             staged = self.target.stage(job.version, receiver)
         except Exception as exc:  # noqa: BLE001  (reported through status; update re-stages)
