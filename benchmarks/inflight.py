@@ -245,6 +245,8 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
         settled = time.perf_counter()
     for u in updates:
         u["window_tokens"] = streams.tokens_between(u["stage"][0], u["update"][1])
+        u["stage_tokens"] = streams.tokens_between(*u["stage"])
+        u["request_tokens"] = streams.tokens_between(*u["update"])
         if "rest" in u:
             u["rest_tokens"] = streams.tokens_between(*u["rest"])
     marks = [u["preemptions_before"] for u in updates] + [after]
@@ -297,11 +299,22 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
         if paired:
             window_s = sum(u["update"][1] - u["stage"][0] for u in paired)
             rest_s = sum(u["rest"][1] - u["rest"][0] for u in paired)
-            paired_ratio = (sum(u["window_tokens"] for u in paired) / window_s) / (
-                sum(u["rest_tokens"] for u in paired) / rest_s
-            )
+            rest_rate = sum(u["rest_tokens"] for u in paired) / rest_s
+            paired_ratio = sum(u["window_tokens"] for u in paired) / window_s / rest_rate
+            # The window's two parts against the same rest: staging (prefetch to ready) and the
+            # update request (ready to applied, the apply's calls into the workers).
+            stage_s = sum(u["stage"][1] - u["stage"][0] for u in paired)
+            request_s = sum(u["update"][1] - u["update"][0] for u in paired)
+            paired_parts = {
+                "staging": sum(u["stage_tokens"] for u in paired) / stage_s / rest_rate,
+                "request": sum(u["request_tokens"] for u in paired) / request_s / rest_rate,
+                "request_share_of_window": request_s / window_s,
+            }
         out[mode] = {
             "throughput_ratio_paired": paired_ratio if paired else None,
+            "paired_ratio_staging": paired_parts["staging"] if paired else None,
+            "paired_ratio_request": paired_parts["request"] if paired else None,
+            "request_share_of_window": paired_parts["request_share_of_window"] if paired else None,
             "updates": len(ups),
             "phases": len(runs),
             "seconds": seconds,
@@ -346,6 +359,9 @@ def table(summary: dict[str, Any]) -> str:
         ("/ no-update tokens/s (all no-update phases)", "throughput_ratio", "{:.1%}"),
         ("/ no-update tokens/s, each phase against its neighbours", "throughput_ratio_per_phase", "{:.1%}"),
         ("tokens/s in update windows / in the no-update windows after them (--rest)", "throughput_ratio_paired", "{:.1%}"),
+        ("... its staging part (prefetch to ready) / the same no-update windows", "paired_ratio_staging", "{:.1%}"),
+        ("... its request part (ready to applied) / the same no-update windows", "paired_ratio_request", "{:.1%}"),
+        ("... the request's share of the update windows", "request_share_of_window", "{:.1%}"),
         ("tokens/s while staging (prefetch to ready)", "tokens_per_s_staging", "{:.1f}"),
         ("tokens/s outside staging", "tokens_per_s_not_staging", "{:.1f}"),
         ("preemptions (all updates)", "preemptions", "{:.0f}"),

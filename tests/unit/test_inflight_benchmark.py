@@ -41,10 +41,11 @@ def _phase(mode, start, seconds, tokens, updates=()):
             "gap_p99_outside_updates_s": 0.2, "staging_s": staging, "staged_tokens": staged}  # fmt: skip
 
 
-def _update(t0, t1, tb, window_tokens, rest=None, rest_tokens=0):
+def _update(t0, t1, tb, window_tokens, rest=None, rest_tokens=0, request_tokens=0):
     u = {"stage": [t0, t1], "update": [t1, tb], "paused_s": 0.0, "apply_s": 0.03, "request_s": tb - t1,
          "in_flight": 8, "recomputed_tokens_est": 0, "max_gap_s": 0.2, "window_tokens": window_tokens,
-         "staged": window_tokens}  # fmt: skip
+         "staged": window_tokens - request_tokens, "stage_tokens": window_tokens - request_tokens,
+         "request_tokens": request_tokens}  # fmt: skip
     if rest is not None:
         u["rest"], u["rest_tokens"] = rest, rest_tokens
     return u
@@ -52,8 +53,9 @@ def _update(t0, t1, tb, window_tokens, rest=None, rest_tokens=0):
 
 def test_each_phase_is_compared_with_its_neighbours_and_pairs_with_the_window_after_each_update() -> None:
     # The machine slows from 60 to 40 tokens/s; the updates cost 10% of whatever the rate is.
-    ups = [_update(10.0, 14.0, 15.0, 45, rest=[15.0, 20.0], rest_tokens=50),  # 9/s against 10/s
-           _update(20.0, 24.0, 25.0, 36, rest=[25.0, 30.0], rest_tokens=40)]  # fmt: skip
+    # Staging keeps the rate; each 1 s request gets half of it.
+    ups = [_update(10.0, 14.0, 15.0, 45, rest=[15.0, 20.0], rest_tokens=50, request_tokens=5),  # 9/s against 10/s
+           _update(20.0, 24.0, 25.0, 36, rest=[25.0, 30.0], rest_tokens=40, request_tokens=4)]  # fmt: skip
     phases = [
         _phase(None, 0.0, 10.0, 600),  # 60/s
         _phase("inflight", 10.0, 20.0, 171, ups),
@@ -65,6 +67,10 @@ def test_each_phase_is_compared_with_its_neighbours_and_pairs_with_the_window_af
     assert r["throughput_ratio"] == pytest.approx(171 / 20 / 50)
     assert r["throughput_ratio_per_phase"] == [pytest.approx(171 / 20 / 50)]
     assert r["throughput_ratio_paired"] == pytest.approx((81 / 10) / (90 / 10))  # 0.9: the drift cancels
+    # ... and splits into the staging part and the request part, each against the same rest windows.
+    assert r["paired_ratio_staging"] == pytest.approx((72 / 8) / (90 / 10))  # 1.0
+    assert r["paired_ratio_request"] == pytest.approx((9 / 2) / (90 / 10))  # 0.5
+    assert r["request_share_of_window"] == pytest.approx(2 / 10)
     checks = inflight.verdicts(summary)
     assert checks["throughput_ratio_paired"]["pass"] is False and checks["preemptions"]["pass"] is True
 
