@@ -17,8 +17,8 @@ __all__ = ["DeltaWorkerExtension", "updater_of"]
 
 
 class DeltaWorkerExtension:
-    """Worker extension adding ``deltasync_status``, ``deltasync_prefetch``, ``deltasync_apply``,
-    ``deltasync_verify`` and, for adapter mode, ``deltasync_lora_modules`` and
+    """Worker extension adding ``deltasync_status``, ``deltasync_prefetch``, ``deltasync_begin``,
+    ``deltasync_apply``, ``deltasync_verify`` and, for adapter mode, ``deltasync_lora_modules`` and
     ``deltasync_lora_fingerprint``. (The test RPCs live in :mod:`vllm_ext.testing`.)"""
 
     def deltasync_status(self) -> dict[str, Any]:
@@ -28,6 +28,11 @@ class DeltaWorkerExtension:
     def deltasync_prefetch(self, version: int, auth: str | None = None) -> dict[str, Any]:
         """Start downloading and decoding ``version`` in the background; returns at once."""
         return updater_of(self).prefetch(version, auth)
+
+    def deltasync_begin(self, version: int, auth: str | None = None) -> dict[str, Any]:
+        """``deltasync_prefetch`` and ``deltasync_status`` in one call: the status, whose
+        ``prefetch`` is the answer to this prefetch (what the update route starts with)."""
+        return updater_of(self).begin(version, auth)
 
     def deltasync_apply(self, version: int, auth: str | None = None) -> dict[str, Any]:
         """Apply ``version`` now, without the weight-update routes.

@@ -4,8 +4,8 @@ follow mode, which runs that flow whenever the bucket commits a newer version.
 Both run in the API-server process, where vLLM's pause and resume live:
 
 - :meth:`ServerSync.bring_to` stages the version on every worker while the engine keeps
-  generating (``deltasync_prefetch``: download, decode, check), waits until every worker has
-  it ready, then pauses the scheduler (``keep`` mode, caches emptied), applies it on every
+  generating (``deltasync_begin``: the workers' status, and the prefetch's download, decode and
+  check started, in one call), waits until every worker has it ready, then pauses the scheduler (``keep`` mode, caches emptied), applies it on every
   worker in one ``collective_rpc`` (all ranks or none), labels the served weight version and
   resumes, whatever happened. A version already served is a no-op (no pause); an older one is
   refused by the workers. Updates never overlap: push requests and the follower take turns.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import math
@@ -40,7 +41,7 @@ from deltasync import DeltaReceiver
 from deltasync._client import MAX_POLL_S
 from deltasync._auth import update_tag
 from deltasync._errors import ConfigError, UpdateError
-from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus
+from deltasync._messages import UpdateAnswer, WorkerStatus
 from deltasync._env import DEFAULT_FOLLOW_INTERVAL, FOLLOW_ENV, FOLLOW_INTERVAL_ENV, UPDATE_MODE_ENV, UPDATE_MODES
 
 from ._config import ServerConfig
@@ -149,13 +150,15 @@ class ServerSync:
             return UpdateOutcome(version=-1, ok=False, status=400,
                                  error=f"mode must be one of {', '.join(UPDATE_MODES)}, got {mode!r}")  # fmt: skip
         async with self._lock:
-            workers = await self.workers()
+            if auth is None and self.token is not None and origin == "follow" and isinstance(version, int):
+                auth = update_tag(self.token, version)  # the follower acts for the server itself
+            # One call into the workers says what they serve and starts staging (or finds the
+            # version staged already): each call waits for an engine step to end.
+            workers = await self._begin(version, auth)
             served = _served(workers)
             self.served = served
             if isinstance(version, int) and not isinstance(version, bool) and version == served:
                 return UpdateOutcome(version=version, ok=True, noop=True, seconds=time.perf_counter() - start)
-            if auth is None and self.token is not None and origin == "follow" and isinstance(version, int):
-                auth = update_tag(self.token, version)  # the follower acts for the server itself
             outcome = await self._stage_and_apply(version, auth, mode, workers)
             outcome = _replace(outcome, seconds=time.perf_counter() - start)
             if outcome.ok:
@@ -179,13 +182,11 @@ class ServerSync:
                 note = (f"in-flight updates need every parameter patched in place; {len(fallback)} fall back to the "
                         f"reload (e.g. {fallback[0] if fallback else 'all'}), so this update paused")  # fmt: skip
                 mode = "pause"
-        # Stage while the engine generates: download, decode and check on every worker.
-        try:
-            answers = await self.engine.collective_rpc("deltasync_prefetch", args=(version, auth))
-            refused = any(PrefetchState.from_answer(a).state == "refused" for a in answers)
-        except Exception:  # noqa: BLE001  (the last worker raises its refusal)
-            refused = True
-        if not refused:
+        # Staging (download, decode, check on every worker) started in _begin; the engine
+        # generates meanwhile.
+        jobs = [w.prefetch for w in workers]
+        refused = any(j is None or j.state == "refused" for j in jobs)
+        if not refused and not all(j is not None and j.state == "ready" for j in jobs):
             failed = await self._wait_staged(safe_version)
             if failed is not None:
                 # The version cannot be staged (a bad file, a hostile pointer): nothing is paused.
@@ -245,9 +246,12 @@ class ServerSync:
         return UpdateOutcome(version=safe_version, ok=True, paused_s=paused_s, results=results)
 
     async def _wait_staged(self, version: int) -> str | None:
-        """Wait until every worker has ``version`` staged; the first failure's message, or None."""
+        """Wait until every worker has ``version`` staged (it was found still staging); the
+        first failure's message, or None."""
         delay = _POLL_S
         while True:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, MAX_POLL_S)
             workers = await self.workers()
             jobs = [w.prefetch for w in workers]
             if any(j is None or j.version != version for j in jobs):
@@ -262,8 +266,15 @@ class ServerSync:
                 return f"deltasync: update to version {version} refused {reason}; still serving {served}"
             if all(j is not None and j.state in ("ready", "applied") for j in jobs):
                 return None
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, MAX_POLL_S)
+
+    async def _begin(self, version: object, auth: object) -> list[WorkerStatus]:
+        """Every worker's status, after it was asked to stage ``version`` (``deltasync_begin``):
+        each status's ``prefetch`` is the answer to that (None where the call failed)."""
+        try:
+            answers = await self.engine.collective_rpc("deltasync_begin", args=(version, auth))
+        except Exception:  # noqa: BLE001  (a worker that cannot answer: the apply reports it)
+            return [dataclasses.replace(w, prefetch=None) for w in await self.workers()]
+        return [WorkerStatus.from_answer(a) for a in answers]
 
     async def workers(self) -> list[WorkerStatus]:
         """Every worker's typed status."""

@@ -134,18 +134,20 @@ class WorkerUpdater:
         try:
             version = check_version(version)
             check_update_tag(self.config.token, version, auth)
+            self._check_not_older(version)
+            job = self._prefetch
+            if job is not None and job.version == version and job.state != "failed":
+                # Already staging or staged, after the same checks: the call returns without
+                # reading the bucket (it runs between two engine steps).
+                return job.describe().to_json()
             receiver = self._open_receiver()
             latest = receiver.latest()
             if version > latest:
                 raise VersionError(
                     f"version {version} is not committed in {receiver.store.url} (the newest is {latest})"
                 )
-            self._check_not_older(version)
         except DeltaSyncError as exc:
             return self._refuse_prefetch(version, f"deltasync: prefetch of version {version} refused: {exc}")
-        job = self._prefetch
-        if job is not None and job.version == version and job.state != "failed":
-            return job.describe().to_json()
         if job is not None and job.thread is not None and job.thread.is_alive():
             return self._refuse_prefetch(version, f"deltasync: prefetch of version {version} refused: version "
                                                   f"{job.version} is still being prefetched; update to it or wait "
@@ -160,6 +162,19 @@ class WorkerUpdater:
         self._prefetch = job
         job.thread.start()
         return job.describe().to_json()
+
+    def begin(self, version: object, auth: object = None) -> dict[str, Any]:
+        """:meth:`prefetch` and :meth:`status` in one call (``deltasync_begin``): the status,
+        whose ``prefetch`` is this call's answer (``"refused"`` with the reason where the
+        version or tag is wrong; this call never raises for that).
+
+        The update flow starts with it: one call into the workers, between two engine steps,
+        tells it what is served and whether ``version`` is staged already."""
+        try:
+            job = self.prefetch(version, auth)
+        except UpdateError as exc:  # the last worker raises its refusal (see _fail)
+            job = PrefetchState(version=_version_or_none(version), state="refused", error=str(exc)).to_json()
+        return {**self.status(), "prefetch": job}
 
     def update(self, version: object, auth: object = None) -> dict[str, Any]:
         """Stage, check and apply ``version``; returns what was done (a

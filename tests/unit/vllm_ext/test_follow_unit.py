@@ -43,7 +43,7 @@ def test_the_follower_goes_straight_to_the_newest_version(tmp_path):
     sync = _sync(engine, bucket)
     delay = asyncio.run(sync.follow_once())
     tag = update_tag(TOKEN, 3)  # the follower tags its own updates with the server's token
-    assert engine.calls == [("deltasync_prefetch", 3, tag), ("pause", "keep", True), ("deltasync_apply", 3, tag),
+    assert engine.calls == [("deltasync_begin", 3, tag), ("pause", "keep", True), ("deltasync_apply", 3, tag),
                             ("label", "3"), "resume"]  # fmt: skip
     assert (delay, sync.served, sync.latest_seen, sync.last_error) == (0.5, 3, 3, None)
     engine.calls.clear()
@@ -81,7 +81,7 @@ def test_a_file_that_fails_to_stage_is_reported_and_retried(tmp_path):
     assert asyncio.run(sync.follow_once()) == 1.0
     assert "update to version 1 refused (IntegrityError): deltas/00000001.safetensors" in sync.last_error
     assert sync.last_error.endswith("; still serving the checkpoint it started with")
-    assert all(call[0] == "deltasync_prefetch" for call in engine.calls)  # never paused
+    assert all(call[0] == "deltasync_begin" for call in engine.calls)  # never paused
     engine.stage_error, engine.results = None, [{"version": 1}]
     asyncio.run(sync.follow_once())
     assert (sync.served, sync.last_error) == (1, None)

@@ -19,7 +19,7 @@ def test_an_inflight_update_applies_between_steps_without_a_pause():
     engine = Engine()
     status, answer, _ = _post(engine, {"version": 3, "auth": "tag", "mode": "inflight"})
     assert status == 200 and answer["mode"] == "inflight" and answer["note"] is None
-    assert engine.calls == [("deltasync_prefetch", 3, "tag"), ("deltasync_apply", 3, "tag"), ("label", "3")]
+    assert engine.calls == [("deltasync_begin", 3, "tag"), ("deltasync_apply", 3, "tag"), ("label", "3")]
 
 
 def test_inflight_falls_back_to_a_pause_where_parameters_reload_and_says_so():
@@ -28,7 +28,7 @@ def test_inflight_falls_back_to_a_pause_where_parameters_reload_and_says_so():
 
     async def reload_status(method, args=()):
         answers = await original(method, args)
-        if method == "deltasync_status":
+        if method in ("deltasync_status", "deltasync_begin"):
             answers = [{**a, "mode": "reload", "fallback": ["model.layers.0.mlp.gate_proj.weight"]} for a in answers]
         return answers
 

@@ -21,11 +21,12 @@ TOKEN = "s3cret"
 
 class Engine:
     """Records the engine-client calls the route makes (status reads apart, in ``reads``);
-    ``fail`` names a call that raises; its workers serve ``served`` and stage at once, or fail
-    to stage with ``stage_error``."""
+    ``fail`` names a call that raises; its workers serve ``served`` and stage as soon as asked
+    (``staged``: before the next call; else by the first status read after it), or fail to
+    stage with ``stage_error``."""
 
     def __init__(self, fail: str | None = None, results: list | None = None, *, served: int | None = None,
-                 stage_error: str | None = None, workers: int = 1) -> None:  # fmt: skip
+                 stage_error: str | None = None, workers: int = 1, staged: bool = False) -> None:  # fmt: skip
         self.calls: list[object] = []
         self.reads = 0
         self.fail = fail
@@ -33,6 +34,7 @@ class Engine:
         self.served = served
         self.stage_error = stage_error
         self.workers = workers
+        self.staged = staged
         self.prefetch: dict | None = None
         self.engine_core = SimpleNamespace(pause_scheduler_async=self._pause)
 
@@ -44,17 +46,22 @@ class Engine:
         self.calls.append(("pause", mode, clear_cache))
         self._maybe_fail("pause")
 
+    def _status(self, prefetch: dict | None) -> list:
+        return [{"rank": r, "version": self.served, "fingerprint": "00ff00ff00ff00ff", "mode": "in-place",
+                 "prefetch": prefetch} for r in range(self.workers)]  # fmt: skip
+
     async def collective_rpc(self, method: str, args: tuple = ()) -> list:
         if method == "deltasync_status":
             self.reads += 1
-            return [{"rank": r, "version": self.served, "fingerprint": "00ff00ff00ff00ff", "mode": "in-place",
-                     "prefetch": self.prefetch} for r in range(self.workers)]  # fmt: skip
+            return self._status(self.prefetch)
         self.calls.append((method, *args))
         self._maybe_fail(method)
-        if method == "deltasync_prefetch":
+        if method == "deltasync_begin":
+            if args[0] == self.served:
+                return self._status({"version": args[0], "state": "applied"})
             state = "failed" if self.stage_error else "ready"
             self.prefetch = {"version": args[0], "state": state, "error": self.stage_error}
-            return [{"version": args[0], "state": "running"}] * self.workers
+            return self._status(self.prefetch if self.staged else {"version": args[0], "state": "running"})
         if method == "deltasync_apply" and not any(r.get("error") for r in self.results):
             self.served = args[0]
         return self.results
@@ -94,7 +101,7 @@ def _post(engine: Engine, body: object, *, authorization: str | None = f"Bearer 
     return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:])), passed
 
 
-STAGE = ("deltasync_prefetch", 3, "tag")
+STAGE = ("deltasync_begin", 3, "tag")
 
 
 def test_stage_pause_apply_label_resume_in_one_request():
@@ -109,7 +116,22 @@ def test_stage_pause_apply_label_resume_in_one_request():
 def test_a_version_already_served_is_a_noop_without_a_pause():
     engine = Engine(served=3)
     status, answer, _ = _post(engine, {"version": 3, "auth": "tag"})
-    assert (status, answer["noop"], answer["results"], engine.calls) == (200, True, [], [])
+    assert (status, answer["noop"], answer["results"], engine.calls) == (200, True, [], [STAGE])
+    assert engine.reads == 0
+
+
+@pytest.mark.parametrize("mode", ["inflight", "pause"])
+def test_a_version_staged_already_takes_one_call_before_the_apply(mode):
+    # Each call into the workers waits for an engine step to end: a prefetched version is
+    # found staged by the call that reads the status, and nothing polls.
+    engine = Engine(staged=True)
+    status, answer, _ = _post(engine, {"version": 3, "auth": "tag", "mode": mode})
+    assert status == 200 and answer["mode"] == mode and engine.reads == 0
+    paused = [("pause", "keep", True)] if mode == "pause" else []
+    assert engine.calls == [STAGE, *paused, ("deltasync_apply", 3, "tag"), ("label", "3"), *(["resume"] if paused else [])]
+    # Not staged yet: the flow reads the status until it is.
+    engine = Engine()
+    assert _post(engine, {"version": 3, "auth": "tag", "mode": mode})[0] == 200 and engine.reads == 1
 
 
 def test_a_version_that_cannot_be_staged_pauses_nothing():
@@ -136,7 +158,7 @@ def test_a_failed_pause_applies_nothing_and_does_not_resume():
     engine = Engine(fail="pause")
     status, answer, _ = _post(engine, {"version": 3})
     assert status == 503 and answer["error"]["message"] == "pausing the server failed (RuntimeError: pause failed)"
-    assert engine.calls == [("deltasync_prefetch", 3, None), ("pause", "keep", True)]
+    assert engine.calls == [("deltasync_begin", 3, None), ("pause", "keep", True)]
 
 
 def test_refusals_before_anything_happens():

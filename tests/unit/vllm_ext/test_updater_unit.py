@@ -307,6 +307,25 @@ def test_prefetch_stages_in_the_background_and_update_reuses_it(world):
     assert result["prefetched"] is False and result["version"] == second
 
 
+def test_begin_is_prefetch_and_status_in_one_call_and_never_raises(world, monkeypatch):
+    world.update(0)
+    version = world.edit("model.norm.weight", rows=slice(0, 64))
+    begun = WorkerStatus.from_answer(world.updater.begin(version, world.tag(version)))
+    assert begun.version == 0 and begun.prefetch.version == version and begun.prefetch.state in ("running", "ready")
+    world.updater._prefetch.thread.join()
+    with monkeypatch.context() as patch:
+        # Staged already: found without reading the bucket again (the call runs between engine steps).
+        patch.setattr(world.updater._receiver, "latest", lambda: pytest.fail("the pointer was read again"))
+        again = WorkerStatus.from_answer(world.updater.begin(version, world.tag(version)))
+        assert again.prefetch.state == "ready" and again.prefetch.stage_s > 0
+        # A refusal is the answer's prefetch state, on the last worker too (it raises from prefetch).
+        refused = WorkerStatus.from_answer(world.updater.begin(version, world.tag(version + 1)))
+        assert refused.prefetch.state == "refused" and "the auth tag" in refused.prefetch.error
+        assert refused.version == 0 and world.updater.status()["prefetch"]["state"] == "ready"  # the staged job kept
+    assert world.update(version)["prefetched"] is True
+    assert WorkerStatus.from_answer(world.updater.begin(version, world.tag(version))).prefetch.state == "applied"
+
+
 class _TwoWorkers:
     """A fake tensor-parallel group of two: this worker and a peer whose errors we script."""
 
