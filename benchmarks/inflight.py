@@ -228,14 +228,14 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
                             "apply_s": result["apply_s"], "request_s": tb - ta, "prefetched": result["prefetched"],
                             "preemptions_before": p0, "in_flight": flight, "in_flight_tokens": flight_tokens,
                             "worker_stage_s": job["stage_s"], "staging_cpus": job.get("cpus"),
-                            "staging_nice": job.get("nice")})  # fmt: skip
+                            "staging_nice": "idle" if job.get("idle") else job.get("nice")})  # fmt: skip
             if args.rest:
                 # A no-update window as long as this update's, right after it: the machine's
                 # speed drifts over tens of seconds, not over one pair of windows.
                 time.sleep(args.rest * (tb - t0))
                 updates[-1]["rest"] = [tb, time.perf_counter()]
             log(f"{name}: version {version} staged in {t1 - t0:.2f} s (worker {job['stage_s']:.2f} s on CPUs "
-                f"{job.get('cpus') or 'of the engine'}, nice {job.get('nice')}), applied in {result['apply_s']:.3f} s, request "
+                f"{job.get('cpus') or 'of the engine'}, {'SCHED_IDLE' if job.get('idle') else 'nice ' + str(job.get('nice'))}), applied in {result['apply_s']:.3f} s, request "
                 f"{tb - ta:.3f} s, route paused_s {answer['paused_s']:.3f}, {flight} streams in flight")  # fmt: skip
         end = time.perf_counter()
         # Unmeasured: the aftermath of the last update (a pause's recompute) settles before the
@@ -466,8 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rest", type=float, default=0.0,
                         help="after each update, a no-update window this many times as long as the update's "
                              "(prefetch to applied); the update windows are then compared with those right after them")
-    parser.add_argument("--staging-nice", type=int,
-                        help="the server's DELTASYNC_STAGING_NICE (default: the server's default, 19)")
+    parser.add_argument("--staging-nice",
+                        help="the server's DELTASYNC_STAGING_NICE, 0-19 or idle (default: the server's default, 19)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--plot", type=Path)
@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     published = trainer.publish([None] + [args.density] * (len(plan) * args.updates))
     env = server_env(root / "bucket", in_place=True)
     if args.staging_nice is not None:
-        env["DELTASYNC_STAGING_NICE"] = str(args.staging_nice)
+        env["DELTASYNC_STAGING_NICE"] = args.staging_nice
     server = VLLMServer(model_dir, env=env,
                         extra_args=["--enforce-eager", *extension_args()], log_file=root / "server.log")  # fmt: skip
     server.start(timeout=900)

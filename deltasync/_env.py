@@ -47,8 +47,9 @@ PUBLIC_ROUTES_ENV = "DELTASYNC_PUBLIC_ROUTES"
 #: Where a vLLM-CPU worker stages versions and hashes in the background: "auto" (the default:
 #: the cores no worker is bound to), "inherit" (the worker's own), or a CPU list like "1,3-4".
 STAGING_CPUS_ENV = "DELTASYNC_STAGING_CPUS"
-#: How far a vLLM-CPU worker's background threads lower their priority (Linux nice, 0-19;
-#: default 19: staging takes the CPU that serving leaves).
+#: How far a vLLM-CPU worker's background threads lower their priority: Linux nice 0-19
+#: (default 19: staging takes the CPU that serving leaves), or "idle" (Linux SCHED_IDLE, below
+#: nice 19: serving takes the CPU back at once, and staging takes longer).
 STAGING_NICE_ENV = "DELTASYNC_STAGING_NICE"
 DEFAULT_STAGING_NICE = 19
 #: "1" lets a server loaded with the test extension (``vllm_ext.testing``) run its test RPCs.

@@ -62,6 +62,8 @@ class PrefetchState:
     worker's own; see ``vllm_ext._cpus``)."""
     nice: int = 0
     """The staging thread's nice value (``DELTASYNC_STAGING_NICE`` above the worker's)."""
+    idle: bool = False
+    """Whether the staging thread ran as Linux SCHED_IDLE (``DELTASYNC_STAGING_NICE=idle``)."""
 
     @classmethod
     def from_answer(cls, data: object, where: str = "prefetch answer") -> PrefetchState:
@@ -75,6 +77,7 @@ class PrefetchState:
             stage_s=_take(d, "stage_s", (int, float), where, 0.0),
             cpus=None if (cpus := _take(d, "cpus", (list, tuple), where, None)) is None else tuple(int(c) for c in cpus),
             nice=_take(d, "nice", (int,), where, 0),
+            idle=_take(d, "idle", (bool,), where, False),
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -58,8 +58,8 @@ class ServerConfig:
     staging_cpus: str = "auto"
     """Where a worker's background work runs (``DELTASYNC_STAGING_CPUS``: "auto", "inherit" or a
     CPU list; see ``vllm_ext._cpus``)."""
-    staging_nice: int = DEFAULT_STAGING_NICE
-    """How far those threads lower their priority (``DELTASYNC_STAGING_NICE``, 0-19)."""
+    staging_nice: int | str = DEFAULT_STAGING_NICE
+    """How far those threads lower their priority (``DELTASYNC_STAGING_NICE``: 0-19, or "idle")."""
     test_hooks: bool = False
     """The test extension's RPCs may run (``DELTASYNC_TEST_HOOKS=1``)."""
 
@@ -80,8 +80,8 @@ class ServerConfig:
         if not STAGING_CPUS_PATTERN.fullmatch(cpus):
             raise ConfigError(f"{STAGING_CPUS_ENV} must be 'auto', 'inherit' or a CPU list such as 1,3-4, got {cpus!r}")
         raw_nice = environ.get(STAGING_NICE_ENV, "").strip() or str(DEFAULT_STAGING_NICE)
-        if not raw_nice.isdigit() or int(raw_nice) > 19:
-            raise ConfigError(f"{STAGING_NICE_ENV} must be a whole number from 0 to 19, got {raw_nice!r}")
+        if raw_nice != "idle" and (not raw_nice.isdigit() or int(raw_nice) > 19):
+            raise ConfigError(f"{STAGING_NICE_ENV} must be a whole number from 0 to 19 or 'idle', got {raw_nice!r}")
         return cls(
             bucket=environ.get(BUCKET_ENV) or None,
             token=environ.get(TOKEN_ENV) or None,
@@ -91,6 +91,6 @@ class ServerConfig:
             public_routes=environ.get(PUBLIC_ROUTES_ENV),
             plain_gemm=environ.get(PLAIN_GEMM_ENV, "").strip(),
             staging_cpus=cpus,
-            staging_nice=int(raw_nice),
+            staging_nice=raw_nice if raw_nice == "idle" else int(raw_nice),
             test_hooks=environ.get(TEST_HOOKS_ENV) == "1",
         )

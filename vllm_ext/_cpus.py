@@ -85,7 +85,7 @@ def _target(setting: str) -> frozenset[int] | None:
 _setting: list[Any] = ["auto", 0]
 
 
-def configure(setting: str, nice: int = 0) -> None:
+def configure(setting: str, nice: int | str = 0) -> None:
     """This worker's ``staging_cpus`` and ``staging_nice`` (its
     :class:`~vllm_ext._config.ServerConfig`'s, set once by the updater when it starts)."""
     _setting[:] = [setting, nice]
@@ -98,6 +98,9 @@ class Background:
 
     cpus: tuple[int, ...] | None
     nice: int
+    idle: bool = False
+    """Scheduled as Linux SCHED_IDLE (``DELTASYNC_STAGING_NICE=idle``): only when no thread of
+    normal priority wants the CPU."""
 
 
 def enter_background(*, behind: bool = True) -> Background:
@@ -110,7 +113,14 @@ def enter_background(*, behind: bool = True) -> Background:
     nice = nice if behind else 0
     thread = threading.current_thread().name
     tid = threading.get_native_id()
-    if nice:
+    idle = False
+    if nice == "idle":
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            idle = True
+        except (OSError, AttributeError) as exc:  # AttributeError: not Linux
+            logger.warning("deltasync: cannot schedule %s as SCHED_IDLE (%s)", thread, exc)
+    elif nice:
         try:
             os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
         except OSError as exc:
@@ -126,4 +136,4 @@ def enter_background(*, behind: bool = True) -> Background:
         except OSError as exc:  # e.g. CPUs outside the container's set
             logger.warning("deltasync: cannot move %s to CPUs %s (%s)", thread, sorted(cpus), exc)
             cpus = None
-    return Background(None if cpus is None else tuple(sorted(cpus)), now)
+    return Background(None if cpus is None else tuple(sorted(cpus)), now, idle)

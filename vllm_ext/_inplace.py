@@ -219,7 +219,7 @@ class InPlaceState:
                     if not bool(owned.all()):
                         src, dst = src[owned], dst[owned]
                     flat = self.flat[piece.param]
-                    bits = flat[dst.to(flat.device)]
+                    bits = flat.index_select(0, dst.to(flat.device))
                     total = (total + fingerprint_share(name, src, bits.view(torch.bfloat16))) & _MASK
         return total
 
@@ -271,14 +271,14 @@ class InPlaceState:
         if len(pieces) == 1:  # the common case: one box of one parameter (hits come sorted, once each)
             hit, dst = pieces[0].locate(index, sorted_index=True)
             flat = self.flat[pieces[0].param]
-            got = flat[dst.to(flat.device)].cpu()
+            got = flat.index_select(0, dst.to(flat.device)).cpu()
             return (None if hit.numel() == index.numel() else hit), got
         found = torch.zeros(index.numel(), dtype=torch.bool)
         out = torch.zeros(index.numel(), dtype=torch.int16)
         for piece in pieces:
             hit, dst = piece.locate(index, sorted_index=True)
             flat = self.flat[piece.param]
-            out[hit] = flat[dst.to(flat.device)].cpu()
+            out[hit] = flat.index_select(0, dst.to(flat.device)).cpu()
             found[hit] = True
         return torch.nonzero(found).reshape(-1), out[found]
 
@@ -323,8 +323,12 @@ class InPlaceState:
                         write.dst, write.bits = torch.cat([write.dst, dst]), torch.cat([write.bits, bits])
         for param, write in staged.writes.items():
             flat = self.flat[param]
-            write.dst, order = torch.sort(write.dst.to(flat.device))
-            write.bits = write.bits[order].to(flat.device)
+            write.dst = write.dst.to(flat.device)
+            if write.dst.numel() > 1 and not bool((write.dst[1:] > write.dst[:-1]).all()):
+                # Pieces laid out in another order than the checkpoint's (sorted already, else).
+                write.dst, order = torch.sort(write.dst)
+                write.bits = write.bits[order]
+            write.bits = write.bits.to(flat.device)
             write.old = flat.gather(0, write.dst)  # the undo log, read now rather than in the pause
         wait_for_device(w.old for w in staged.writes.values())  # filled before another thread uses them
         staged.seconds = time.perf_counter() - start

@@ -57,10 +57,11 @@ class _Prefetch:
         staged = self.staged
         if staged is None:
             return PrefetchState(version=self.version, state=self.state, error=self.error,
-                                 cpus=self.background.cpus, nice=self.background.nice)  # fmt: skip
+                                 cpus=self.background.cpus, nice=self.background.nice,
+                                 idle=self.background.idle)  # fmt: skip
         return PrefetchState(version=self.version, state=self.state, error=self.error, kind=staged.kind,
                              nbytes=staged.nbytes, stage_s=staged.seconds, cpus=self.background.cpus,
-                             nice=self.background.nice)  # fmt: skip
+                             nice=self.background.nice, idle=self.background.idle)  # fmt: skip
 
 
 class WorkerUpdater:

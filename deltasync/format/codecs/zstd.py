@@ -131,6 +131,13 @@ def from_ordered(pattern: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.bfloat16)
 
 
+def _flip16(bits: torch.Tensor) -> torch.Tensor:
+    """:func:`ordered` and :func:`from_ordered` on int16 bit patterns, modulo 2**16: both are
+    this involution (negative patterns, sign bit set, have their other 15 bits flipped). One
+    pass of three int16 operations, where the int32 forms take several."""
+    return bits ^ ((bits >> 15) & 0x7FFF)
+
+
 def _decompress(blob: torch.Tensor, expected: int, key: str, where: str) -> bytes:
     if blob.dtype != torch.uint8 or blob.dim() != 1:
         raise FormatError(f"{where}: stream {key!r} must be a 1-D uint8 tensor")
@@ -214,13 +221,13 @@ def _decode(tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[st
     n_esc = int(is_esc.sum())
     esc_lo = np.frombuffer(_decompress(tensors[PREFIX + "esc_lo"], n_esc, "esc_lo", where), dtype=np.uint8)
     esc_hi = np.frombuffer(_decompress(tensors[PREFIX + "esc_hi"], n_esc, "esc_hi", where), dtype=np.uint8)
-    esc = (esc_hi.astype(np.uint32) << 8) | esc_lo
+    esc = (esc_hi.astype(np.uint16) << np.uint16(8)) | esc_lo
     if n_esc and int(esc.min()) <= 3:
         raise FormatError(f"{where}: the escape streams hold a value that has its own symbol")
-    zig = sym.astype(np.uint32) + 1
+    zig = sym.astype(np.uint16) + np.uint16(1)
     zig[is_esc] = esc
-    diff = ((zig >> 1) ^ (-(zig & 1).astype(np.int64)).astype(np.uint32)) & 0xFFFF
-    diff_t = torch.from_numpy(diff.astype(np.int32))
+    # Zigzag back to the signed difference, as int16 modulo 2**16.
+    diff_t = torch.from_numpy(((zig >> np.uint16(1)) ^ (np.uint16(0) - (zig & np.uint16(1)))).view(np.int16))
     changes: dict[str, Change] = {}
     start = 0
     for name, count in zip(names, counts):
@@ -236,7 +243,8 @@ def _decode(tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[st
                 f"{where}: index {int(index[-1])} of parameter {name!r} is out of range "
                 f"(it has {numels[name]} elements)"
             )
-        new = from_ordered(ordered(delta.base_values(name, index)) + diff_t[start : start + count])
-        changes[name] = Change(index=index, new=new)
+        base = delta.base_values(name, index).to(torch.bfloat16).cpu().contiguous().view(torch.int16)
+        new = _flip16(_flip16(base) + diff_t[start : start + count])  # int16 arithmetic wraps modulo 2**16
+        changes[name] = Change(index=index, new=new.view(torch.bfloat16))
         start += count
     return changes

@@ -30,17 +30,19 @@ _WORKER = textwrap.dedent(
     import importlib.util  # the module alone: importing vllm_ext would import vLLM (seconds)
     spec = importlib.util.spec_from_file_location("cpus", os.path.join("vllm_ext", "_cpus.py"))
     _cpus = sys.modules["cpus"] = importlib.util.module_from_spec(spec); spec.loader.exec_module(_cpus)
-    _cpus.configure(sys.argv[2], int(sys.argv[3]))
+    _cpus.configure(sys.argv[2], sys.argv[3] if sys.argv[3] == "idle" else int(sys.argv[3]))
     seen = {}
     def background():
         where = _cpus.enter_background()
-        seen["moved"], seen["reported_nice"] = where.cpus, where.nice
+        seen["moved"], seen["reported_nice"], seen["reported_idle"] = where.cpus, where.nice, where.idle
+        seen["policy"] = os.sched_getscheduler(threading.get_native_id())
         seen["thread"] = os.sched_getaffinity(threading.get_native_id())
         seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     t = threading.Thread(target=background); t.start(); t.join()
     print(json.dumps({"free": sorted(_cpus.engine_free_cpus() or []), "moved": sorted(seen["moved"] or []),
                       "thread": sorted(seen["thread"]), "main": sorted(os.sched_getaffinity(0)),
-                      "nice": seen["nice"], "reported_nice": seen["reported_nice"],
+                      "nice": seen["nice"], "reported_nice": seen["reported_nice"], "policy": seen["policy"],
+                      "reported_idle": seen["reported_idle"], "main_policy": os.sched_getscheduler(0),
                       "main_nice": os.getpriority(os.PRIO_PROCESS, threading.get_native_id())}))
     """
 )
@@ -57,7 +59,7 @@ _ENGINE = textwrap.dedent(
 )
 
 
-def _probe(setting: str, nice: int = 0) -> dict:
+def _probe(setting: str, nice: int | str = 0) -> dict:
     done = subprocess.run([sys.executable, "-c", _ENGINE, _WORKER, setting, str(nice)], capture_output=True, text=True,
                           cwd=REPO_ROOT, timeout=300)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip(), done.stderr[-2000:]
@@ -80,6 +82,13 @@ def test_a_background_thread_runs_behind_the_worker() -> None:
     assert got["nice"] == got["reported_nice"] == min(19, base + 19)  # the thread only: main_nice is the worker's
     assert got["nice"] > base or base == 19  # (a test run already at nice 19 cannot go lower)
     assert _probe("inherit", 5)["nice"] == min(19, base + 5)
+    assert got["policy"] == os.SCHED_OTHER and got["reported_idle"] is False
+
+
+def test_an_idle_background_thread_runs_only_when_nothing_else_wants_the_cpu() -> None:
+    got = _probe("inherit", "idle")
+    assert got["policy"] == os.SCHED_IDLE and got["reported_idle"] is True
+    assert got["main_policy"] == os.SCHED_OTHER  # the thread only
 
 
 def test_inherit_and_an_explicit_list() -> None:
@@ -93,8 +102,9 @@ def test_the_setting_is_checked_at_start() -> None:
     assert ServerConfig.from_env({}).staging_cpus == "auto"
     assert ServerConfig.from_env({}).staging_nice == 19
     assert ServerConfig.from_env({"DELTASYNC_STAGING_NICE": "0"}).staging_nice == 0
-    for bad in ("-1", "20", "low", "1.5"):
-        with pytest.raises(ConfigError, match="DELTASYNC_STAGING_NICE must be a whole number from 0 to 19"):
+    assert ServerConfig.from_env({"DELTASYNC_STAGING_NICE": " idle "}).staging_nice == "idle"
+    for bad in ("-1", "20", "low", "1.5", "IDLE"):
+        with pytest.raises(ConfigError, match="DELTASYNC_STAGING_NICE must be a whole number from 0 to 19 or 'idle'"):
             ServerConfig.from_env({"DELTASYNC_STAGING_NICE": bad})
     assert ServerConfig.from_env({"DELTASYNC_STAGING_CPUS": "2-3,6"}).staging_cpus == "2-3,6"
     assert parse_cpu_list("2-3,6") == {2, 3, 6}
