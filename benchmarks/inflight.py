@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server import SHAPE, Trainer, log, server_env  # noqa: E402  (also finds the package next to it)
 
 from deltasync import RolloutClient  # noqa: E402
+from deltasync._client import MAX_POLL_S  # noqa: E402
 from deltasync._serve import extension_args  # noqa: E402
 from deltasync.examples.launcher import VLLMServer  # noqa: E402
 from deltasync.examples.tiny import build_tiny_model  # noqa: E402
@@ -149,14 +150,19 @@ class Streams:
                         self.errors.append(f"{type(exc).__name__}: {exc}")
                 record["end"] = time.perf_counter()
 
-    def tokens_between(self, a: float, b: float) -> int:
-        """Tokens whose chunks arrived in (a, b]."""
-        total = 0
+    def tokens_between(self, a: float, b: float) -> float:
+        """Tokens generated in (a, b]: each chunk's tokens spread evenly over the time since its
+        stream's previous chunk (or, for the first, since the request was sent).
+
+        Counting chunks by their arrival alone is biased for windows of a few engine steps: every
+        token of a step arrives at once, and a window that ends when a call into the engine returns
+        ends just after a step's tokens arrived (the call waited for that step), while the window
+        right after it starts just after them. Spread over the step, a window holds its share."""
+        total = 0.0
         for r in list(self.requests):
             times, tokens = r["times"], r["tokens"]
-            i, j = bisect_right(times, a), bisect_right(times, b)
-            if j > i:
-                total += tokens[j - 1] - (tokens[i - 1] if i else 0)
+            if times:
+                total += _cumulative(r["start"], times, tokens, b) - _cumulative(r["start"], times, tokens, a)
         return total
 
     def in_flight(self, at: float) -> tuple[int, int]:
@@ -175,6 +181,33 @@ class Streams:
             times = [t for t in r["times"] if a <= t <= b]
             out += list(zip(times, times[1:]))
         return out
+
+
+def _cumulative(start: float, times: list[float], tokens: list[int], t: float) -> float:
+    """A stream's tokens by time ``t``, linear between its chunks (0 at ``start``)."""
+    j = bisect_right(times, t)
+    if j == len(times):
+        return float(tokens[-1])
+    t0, c0 = (times[j - 1], tokens[j - 1]) if j else (start, 0)
+    if t <= t0:
+        return float(c0)
+    return c0 + (tokens[j] - c0) * (t - t0) / (times[j] - t0)
+
+
+def wait_staged(client: RolloutClient, version: int) -> dict[str, Any]:
+    """The polls of ``RolloutClient.wait_prefetched`` (at once, then after 0.05 s, twice as long each
+    time up to ``MAX_POLL_S``), keeping the prefetch state read last: ready, or the run stops."""
+    delay, deadline = 0.05, time.monotonic() + 600
+    while True:
+        (state,) = client.status().values()
+        job = state.workers[0].get("prefetch") if state.ok else None
+        assert job is not None and job["version"] == version, f"version {version} is not being staged: {state}"
+        if job["state"] != "running":
+            assert job["state"] == "ready", job
+            return job
+        assert time.monotonic() < deadline, f"version {version} was not staged in 600 s"
+        time.sleep(delay)
+        delay = min(2 * delay, MAX_POLL_S)
 
 
 def preemptions(http: httpx.Client, url: str) -> float:
@@ -206,14 +239,11 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
             version = v["version"]
             # Deltas arrive every --interval seconds (0: back to back); a late one starts at once.
             time.sleep(max(0.0, start + k * args.interval - time.perf_counter()))
+            p0 = preemptions(http, url)  # the benchmark's own reads stay outside the update's window
             t0 = time.perf_counter()
             (pre,) = client.prefetch(version).values()
             assert pre.ok, pre.error
-            assert client.wait_prefetched(version, timeout=600) == {url: True}, f"version {version} was not staged"
-            t1 = time.perf_counter()
-            (state,) = client.status().values()
-            job = state.workers[0]["prefetch"]  # where and how long the worker staged (vllm_ext._cpus)
-            p0 = preemptions(http, url)
+            job = wait_staged(client, version)  # where and how long the worker staged (vllm_ext._cpus)
             ta = time.perf_counter()
             response = http.post(url + "/deltasync/update", json={"version": version, "auth": None, "mode": mode})
             tb = time.perf_counter()
@@ -224,17 +254,23 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
             assert result["fingerprint"] == v["fingerprint"], \
                 f"version {version} serves {result['fingerprint']}, the trainer committed {v['fingerprint']}"  # fmt: skip
             flight, flight_tokens = streams.in_flight(ta)
-            updates.append({"version": version, "stage": [t0, t1], "update": [ta, tb], "paused_s": answer["paused_s"],
+            updates.append({"version": version, "stage": [t0, ta], "update": [ta, tb], "window": [t0, tb],
+                            "paused_s": answer["paused_s"],
                             "apply_s": result["apply_s"], "request_s": tb - ta, "prefetched": result["prefetched"],
                             "preemptions_before": p0, "in_flight": flight, "in_flight_tokens": flight_tokens,
                             "worker_stage_s": job["stage_s"], "staging_cpus": job.get("cpus"),
                             "staging_nice": "idle" if job.get("idle") else job.get("nice")})  # fmt: skip
             if args.rest:
-                # A no-update window as long as this update's, right after it: the machine's
-                # speed drifts over tens of seconds, not over one pair of windows.
-                time.sleep(args.rest * (tb - t0))
-                updates[-1]["rest"] = [tb, time.perf_counter()]
-            log(f"{name}: version {version} staged in {t1 - t0:.2f} s (worker {job['stage_s']:.2f} s on CPUs "
+                # The update's window goes on for --aftermath s after its answer: each call into the
+                # engine delays the step after it, whose tokens come after the answer. Then a
+                # no-update window as long as the update's, right after it: the machine's speed
+                # drifts over tens of seconds, not over one pair of windows.
+                time.sleep(args.aftermath)
+                te = time.perf_counter()
+                updates[-1]["window"] = [t0, te]
+                time.sleep(args.rest * (te - t0))
+                updates[-1]["rest"] = [te, time.perf_counter()]
+            log(f"{name}: version {version} staged in {ta - t0:.2f} s (worker {job['stage_s']:.2f} s on CPUs "
                 f"{job.get('cpus') or 'of the engine'}, {'SCHED_IDLE' if job.get('idle') else 'nice ' + str(job.get('nice'))}), applied in {result['apply_s']:.3f} s, request "
                 f"{tb - ta:.3f} s, route paused_s {answer['paused_s']:.3f}, {flight} streams in flight")  # fmt: skip
         end = time.perf_counter()
@@ -244,9 +280,9 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
         after = preemptions(http, url)
         settled = time.perf_counter()
     for u in updates:
-        u["window_tokens"] = streams.tokens_between(u["stage"][0], u["update"][1])
+        u["window_tokens"] = streams.tokens_between(*u["window"])
         u["stage_tokens"] = streams.tokens_between(*u["stage"])
-        u["request_tokens"] = streams.tokens_between(*u["update"])
+        u["request_tokens"] = streams.tokens_between(u["update"][0], u["window"][1])  # with the aftermath
         if "rest" in u:
             u["rest_tokens"] = streams.tokens_between(*u["rest"])
     marks = [u["preemptions_before"] for u in updates] + [after]
@@ -272,7 +308,7 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
         "tokens_per_s_staging": staged_tokens / staging if staging else None,
         "tokens_per_s_not_staging": (tokens - staged_tokens) / (end - start - staging) if end - start > staging else None,
     }  # fmt: skip
-    log(f"{name}: {tokens} tokens in {end - start:.1f} s = {phase['tokens_per_s']:.1f} tokens/s, "
+    log(f"{name}: {tokens:.0f} tokens in {end - start:.1f} s = {phase['tokens_per_s']:.1f} tokens/s, "
         f"{phase['preemptions']:.0f} preemptions, p99 gap outside updates {phase['gap_p99_outside_updates_s']:.3f} s")  # fmt: skip
     return phase
 
@@ -297,14 +333,14 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
             local.append(p["tokens_per_s"] / (sum(q["tokens"] for q in near) / sum(q["seconds"] for q in near)))
         paired = [u for u in ups if "rest" in u]
         if paired:
-            window_s = sum(u["update"][1] - u["stage"][0] for u in paired)
+            window_s = sum(u["window"][1] - u["window"][0] for u in paired)
             rest_s = sum(u["rest"][1] - u["rest"][0] for u in paired)
             rest_rate = sum(u["rest_tokens"] for u in paired) / rest_s
             paired_ratio = sum(u["window_tokens"] for u in paired) / window_s / rest_rate
             # The window's two parts against the same rest: staging (prefetch to ready) and the
-            # update request (ready to applied, the apply's calls into the workers).
+            # update request (ready to applied: the apply's calls into the workers) with its aftermath.
             stage_s = sum(u["stage"][1] - u["stage"][0] for u in paired)
-            request_s = sum(u["update"][1] - u["update"][0] for u in paired)
+            request_s = sum(u["window"][1] - u["update"][0] for u in paired)
             paired_parts = {
                 "staging": sum(u["stage_tokens"] for u in paired) / stage_s / rest_rate,
                 "request": sum(u["request_tokens"] for u in paired) / request_s / rest_rate,
@@ -360,8 +396,8 @@ def table(summary: dict[str, Any]) -> str:
         ("/ no-update tokens/s, each phase against its neighbours", "throughput_ratio_per_phase", "{:.1%}"),
         ("tokens/s in update windows / in the no-update windows after them (--rest)", "throughput_ratio_paired", "{:.1%}"),
         ("... its staging part (prefetch to ready) / the same no-update windows", "paired_ratio_staging", "{:.1%}"),
-        ("... its request part (ready to applied) / the same no-update windows", "paired_ratio_request", "{:.1%}"),
-        ("... the request's share of the update windows", "request_share_of_window", "{:.1%}"),
+        ("... its request part (ready to applied, and the aftermath) / the same no-update windows", "paired_ratio_request", "{:.1%}"),
+        ("... the request's (and aftermath's) share of the update windows", "request_share_of_window", "{:.1%}"),
         ("tokens/s while staging (prefetch to ready)", "tokens_per_s_staging", "{:.1f}"),
         ("tokens/s outside staging", "tokens_per_s_not_staging", "{:.1f}"),
         ("preemptions (all updates)", "preemptions", "{:.0f}"),
@@ -466,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rest", type=float, default=0.0,
                         help="after each update, a no-update window this many times as long as the update's "
                              "(prefetch to applied); the update windows are then compared with those right after them")
+    parser.add_argument("--aftermath", type=float, default=0.5,
+                        help="with --rest: seconds after each update's answer still counted in its window")
     parser.add_argument("--staging-nice",
                         help="the server's DELTASYNC_STAGING_NICE, 0-19 or idle (default: the server's default, 19)")
     parser.add_argument("--seed", type=int, default=0)

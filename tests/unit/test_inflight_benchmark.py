@@ -33,6 +33,21 @@ def test_sse_lines_end_only_at_cr_or_lf(size: int) -> None:
     ]  # fmt: skip
 
 
+def test_tokens_are_spread_over_the_step_that_made_them() -> None:
+    streams = inflight.Streams("http://unused", 2, 10)
+    # Two streams, each step (1 s) gives every stream one token, all arriving at the step's end;
+    # the second stream's request was sent at 0.5 and its first chunk came with the step at 2.
+    streams.requests = [{"start": 0.0, "times": [1.0, 2.0, 3.0, 4.0], "tokens": [1, 2, 3, 4]},
+                        {"start": 0.5, "times": [2.0, 3.0, 4.0], "tokens": [1, 2, 3]}]  # fmt: skip
+    assert streams.tokens_between(0.0, 4.0) == pytest.approx(7)
+    # A window that ends just after the step at 3 arrived, and the same length right after it:
+    # by arrival they would hold 2 and 0 tokens; the steps made 0.2 and 0.2.
+    assert streams.tokens_between(2.9, 3.0) == pytest.approx(0.2)
+    assert streams.tokens_between(3.0, 3.1) == pytest.approx(0.2)
+    assert streams.tokens_between(0.5, 1.25) == pytest.approx(0.75 + 0.75 / 1.5)  # the second: 1 token over 1.5 s
+    assert streams.tokens_between(4.0, 9.0) == 0 and streams.tokens_between(-1.0, 0.0) == 0
+
+
 def _phase(mode, start, seconds, tokens, updates=()):
     staged = sum(u.get("staged", 0) for u in updates)
     staging = sum(u["stage"][1] - u["stage"][0] for u in updates)
@@ -42,7 +57,7 @@ def _phase(mode, start, seconds, tokens, updates=()):
 
 
 def _update(t0, t1, tb, window_tokens, rest=None, rest_tokens=0, request_tokens=0):
-    u = {"stage": [t0, t1], "update": [t1, tb], "paused_s": 0.0, "apply_s": 0.03, "request_s": tb - t1,
+    u = {"stage": [t0, t1], "update": [t1, tb], "window": [t0, tb], "paused_s": 0.0, "apply_s": 0.03, "request_s": tb - t1,
          "in_flight": 8, "recomputed_tokens_est": 0, "max_gap_s": 0.2, "window_tokens": window_tokens,
          "staged": window_tokens - request_tokens, "stage_tokens": window_tokens - request_tokens,
          "request_tokens": request_tokens}  # fmt: skip
