@@ -27,9 +27,18 @@ publishes elsewhere), so publishing is in no figure; staging and applying are. T
 request ``RolloutClient.update(version, mode=...)`` sends, made here directly because the client
 reports the request's wall time as ``paused_s`` and drops the route's own answer.
 
+With ``--rest R``, each update is followed by a no-update window R times as long as it, and each
+update's window (from its prefetch to ``--aftermath`` seconds after its answer: the step that its
+last call into the engine delayed ends after the answer) is compared with the window right after
+it, so that the machine's drift cancels out. The benchmark's own reads (the preemption counter
+before each update, the prefetch state from the same polls ``wait_prefetched`` makes) add no
+call to the windows.
+
 Measured, per phase: tokens generated per second (the streams' ``continuous_usage_stats``
-counts, at each chunk's arrival), ``vllm:num_preemptions_total`` (from ``/metrics``, read before
-each update and after each phase), the longest gap between two chunks of a stream that overlaps
+counts, each chunk's tokens spread over the time since its stream's previous chunk: every token
+of an engine step arrives at once, and a window that ends when a call into the engine returns
+ends just after one step's tokens arrived), ``vllm:num_preemptions_total`` (from ``/metrics``,
+read before each update and after each phase), the longest gap between two chunks of a stream that overlaps
 an update request, against the p99 of the gaps that overlap none, and per update the seconds
 the route says it paused, the worker's apply seconds and the request's wall time. vLLM 0.32
 exports no counter of recomputed tokens (its prefix-cache stats count preempted requests'

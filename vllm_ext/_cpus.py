@@ -24,7 +24,15 @@ server and the engine core are not idle while the engine generates: the engine c
 for each step's output, and it schedules the next step only when it has the CPU. A staging
 thread at the same priority takes half of such a core and every step waits for it; behind them,
 it takes what they leave, and a version takes longer to stage where no core is idle, not the
-streams longer to generate (``benchmarks/inflight.py`` measures both).
+streams longer to generate (``benchmarks/inflight.py`` measures both). ``idle`` goes further:
+Linux SCHED_IDLE, below nice 19, which serving preempts at once.
+
+:func:`configure` also shortens the worker's interpreter switch interval to
+:data:`SWITCH_INTERVAL_S`. A background thread shares the worker's interpreter lock with the
+forward pass, which gives it up during each torch operation and needs it back between them. A
+thread that holds it keeps it until it waits on something or the switch interval (5 ms by
+default) asks it to give it up, so each handoff could stall the forward pass for that long.
+Where no other thread wants the lock, the interval changes nothing.
 """
 
 from __future__ import annotations
@@ -33,14 +41,19 @@ import functools
 import logging
 import os
 import re
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STAGING_CPUS_PATTERN", "Background", "configure", "engine_free_cpus", "enter_background", "parse_cpu_list"]
+__all__ = ["STAGING_CPUS_PATTERN", "SWITCH_INTERVAL_S", "Background", "configure", "engine_free_cpus", "enter_background", "parse_cpu_list"]
 
 logger = logging.getLogger(__name__)
+
+#: The worker's interpreter switch interval: the longest a background thread that holds the
+#: interpreter lock keeps the forward pass waiting for it, each time.
+SWITCH_INTERVAL_S = 0.0002
 
 #: What ``DELTASYNC_STAGING_CPUS`` may hold.
 STAGING_CPUS_PATTERN = re.compile(r"auto|inherit|\d+(-\d+)?(,\d+(-\d+)?)*")
@@ -87,8 +100,10 @@ _setting: list[Any] = ["auto", 0]
 
 def configure(setting: str, nice: int | str = 0) -> None:
     """This worker's ``staging_cpus`` and ``staging_nice`` (its
-    :class:`~vllm_ext._config.ServerConfig`'s, set once by the updater when it starts)."""
+    :class:`~vllm_ext._config.ServerConfig`'s, set once by the updater when it starts); and the
+    worker's interpreter switch interval (see the module)."""
     _setting[:] = [setting, nice]
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ _WORKER = textwrap.dedent(
                       "thread": sorted(seen["thread"]), "main": sorted(os.sched_getaffinity(0)),
                       "nice": seen["nice"], "reported_nice": seen["reported_nice"], "policy": seen["policy"],
                       "reported_idle": seen["reported_idle"], "main_policy": os.sched_getscheduler(0),
+                      "switch": sys.getswitchinterval(), "switch_wanted": _cpus.SWITCH_INTERVAL_S,
                       "main_nice": os.getpriority(os.PRIO_PROCESS, threading.get_native_id())}))
     """
 )
@@ -82,6 +83,8 @@ def test_a_background_thread_runs_behind_the_worker() -> None:
     assert got["nice"] == got["reported_nice"] == min(19, base + 19)  # the thread only: main_nice is the worker's
     assert got["nice"] > base or base == 19  # (a test run already at nice 19 cannot go lower)
     assert _probe("inherit", 5)["nice"] == min(19, base + 5)
+    # The worker hands its interpreter lock on after 0.2 ms, not Python's default 5 ms.
+    assert got["switch"] == pytest.approx(got["switch_wanted"]) and got["switch_wanted"] < 0.005
     assert got["policy"] == os.SCHED_OTHER and got["reported_idle"] is False
 
 
