@@ -47,7 +47,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STAGING_CPUS_PATTERN", "SWITCH_INTERVAL_S", "Background", "configure", "engine_free_cpus", "enter_background", "parse_cpu_list"]
+__all__ = [
+    "STAGING_CPUS_PATTERN",
+    "SWITCH_INTERVAL_S",
+    "Background",
+    "configure",
+    "engine_free_cpus",
+    "enter_background",
+    "parse_cpu_list",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,10 @@ Both run in the API-server process, where vLLM's pause and resume live:
 
 - :meth:`ServerSync.bring_to` stages the version on every worker while the engine keeps
   generating (``deltasync_begin``: the workers' status, and the prefetch's download, decode and
-  check started, in one call), waits until every worker has it ready, then pauses the scheduler (``keep`` mode, caches emptied), applies it on every
-  worker in one ``collective_rpc`` (all ranks or none), labels the served weight version and
-  resumes, whatever happened. A version already served is a no-op (no pause); an older one is
+  check started, in one call), waits until every worker has it ready, and applies it on every
+  worker in one ``collective_rpc`` (all ranks or none): between two engine steps with no pause
+  (``inflight``), or with the scheduler paused in ``keep`` mode, caches emptied, and resumed
+  whatever happened (``pause``). Then it labels the served weight version. A version already served is a no-op (no pause); an older one is
   refused by the workers. Updates never overlap: push requests and the follower take turns.
 - :meth:`ServerSync.follow` reads the bucket's committed pointer every ``interval`` seconds and
   brings the server to the newest version (several versions behind: straight to the newest, in

@@ -54,14 +54,12 @@ class _Prefetch:
         """Where and at what priority the thread stages (set when it starts)."""
 
     def describe(self) -> PrefetchState:
-        staged = self.staged
-        if staged is None:
-            return PrefetchState(version=self.version, state=self.state, error=self.error,
-                                 cpus=self.background.cpus, nice=self.background.nice,
-                                 idle=self.background.idle)  # fmt: skip
-        return PrefetchState(version=self.version, state=self.state, error=self.error, kind=staged.kind,
-                             nbytes=staged.nbytes, stage_s=staged.seconds, cpus=self.background.cpus,
-                             nice=self.background.nice, idle=self.background.idle)  # fmt: skip
+        staged, where = self.staged, self.background
+        return PrefetchState(version=self.version, state=self.state, error=self.error,
+                             kind=None if staged is None else staged.kind,
+                             nbytes=0 if staged is None else staged.nbytes,
+                             stage_s=0.0 if staged is None else staged.seconds,
+                             cpus=where.cpus, nice=where.nice, idle=where.idle)  # fmt: skip
 
 
 class WorkerUpdater:
