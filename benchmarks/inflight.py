@@ -355,8 +355,16 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
                 "request": sum(u["request_tokens"] for u in paired) / request_s / rest_rate,
                 "request_share_of_window": request_s / window_s,
             }
+            # Each update against its own rest window: the median shrugs off the machine's
+            # passing slumps (another tenant), which fall into one window of a pair. And the
+            # generation each update cost, in seconds of its rest window's rate: what a version
+            # every T seconds costs is about this over T.
+            each = [_rate(u["window_tokens"], u["window"]) / _rate(u["rest_tokens"], u["rest"]) for u in paired]
+            lost = [(u["window"][1] - u["window"][0]) * (1 - r) for u, r in zip(paired, each)]
         out[mode] = {
             "throughput_ratio_paired": paired_ratio if paired else None,
+            "throughput_ratio_paired_median": statistics.median(each) if paired else None,
+            "lost_s_per_update_median": statistics.median(lost) if paired else None,
             "paired_ratio_staging": paired_parts["staging"] if paired else None,
             "paired_ratio_request": paired_parts["request"] if paired else None,
             "request_share_of_window": paired_parts["request_share_of_window"] if paired else None,
@@ -384,6 +392,10 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _rate(tokens: float, window: list[float]) -> float:
+    return tokens / (window[1] - window[0])
+
+
 def verdicts(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     r = summary["inflight"]
     measured = {"preemptions": r["preemptions"], "paused_s": r["paused_s_max"], "throughput_ratio": r["throughput_ratio"],
@@ -404,6 +416,8 @@ def table(summary: dict[str, Any]) -> str:
         ("/ no-update tokens/s (all no-update phases)", "throughput_ratio", "{:.1%}"),
         ("/ no-update tokens/s, each phase against its neighbours", "throughput_ratio_per_phase", "{:.1%}"),
         ("tokens/s in update windows / in the no-update windows after them (--rest)", "throughput_ratio_paired", "{:.1%}"),
+        ("... each update against its own, median", "throughput_ratio_paired_median", "{:.1%}"),
+        ("generation each update cost, s at the rest window's rate, median", "lost_s_per_update_median", "{:.3f}"),
         ("... its staging part (prefetch to ready) / the same no-update windows", "paired_ratio_staging", "{:.1%}"),
         ("... its request part (ready to applied, and the aftermath) / the same no-update windows", "paired_ratio_request", "{:.1%}"),
         ("... the request's (and aftermath's) share of the update windows", "request_share_of_window", "{:.1%}"),

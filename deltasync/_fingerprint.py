@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "fingerprint",
     "fingerprint_add",
+    "fingerprint_move",
     "fingerprint_share",
     "fingerprint_slice_share",
     "fingerprint_update",
@@ -33,7 +34,9 @@ __all__ = [
 _MASK = (1 << 64) - 1
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
 _C2 = np.uint64(0x94D049BB133111EB)
-_CHUNK = 1 << 18
+_CHUNK = 1 << 16
+"""Elements hashed at a time: each of the three uint64 work buffers (512 KiB) stays in cache,
+and every step of the hash runs in place in them."""
 
 
 def _seed(name: str) -> np.uint64:
@@ -46,28 +49,82 @@ def _bits_u16(values: torch.Tensor) -> np.ndarray:
     return values.detach().reshape(-1).cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
-def _hash_sum(seed: np.uint64, index: np.ndarray, bits: np.ndarray) -> int:
-    """Sum of element hashes (mod 2**64) for uint64 ``index`` and uint16 ``bits`` arrays."""
-    x = (index.astype(np.uint64) << np.uint64(16)) | bits.astype(np.uint64)
-    x ^= seed
-    x ^= x >> np.uint64(30)
-    x *= _C1
-    x ^= x >> np.uint64(27)
-    x *= _C2
-    x ^= x >> np.uint64(31)
-    return int(np.add.reduce(x, dtype=np.uint64))
+def _index_u64(index: torch.Tensor) -> np.ndarray:
+    """Flat indices (>= 0) as uint64, without a copy where they are int64 already."""
+    idx = index.detach().reshape(-1).cpu().contiguous().numpy()
+    return idx.view(np.uint64) if idx.dtype == np.int64 else idx.astype(np.uint64)
+
+
+class _Hasher:
+    """Sums of element hashes over chunks of at most :data:`_CHUNK` elements, in three reused
+    buffers: the keys' index part, the element keys, and the shifts' scratch."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.seed = _seed(name)
+        m = max(1, min(size, _CHUNK))
+        self.base = np.empty(m, dtype=np.uint64)
+        self.x = np.empty(m, dtype=np.uint64)
+        self.tmp = np.empty(m, dtype=np.uint64)
+
+    def keys(self, index: np.ndarray) -> np.ndarray:
+        """``(index << 16) XOR seed`` for a chunk of uint64 indices: an element's key is this
+        XOR its 16 bits (they fill the low bits the shift left empty)."""
+        base = self.base[: index.size]
+        np.left_shift(index, np.uint64(16), out=base)
+        base ^= self.seed
+        return base
+
+    def sum(self, base: np.ndarray, bits: np.ndarray) -> int:
+        """Sum (mod 2**64) of ``mix64(base XOR bits)``."""
+        x, tmp = self.x[: base.size], self.tmp[: base.size]
+        np.bitwise_xor(base, bits, out=x, casting="unsafe")
+        with np.errstate(over="ignore"):
+            np.right_shift(x, np.uint64(30), out=tmp)
+            x ^= tmp
+            x *= _C1
+            np.right_shift(x, np.uint64(27), out=tmp)
+            x ^= tmp
+            x *= _C2
+            np.right_shift(x, np.uint64(31), out=tmp)
+            x ^= tmp
+            return int(np.add.reduce(x, dtype=np.uint64))
+
+
+def _hash_sum(seed_name: str, index: np.ndarray, bits: np.ndarray) -> int:
+    """Sum of element hashes (mod 2**64) of ``seed_name``'s uint64 ``index`` and uint16 ``bits``."""
+    hasher = _Hasher(seed_name, bits.size)
+    total = 0
+    for start in range(0, bits.size, _CHUNK):
+        stop = start + _CHUNK
+        total += hasher.sum(hasher.keys(index[start:stop]), bits[start:stop])
+    return total & _MASK
 
 
 def _tensor_sum(name: str, values: torch.Tensor, offset: int = 0) -> int:
     bits = _bits_u16(values)
-    seed = _seed(name)
+    hasher = _Hasher(name, bits.size)
     total = 0
-    with np.errstate(over="ignore"):
-        for start in range(0, bits.size, _CHUNK):
-            chunk = bits[start : start + _CHUNK]
-            index = np.arange(offset + start, offset + start + chunk.size, dtype=np.uint64)
-            total = (total + _hash_sum(seed, index, chunk)) & _MASK
-    return total
+    for start in range(0, bits.size, _CHUNK):
+        chunk = bits[start : start + _CHUNK]
+        at = np.arange(offset + start, offset + start + chunk.size, dtype=np.uint64)
+        total += hasher.sum(hasher.keys(at), chunk)
+    return total & _MASK
+
+
+def _move(name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> int:
+    """``sum h(name, index, new) - sum h(name, index, old)`` (mod 2**64): each chunk's keys are
+    built once for both."""
+    idx = _index_u64(index)
+    new_bits, old_bits = _bits_u16(new), _bits_u16(old)
+    if not (idx.size == new_bits.size == old_bits.size):
+        raise ValueError(f"{name}: {idx.size} indices, {new_bits.size} new and {old_bits.size} old values")
+    hasher = _Hasher(name, idx.size)
+    total = 0
+    for start in range(0, idx.size, _CHUNK):
+        stop = start + _CHUNK
+        base = hasher.keys(idx[start:stop])
+        total += hasher.sum(base, new_bits[start:stop]) - hasher.sum(base, old_bits[start:stop])
+    return total & _MASK
 
 
 def format_fingerprint(value: int) -> str:
@@ -112,12 +169,15 @@ def fingerprint_update(
     """The fingerprint after elements ``index`` of ``name`` change from ``old`` to ``new``."""
     if index.numel() == 0:
         return value
-    idx = index.detach().reshape(-1).cpu().numpy().astype(np.uint64)
-    seed = _seed(name)
-    with np.errstate(over="ignore"):
-        added = _hash_sum(seed, idx, _bits_u16(new))
-        removed = _hash_sum(seed, idx, _bits_u16(old))
-    return format_fingerprint(parse_fingerprint(value) + added - removed)
+    return format_fingerprint(parse_fingerprint(value) + _move(name, index, old, new))
+
+
+def fingerprint_move(name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> int:
+    """How much elements ``index`` of ``name`` going from ``old`` to ``new`` move the fingerprint
+    sum (mod 2**64): ``fingerprint_share`` of the new values minus that of the old ones."""
+    if index.numel() == 0:
+        return 0
+    return _move(name, index, old, new)
 
 
 def fingerprint_share(name: str, index: torch.Tensor, values: torch.Tensor) -> int:
@@ -128,14 +188,7 @@ def fingerprint_share(name: str, index: torch.Tensor, values: torch.Tensor) -> i
     """
     if index.numel() == 0:
         return 0
-    idx = index.detach().reshape(-1).cpu().numpy().astype(np.uint64)
-    bits = _bits_u16(values)
-    seed = _seed(name)
-    total = 0
-    with np.errstate(over="ignore"):
-        for start in range(0, bits.size, _CHUNK):
-            total = (total + _hash_sum(seed, idx[start : start + _CHUNK], bits[start : start + _CHUNK])) & _MASK
-    return total
+    return _hash_sum(name, _index_u64(index), _bits_u16(values))
 
 
 def fingerprint_add(value: str | int, *shares: int) -> str:

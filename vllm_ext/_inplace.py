@@ -31,7 +31,7 @@ import torch
 
 from deltasync import IntegrityError
 from deltasync._chain import ChainReader, Overlay
-from deltasync._fingerprint import fingerprint_add, fingerprint_share
+from deltasync._fingerprint import fingerprint_add, fingerprint_move, fingerprint_share
 
 from ._cpus import enter_background
 from ._weight_map import Piece, WeightMap
@@ -346,9 +346,7 @@ class InPlaceState:
                     owned[hit[self._owned(name, k, index[hit])]] = True
                     # An element in two of this rank's pieces: the first piece owns it.
             index, old, new = index[owned], old[owned], new[owned]
-        return fingerprint_share(name, index, new.view(torch.bfloat16)) - fingerprint_share(
-            name, index, old.view(torch.bfloat16)
-        )
+        return fingerprint_move(name, index, old.view(torch.bfloat16), new.view(torch.bfloat16))
 
     # ------------------------------------------------------------------ writing
 

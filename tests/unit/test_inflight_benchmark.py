@@ -86,6 +86,9 @@ def test_each_phase_is_compared_with_its_neighbours_and_pairs_with_the_window_af
     assert r["paired_ratio_staging"] == pytest.approx((72 / 8) / (90 / 10))  # 1.0
     assert r["paired_ratio_request"] == pytest.approx((9 / 2) / (90 / 10))  # 0.5
     assert r["request_share_of_window"] == pytest.approx(2 / 10)
+    # Each update against its own rest window (both 0.9 here), and what each cost: 5 s at 90%.
+    assert r["throughput_ratio_paired_median"] == pytest.approx(0.9)
+    assert r["lost_s_per_update_median"] == pytest.approx(0.5)
     checks = inflight.verdicts(summary)
     assert checks["throughput_ratio_paired"]["pass"] is False and checks["preemptions"]["pass"] is True
 
@@ -95,6 +98,20 @@ def test_without_rest_windows_there_is_no_paired_figure() -> None:
               _phase(None, 15.0, 10.0, 500)]  # fmt: skip
     summary = inflight.summarize(phases)
     assert summary["inflight"]["throughput_ratio_paired"] is None
+    assert summary["inflight"]["throughput_ratio_paired_median"] is None
     assert summary["inflight"]["throughput_ratio"] == pytest.approx(48 / 50)
     assert "throughput_ratio_paired" not in inflight.verdicts(summary)
     assert "| - |" in inflight.table(summary)
+
+
+def test_the_median_pair_shrugs_off_a_slump_in_one_window() -> None:
+    # Three updates each cost 2% of their window; in the second pair the machine slumped to half
+    # speed during the rest window, which lifts the pooled ratio but not the median.
+    ups = [_update(0.0, 3.0, 4.0, 39.2, rest=[4.0, 8.0], rest_tokens=40),
+           _update(8.0, 11.0, 12.0, 39.2, rest=[12.0, 16.0], rest_tokens=20),
+           _update(16.0, 19.0, 20.0, 39.2, rest=[20.0, 24.0], rest_tokens=40)]  # fmt: skip
+    phases = [_phase(None, -10.0, 10.0, 100), _phase("inflight", 0.0, 24.0, 197.6, ups), _phase(None, 24.0, 10.0, 100)]
+    r = inflight.summarize(phases)["inflight"]
+    assert r["throughput_ratio_paired"] == pytest.approx(117.6 / 100)
+    assert r["throughput_ratio_paired_median"] == pytest.approx(0.98)
+    assert r["lost_s_per_update_median"] == pytest.approx(4 * 0.02)

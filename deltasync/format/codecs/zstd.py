@@ -131,6 +131,10 @@ def from_ordered(pattern: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.bfloat16)
 
 
+_SYMBOL_DIFF = np.array([-1, 1, -2, 0], dtype=np.int16)
+"""The difference each symbol stands for (zigzag 1, 2, 3); 3 is the escape, filled in after."""
+
+
 def _flip16(bits: torch.Tensor) -> torch.Tensor:
     """:func:`ordered` and :func:`from_ordered` on int16 bit patterns, modulo 2**16: both are
     this involution (negative patterns, sign bit set, have their other 15 bits flipped). One
@@ -204,30 +208,35 @@ def _decode(tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[st
         raise FormatError(f"{where}: counts add up to {n}, metadata says {delta.changed} changed")
     lo = np.frombuffer(_decompress(tensors[PREFIX + "gap_lo"], n, "gap_lo", where), dtype=np.uint8)
     mask_raw = _decompress(tensors[PREFIX + "gap_hi_mask"], -(-n // 8), "gap_hi_mask", where)
-    hi_nz = np.unpackbits(np.frombuffer(mask_raw, dtype=np.uint8), bitorder="little")[:n].astype(bool)
-    n_hi = int(hi_nz.sum())
-    hv = np.frombuffer(_decompress(tensors[PREFIX + "gap_hi"], n_hi, "gap_hi", where), dtype=np.uint8).astype(np.uint64)
+    hi_at = np.flatnonzero(np.unpackbits(np.frombuffer(mask_raw, dtype=np.uint8), bitorder="little")[:n])
+    n_hi = hi_at.size
+    hv = np.frombuffer(_decompress(tensors[PREFIX + "gap_hi"], n_hi, "gap_hi", where), dtype=np.uint8).astype(np.int64)
     n_big = int((hv == 255).sum())
     big = np.frombuffer(_decompress(tensors[PREFIX + "gap_big"], 8 * n_big, "gap_big", where), dtype="<u8")
     if n_big and (int(big.min()) < 255 or int(big.max()) >= 2**55):
         raise FormatError(f"{where}: stream 'gap_big' holds a value outside 255..2**55-1")
-    hv[hv == 255] = big
-    hi = np.zeros(n, dtype=np.uint64)
-    hi[hi_nz] = hv
-    gaps = torch.from_numpy(((hi << np.uint64(8)) | lo.astype(np.uint64)).astype(np.int64))
+    hv[hv == 255] = big.astype(np.int64)
+    # Every gap is in 0..2**63-1: the low byte, plus the high part (< 2**55) shifted by 8.
+    gaps_np = lo.astype(np.int64)
+    gaps_np[hi_at] |= hv << np.int64(8)
+    gaps = torch.from_numpy(gaps_np)
     packed = np.frombuffer(_decompress(tensors[PREFIX + "sym"], -(-n // 4), "sym", where), dtype=np.uint8)
-    sym = np.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], axis=1).reshape(-1)[:n]
-    is_esc = sym == 3
-    n_esc = int(is_esc.sum())
+    sym = np.empty((packed.size, 4), dtype=np.uint8)
+    for k in range(4):
+        np.bitwise_and(packed >> np.uint8(2 * k), np.uint8(3), out=sym[:, k])
+    sym = sym.reshape(-1)[:n]
+    esc_at = np.flatnonzero(sym == 3)
+    n_esc = esc_at.size
     esc_lo = np.frombuffer(_decompress(tensors[PREFIX + "esc_lo"], n_esc, "esc_lo", where), dtype=np.uint8)
     esc_hi = np.frombuffer(_decompress(tensors[PREFIX + "esc_hi"], n_esc, "esc_hi", where), dtype=np.uint8)
     esc = (esc_hi.astype(np.uint16) << np.uint16(8)) | esc_lo
     if n_esc and int(esc.min()) <= 3:
         raise FormatError(f"{where}: the escape streams hold a value that has its own symbol")
-    zig = sym.astype(np.uint16) + np.uint16(1)
-    zig[is_esc] = esc
-    # Zigzag back to the signed difference, as int16 modulo 2**16.
-    diff_t = torch.from_numpy(((zig >> np.uint16(1)) ^ (np.uint16(0) - (zig & np.uint16(1)))).view(np.int16))
+    # Zigzag back to the signed difference, as int16 modulo 2**16: symbols 0..2 are zigzag
+    # 1..3 (-1, +1, -2), looked up; an escape holds its zigzag value.
+    diff = _SYMBOL_DIFF[sym]
+    diff[esc_at] = ((esc >> np.uint16(1)) ^ (np.uint16(0) - (esc & np.uint16(1)))).view(np.int16)
+    diff_t = torch.from_numpy(diff)
     changes: dict[str, Change] = {}
     start = 0
     for name, count in zip(names, counts):
@@ -237,8 +246,11 @@ def _decode(tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[st
                 f"{where}: a gap of {int(gap.max())} in parameter {name!r} is out of range "
                 f"(it has {numels[name]} elements)"
             )
-        index = torch.cumsum(gap + 1, dim=0) - 1
-        if int(index[-1]) >= numels[name] or (count > 1 and not bool((index[1:] > index[:-1]).all())):
+        # Gaps are >= 0 and < numel, so the running sum is strictly increasing and stays far
+        # below 2**63 (count * numel): the last index alone says whether all are in range.
+        index = torch.cumsum(gap, dim=0)
+        index += torch.arange(count, dtype=torch.int64)
+        if int(index[-1]) >= numels[name]:
             raise FormatError(
                 f"{where}: index {int(index[-1])} of parameter {name!r} is out of range "
                 f"(it has {numels[name]} elements)"
