@@ -299,6 +299,8 @@ class InPlaceState:
         overlay = Overlay(self.read)
         patches = overlay.patches
         names: dict[str, None] = {}
+        # One delta (the common case): the live values it read are the undo log already.
+        live: dict[str, torch.Tensor] | None = {} if target == self.version + 1 else None
         for step in reader.deltas(self.version + 1, target, overlay, numels=self.map.numels):
             share = 0
             for name, move in step.moves.items():
@@ -307,29 +309,48 @@ class InPlaceState:
                 share += self._share_move(name, move.index, move.old, move.new)
                 names[name] = None
                 staged.changed += move.changed
+                if live is not None:
+                    live[name] = move.old
             staged.chain.append((step.entry.version, step.header.base_fingerprint or "", step.header.fingerprint))
             staged.shares.append(share & _MASK)
             staged.nbytes += step.nbytes
         staged.names = list(names)
+        # Per parameter, the undo log's parts from those values, or None where one is missing.
+        olds: dict[str, list[torch.Tensor] | None] = {}
         for name, patch in patches.items():
-            for piece in self.map.pieces.get(name, []):
-                hit, dst = piece.locate(patch.index)
+            pieces = self.map.pieces.get(name, [])
+            # Values read from this name's one piece (with several, an element can sit in two).
+            read = live.get(name) if live is not None and len(pieces) == 1 else None
+            if read is not None and read.numel() != patch.index.numel():
+                read = None
+            for piece in pieces:
+                hit, dst = piece.locate(patch.index, sorted_index=True)
                 if hit.numel():
+                    every = hit.numel() == patch.index.numel()  # hits come in order, each once
+                    bits = patch.bits if every else patch.bits[hit]
                     write = staged.writes.get(piece.param)
-                    bits = patch.bits[hit]
                     if write is None:
                         staged.writes[piece.param] = _Write(dst, bits)
+                        olds[piece.param] = []
                     else:
                         write.dst, write.bits = torch.cat([write.dst, dst]), torch.cat([write.bits, bits])
+                    parts = olds[piece.param]
+                    if parts is not None:
+                        olds[piece.param] = None if read is None else [*parts, read if every else read[hit]]
         for param, write in staged.writes.items():
             flat = self.flat[param]
             write.dst = write.dst.to(flat.device)
+            parts = olds[param]
+            old = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
             if write.dst.numel() > 1 and not bool((write.dst[1:] > write.dst[:-1]).all()):
                 # Pieces laid out in another order than the checkpoint's (sorted already, else).
                 write.dst, order = torch.sort(write.dst)
                 write.bits = write.bits[order]
+                old = None if old is None else old[order]
             write.bits = write.bits.to(flat.device)
-            write.old = flat.gather(0, write.dst)  # the undo log, read now rather than in the pause
+            # The undo log, read now rather than in the write's standstill: the staging's own read
+            # where it holds every element written, else read here.
+            write.old = flat.gather(0, write.dst) if old is None else old.to(flat.device)
         wait_for_device(w.old for w in staged.writes.values())  # filled before another thread uses them
         staged.seconds = time.perf_counter() - start
         return staged
