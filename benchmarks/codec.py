@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -52,6 +51,8 @@ except ImportError:  # a checkout without an install: import the package next to
 
 from safetensors.torch import load as st_load
 from safetensors.torch import save_file
+
+from _machine import machine  # noqa: E402  (benchmarks/ is the script's own folder)
 
 from deltasync._checkpoint_layout import checkpoint_layout
 from deltasync._detector import BF16ChangeDetector, bf16_state_dict, named_parameters
@@ -434,36 +435,10 @@ def _summary(
             "per-tensor per-step factor exp(0.5*N(0,1)); dense (every element, every step)",
         },
         "model": {**asdict(shape), "tensors": tensors, "parameters": total},
-        "machine": _machine(),
+        "machine": machine(),
         "steps": records,
         "medians": medians,
         "targets": targets,
-    }
-
-
-def _machine() -> dict[str, Any]:
-    mem = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    mem = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "memory_gib": mem,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
     }
 
 
@@ -676,7 +651,7 @@ def run_moe(args: argparse.Namespace) -> dict[str, Any]:
                    "seed": args.seed},  # fmt: skip
         "model": {**asdict(shape), "parameters": total, "expert_parameters": expert_total,
                   "checkpoint_tensors": len(layout.pieces)},  # fmt: skip
-        "machine": _machine(),
+        "machine": machine(),
         "steps": records,
         "medians": {key: _median(records, key) for key in keys},
     }

@@ -69,6 +69,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import machine  # noqa: E402
 from server import SHAPE, Trainer, log, server_env  # noqa: E402  (also finds the package next to it)
 
 from deltasync import RolloutClient  # noqa: E402
@@ -584,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
                 for s in range(int(phases[-1]["end"] - t0))]  # fmt: skip
     spans = [r["span"].split("-") for r in streams.requests if r["span"]]
     straddled = sum(1 for first, last in spans if first != last)
-    result = {"shape": SHAPE, "clients": args.clients, "max_tokens": args.max_tokens, "updates": args.updates, "rest": args.rest,
+    result = {"machine": machine(), "shape": SHAPE, "clients": args.clients, "max_tokens": args.max_tokens, "updates": args.updates, "rest": args.rest,
               "repeats": args.repeats, "staging_nice": phases[1]["updates"][0]["staging_nice"],
               "density": args.density, "interval_s": args.interval, "phases": phases, "summary": summary,
               "targets": checks, "timeline": timeline,

@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t["met"] = t["value"] <= t["bound"]
     git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from codec import _machine
+    from _machine import machine
 
     return {
         "benchmark": "deltasync memory",
@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot", "argv", "receiver", "package", "workdir", "anchor_only")},
         "model": {"layers": args.layers, "width": args.width, "parameters": args.layers * args.width**2,
                   "bf16_bytes": 2 * args.layers * args.width**2},  # fmt: skip
-        "machine": _machine(),
+        "machine": machine(),
         "runs": runs,
         "targets": targets,
     }

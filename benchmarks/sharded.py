@@ -41,7 +41,8 @@ try:
 except ImportError:  # a checkout without an install: import the package next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from codec import DEFAULT_LR, ModelShape, _machine, _normal, build_model  # noqa: E402
+from _machine import machine  # noqa: E402
+from codec import DEFAULT_LR, ModelShape, _normal, build_model  # noqa: E402
 
 TARGETS = {
     "snapshot_ratio": "per-rank snapshot bytes x W / single-process snapshot bytes == 1",
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows.append(row)
     return {
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},
-        "machine": _machine(),
+        "machine": machine(),
         "parameters": results[0]["parameters"],
         "rows": rows,
         "runs": results,

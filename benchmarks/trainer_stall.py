@@ -61,7 +61,8 @@ except ImportError:  # a checkout without an install: import the package next to
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import deltasync._publisher as publisher_module  # noqa: E402
-from codec import DEFAULT_LR, ModelShape, SimulatedGradients, _machine, build_model, log, save_outputs  # noqa: E402
+from _machine import machine  # noqa: E402
+from codec import DEFAULT_LR, ModelShape, SimulatedGradients, build_model, log, save_outputs  # noqa: E402
 from deltasync import DeltaPublisher, DeltaReceiver  # noqa: E402
 from deltasync._detector import named_parameters  # noqa: E402
 from deltasync.stores import LocalStore  # noqa: E402
@@ -571,7 +572,7 @@ def _summary(args: argparse.Namespace, shape: ModelShape, total: int, tensors: i
             "step_time_s": args.step_time, "seed": args.seed, "codec": "zstd", "zstd_level": 3,
         },  # fmt: skip
         "model": {"scale": args.scale, "layers": shape.layers, "vocab": shape.vocab, "tensors": tensors, "parameters": total},
-        "machine": _machine(),
+        "machine": machine(),
         "root": root,
         "versions": records,
         "stats": stats,
