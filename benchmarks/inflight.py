@@ -18,8 +18,9 @@ either side of it. The server stages at its default priority (``DELTASYNC_STAGIN
 behind serving) unless ``--staging-nice`` says otherwise; every update records where and at what
 priority it staged.
 
-After each update phase the streams go on for ``--settle-s`` unmeasured seconds, so that the
-aftermath of its last update (a pause's recompute) does not fall into the next phase.
+After each update phase the streams go on for ``--settle-s`` unmeasured seconds, and then until
+every stream has made a token again, so that the aftermath of its last update (a pause's
+recompute) does not fall into the next phase.
 
 Every delta moves ``--density`` of every tensor's elements by one bf16 step; all of them are
 published before the streams start, while the server idles (on a real deployment the trainer
@@ -123,6 +124,24 @@ class Streams:
         self.stop.set()
         for thread in self.threads:
             thread.join(60)
+
+    def streaming_since(self, since: float) -> bool:
+        """Whether every client's latest request has made a token after ``since``."""
+        with self._lock:
+            latest: dict[int, dict[str, Any]] = {}
+            for record in self.requests:
+                latest[record["client"]] = record
+        return len(latest) == len(self.threads) and all(r["times"] and r["times"][-1] > since for r in latest.values())
+
+    def wait_streaming(self, since: float, timeout: float = 1800.0) -> None:
+        """Until every stream has made a token after ``since``: a pause's recompute of every
+        request in flight takes minutes on a CPU without fast bf16, and must not fall into the
+        next phase."""
+        deadline = time.perf_counter() + timeout
+        while not self.streaming_since(since):
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"the streams made no token for {timeout:.0f} s after an update phase")
+            time.sleep(0.2)
 
     def _run(self, client: int, clients: int) -> None:
         first = True
@@ -287,6 +306,8 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
         # Unmeasured: the aftermath of the last update (a pause's recompute) settles before the
         # next phase, and its preemptions, which arrive with the outputs after the resume, count here.
         time.sleep(args.settle_s if versions else 1.0)
+        if versions:
+            streams.wait_streaming(since=time.perf_counter())
         after = preemptions(http, url)
         settled = time.perf_counter()
     for u in updates:
@@ -511,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--updates", type=int, default=10, help="deltas per mode")
+    parser.add_argument("--pause-updates", type=int, default=None,
+                        help="deltas in the pause phase (default: --updates; each costs minutes of recompute on a slow CPU)")  # fmt: skip
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--baseline-s", type=float, default=30.0, help="seconds of each of the two no-update phases")
     parser.add_argument("--warmup-s", type=float, default=10.0, help="streaming before the first phase")
@@ -542,6 +565,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--modes: inflight, and optionally pause, each once")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.pause_updates is None:
+        args.pause_updates = args.updates
+    if args.pause_updates < 1:
+        parser.error("--pause-updates must be >= 1")
     if args.rest < 0 or (args.rest and args.interval):
         parser.error("--rest must be >= 0, and cannot go with --interval")
     # pause once, right after the first in-flight phase (its recompute is the same every time)
@@ -550,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_tiny_model(root / "model", **SHAPE)
     log(f"model: {model_dir}")
     trainer = Trainer(model_dir, root / "bucket", args.updates, args.density, args.seed, anchor_every=10**6)
-    published = trainer.publish([None] + [args.density] * (len(plan) * args.updates))
+    counts = [args.pause_updates if mode == "pause" else args.updates for mode in plan]
+    published = trainer.publish([None] + [args.density] * sum(counts))
     env = server_env(root / "bucket", in_place=True)
     if args.staging_nice is not None:
         env["DELTASYNC_STAGING_NICE"] = args.staging_nice
@@ -568,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.warmup_s)
             phases = [run_phase("baseline 1", None, [], streams, server.url, args)]
             for r, mode in enumerate(plan):
-                batch = deltas[r * args.updates : (r + 1) * args.updates]
+                batch = deltas[sum(counts[:r]) : sum(counts[: r + 1])]
                 phases.append(run_phase(f"{mode} {plan[: r + 1].count(mode)}", mode, batch, streams, server.url, args))
                 phases.append(run_phase(f"baseline {r + 2}", None, [], streams, server.url, args))
         verify = httpx.post(server.url + "/collective_rpc", json={"method": "deltasync_verify"}, timeout=600).json()
@@ -585,7 +613,8 @@ def main(argv: list[str] | None = None) -> int:
                 for s in range(int(phases[-1]["end"] - t0))]  # fmt: skip
     spans = [r["span"].split("-") for r in streams.requests if r["span"]]
     straddled = sum(1 for first, last in spans if first != last)
-    result = {"machine": machine(), "shape": SHAPE, "clients": args.clients, "max_tokens": args.max_tokens, "updates": args.updates, "rest": args.rest,
+    result = {"machine": machine(), "shape": SHAPE, "clients": args.clients, "max_tokens": args.max_tokens, "updates": args.updates,
+              "pause_updates": args.pause_updates if "pause" in plan else 0, "rest": args.rest,
               "repeats": args.repeats, "staging_nice": phases[1]["updates"][0]["staging_nice"],
               "density": args.density, "interval_s": args.interval, "phases": phases, "summary": summary,
               "targets": checks, "timeline": timeline,

@@ -115,3 +115,16 @@ def test_the_median_pair_shrugs_off_a_slump_in_one_window() -> None:
     assert r["throughput_ratio_paired"] == pytest.approx(117.6 / 100)
     assert r["throughput_ratio_paired_median"] == pytest.approx(0.98)
     assert r["lost_s_per_update_median"] == pytest.approx(4 * 0.02)
+
+
+def test_a_phase_settles_only_when_every_stream_makes_tokens_again() -> None:
+    streams = inflight.Streams("http://unused", 2, 10)
+    streams.requests = [{"client": 0, "times": [1.0, 5.0]}, {"client": 1, "times": [1.0, 2.0]}]
+    assert streams.streaming_since(1.5)
+    assert not streams.streaming_since(3.0)  # client 1 is still recomputing its KV
+    streams.requests.append({"client": 1, "times": []})  # its next request, no token yet
+    assert not streams.streaming_since(1.5)
+    streams.requests[-1]["times"].append(6.0)
+    assert streams.streaming_since(3.0)
+    with pytest.raises(RuntimeError, match="made no token"):
+        streams.wait_streaming(since=10.0, timeout=0.0)

@@ -188,3 +188,24 @@ def test_a_tampered_delta_is_refused_alike_by_every_consumer_and_changes_nothing
     # Up to version 2 the chain is sound: every consumer still gets there.
     assert ranks.update(reader, 2) == reader.pointer.fingerprint_at(2)
     assert receiver.sync(2) == 2 and same_state(receiver.state_dict(), states[2])
+
+
+@pytest.mark.parametrize("target", [1, 3])
+def test_the_undo_log_is_what_the_live_weights_hold_and_rolls_back_exactly(bucket, target) -> None:
+    # One delta takes its undo log from the values its staging read (no second read); several
+    # read it after the replay. Either way: the bits there now, written back exactly.
+    path, states = bucket
+    store = open_store(path)
+    reader = ChainReader(store, read_pointer(store))
+    ranks = Ranks(states[0])
+    before = ranks.served()
+    staged = on_ranks(lambda rank: ranks.live[rank].stage_deltas(reader, target))
+    for live, s in zip(ranks.live, staged):
+        assert s.writes
+        for param, w in s.writes.items():
+            assert torch.equal(w.old, live.flat[param].gather(0, w.dst)), param
+            assert not torch.equal(w.old, w.bits), param
+        live.rollback(live.write(s))
+    for rank, served in enumerate(ranks.served()):
+        assert same_state(served, before[rank]), rank
+    assert on_ranks(lambda rank: ranks.live[rank].verify()["ok"]) == [True] * WORLD
