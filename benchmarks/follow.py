@@ -52,6 +52,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import machine  # noqa: E402
 from server import SHAPE, Trainer, log, tree_rss  # noqa: E402  (also finds the package next to it)
 
 from deltasync import RolloutClient, bf16_state_dict, fingerprint  # noqa: E402
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["pass"] = ok_exact and all(line["latency_ok"] for line in summary.get("table", []))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        args.out.write_text(json.dumps({"machine": machine(), **summary}, indent=1, default=str) + "\n")
     if args.plot and "table" in summary:
         plot(summary, args.plot)
     return 0 if summary["pass"] else 1

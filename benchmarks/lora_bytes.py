@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from _machine import machine  # noqa: E402  (benchmarks/ is the script's own folder)
 from deltasync import DeltaPublisher, adapter_publisher, merged_publisher  # noqa: E402
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['mean_changed_fraction']:.2%} |")  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
+        args.out.write_text(json.dumps({"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
     return 0
 
 

@@ -50,6 +50,8 @@ try:
 except ImportError:  # a checkout without an install: import the package next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _machine import machine  # noqa: E402  (benchmarks/ is the script's own folder)
+
 from deltasync import DeltaPublisher, RolloutClient
 from deltasync._serve import extension_args
 from deltasync.examples.launcher import VLLMServer
@@ -510,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                 print_peer(sweep, r["peer_nan"])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        args.out.write_text(json.dumps({"machine": machine(), **summary}, indent=1, default=str) + "\n")
     if args.plot:
         plot(summary, args.plot)
     return 0

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _machine import machine
 
 # The bf16 bytes of benchmarks/server.py's ~0.36B Qwen2-shaped model.
 MODEL_BYTES = 716_745_928
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| dense copy of the buffer | {figures['copy_s']:.4f} s | {figures['copy_two_threads_s']:.4f} s |")
     print(f"| scatter / copy | {ratios['scatter_vs_copy_one_thread']:.0%} | {ratios['scatter_vs_copy_two_threads']:.0%} |")
     if args.out:
-        args.out.write_text(json.dumps({"bytes": args.bytes, "written": k, **figures, **ratios}, indent=1) + "\n")
+        args.out.write_text(json.dumps({"machine": machine(), "bytes": args.bytes, "written": k, **figures, **ratios}, indent=1) + "\n")
     return 0
 
 
