@@ -10,8 +10,9 @@ the state being replayed: a base with the new values of the deltas replayed so f
 it (one :class:`Patch` per parameter). What a consumer checks itself is what only it can: the
 receiver the fingerprints of its copy, the in-place state the fingerprint summed over ranks.
 
-Values move as int16 bit patterns, never through float arithmetic, so every bf16 pattern
-(NaN payloads too) arrives exactly.
+Values move as int16 bit patterns (lanes, :mod:`deltasync.format.dtypes`: a bf16 pattern, or a
+quantized view's one-byte code zero-extended), never through float arithmetic, so every
+pattern (NaN payloads too) arrives exactly.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from ._errors import FormatError, IntegrityError, NotFoundError, VersionError
 from ._fingerprint import fingerprint
+from .format.dtypes import from_lanes, lanes, read_lanes, write_lanes
 from .format import MAX_POINTER_BYTES, POINTER_PATH, ChainEntry, Change, FileHeader, Pointer, read_header
 from ._messages import check_version
 from ._parts import Anchor, decode_version, fetch_anchor, fetch_version
@@ -50,7 +52,7 @@ class Patch:
 
     @property
     def values(self) -> torch.Tensor:
-        """The new values, as bf16 (a view of :attr:`bits`)."""
+        """The new values, as bf16 (a view of :attr:`bits`; the bf16 chain)."""
         return self.bits.view(torch.bfloat16)
 
     def merge(self, index: torch.Tensor, bits: torch.Tensor) -> None:
@@ -79,13 +81,13 @@ class Patch:
         return out
 
     def lookup(self, base: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """bf16 values at ``index`` with this patch laid over ``base`` (flat bf16)."""
-        return self.overlay(index, bits(base)[index]).view(torch.bfloat16)
+        """Values at ``index`` with this patch laid over ``base`` (flat, of an element dtype)."""
+        return from_lanes(self.overlay(index, read_lanes(base, index)), base.dtype)
 
     def write(self, flat: torch.Tensor) -> None:
-        """Write the new values into ``flat`` (a flat bf16 tensor of the parameter)."""
+        """Write the new values into ``flat`` (a flat tensor of the parameter, of its element dtype)."""
         if self.index.numel():
-            bits(flat)[self.index] = self.bits
+            write_lanes(flat, self.index, self.bits)
 
 
 BaseRead = Callable[[str, torch.Tensor], tuple["torch.Tensor | None", torch.Tensor]]
@@ -101,8 +103,10 @@ class Overlay:
     zeros elsewhere, and only the elements it holds are patched.
     """
 
-    def __init__(self, base: BaseRead) -> None:
+    def __init__(self, base: BaseRead, dtypes: Mapping[str, torch.dtype] | None = None) -> None:
         self.base = base
+        self.dtypes = dtypes
+        """Each parameter's element dtype (None: all bf16)."""
         self.patches: dict[str, Patch] = {}
         """Parameter -> the new values of the elements the deltas so far changed."""
         self._read: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
@@ -118,14 +122,15 @@ class Overlay:
         return pos, now
 
     def values(self, name: str, index: torch.Tensor) -> torch.Tensor:
-        """The current bf16 values at every element of ``index`` (zeros at those not held)."""
+        """The current values at every element of ``index`` (zeros at those not held), in the
+        parameter's element dtype."""
         pos, now = self.read(name, index)
         self._read[name] = (index, pos, now)
         if pos is not None:
             out = torch.zeros(index.numel(), dtype=torch.int16)
             out[pos] = now
             now = out
-        return now.view(torch.bfloat16)
+        return from_lanes(now, torch.bfloat16 if self.dtypes is None else self.dtypes[name])
 
     def advance(self, changes: Mapping[str, Change]) -> dict[str, Move]:
         """Lay a version's decoded ``changes`` over the state; what they move in the elements held."""
@@ -134,7 +139,7 @@ class Overlay:
         for name, change in changes.items():
             seen = read.get(name)
             pos, old = seen[1:] if seen is not None and seen[0] is change.index else self.read(name, change.index)
-            index, new = change.index, bits(change.new)
+            index, new = change.index, lanes(change.new)
             if pos is not None:
                 index, new = index[pos], new[pos]
             moves[name] = Move(index, old, new, change.index.numel())
@@ -261,11 +266,11 @@ class ChainReader:
         """Deltas ``first .. target``, each decoded over ``overlay`` and then laid over it.
 
         ``numels``: the parameters' element counts (a delta naming another parameter, or an
-        index outside one, is refused)."""
+        index outside one, is refused); the element dtypes are the overlay's."""
         for version in range(first, target + 1):
             entry, files = self.fetch(version)
             header, changes = decode_version(
-                files, entry, url=self.store.url, numels=numels, base_values=overlay.values
+                files, entry, url=self.store.url, numels=numels, base_values=overlay.values, dtypes=overlay.dtypes
             )
             self.check_header(header, entry)
             moves = overlay.advance(changes)  # type: ignore[arg-type]  (a delta decodes to changes)

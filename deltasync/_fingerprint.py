@@ -4,7 +4,9 @@ The fingerprint of a state is the sum, modulo 2**64, of one 64-bit hash per elem
 
     h(name, index, bits) = mix64(((index << 16) | bits) XOR seed(name))
 
-where ``bits`` is the element's bf16 bit pattern as an unsigned 16-bit integer, ``seed(name)``
+where ``bits`` is the element's bf16 bit pattern as an unsigned 16-bit integer (for the
+one-byte codes of a quantized view, its byte zero-extended: its lane, see
+:mod:`deltasync.format.dtypes`), ``seed(name)``
 is the first 8 bytes of BLAKE2b(name, digest_size=8) read little-endian, and ``mix64`` is the
 xor-shift-multiply finaliser documented in docs/protocol.md. A sum does not depend on the
 order of parameters or elements, and changing elements ``I`` of parameter ``n`` from ``old`` to
@@ -39,11 +41,17 @@ _CHUNK = 1 << 16
 and every step of the hash runs in place in them."""
 
 
+_BYTE_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
+"""One-byte element dtypes (a quantized view's codes): hashed by their bit pattern, never rounded."""
+
+
 def _seed(name: str) -> np.uint64:
     return np.uint64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
 
 
 def _bits_u16(values: torch.Tensor) -> np.ndarray:
+    if values.dtype in _BYTE_DTYPES:  # a one-byte element: its bits, zero-extended (its lane)
+        return values.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().astype(np.uint16)
     if values.dtype != torch.bfloat16:
         values = values.to(torch.bfloat16)
     return values.detach().reshape(-1).cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
@@ -139,7 +147,8 @@ def parse_fingerprint(text: str) -> int:
 
 
 def fingerprint(state_dict: Mapping[str, torch.Tensor]) -> str:
-    """Fingerprint of a full state (name -> tensor), hashed as bf16.
+    """Fingerprint of a full state (name -> tensor), hashed as bf16 (one-byte codes of a
+    quantized view by their bits).
 
     Tensors of another floating dtype are rounded to bf16 first, so a trainer can pass fp32
     master weights and get the fingerprint of the bf16 weights a server runs.

@@ -17,12 +17,13 @@ import hashlib
 import io
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, BinaryIO, ContextManager, NoReturn
 
 import torch
 
 from ._errors import FormatError, IntegrityError
+from .format.dtypes import ELEMENT_DTYPES
 from .format import (
     AnchorSource,
     BaseLookup,
@@ -101,14 +102,15 @@ def encode_anchor_part(
     parts: int,
     extra_metadata: Mapping[str, str] | None = None,
 ) -> bytes:
-    """Part ``part`` of an anchor written by ``parts`` writers: each slice as a 1-D bf16 tensor.
+    """Part ``part`` of an anchor written by ``parts`` writers: each slice as a 1-D tensor of its
+    element dtype (bf16 in the bf16 chain).
 
     ``extra_metadata``: ``x-`` keys as :func:`~deltasync.format.encode_anchor` takes them
     (every part carries them, so a reader needs only part 0)."""
     for item in slices:
-        if item.values.dtype != torch.bfloat16 or item.values.numel() != item.end - item.begin:
+        if item.values.dtype not in ELEMENT_DTYPES or item.values.numel() != item.end - item.begin:
             raise FormatError(f"anchor {version} part {part}: slice of {item.name!r} is not {item.end - item.begin} bf16 values")
-    sources = [AnchorSource(s.name, s.shape, s.begin, s.end, lambda s=s: (s.values.reshape(-1),)) for s in slices]
+    sources = [AnchorSource(s.name, s.shape, s.begin, s.end, lambda s=s: (s.values.reshape(-1),), s.values.dtype) for s in slices]
     stream = anchor_stream(
         sources, version=version, fingerprint=fingerprint, total=total, part=part, parts=parts, extra_metadata=extra_metadata
     )
@@ -203,6 +205,8 @@ class _AnchorChecks:
     first: FileHeader | None = None
     shapes: dict[str, tuple[int, ...]] | None = None
     covered: dict[str, int] | None = None
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    """Each parameter's element dtype (every part must agree)."""
 
     def slices(self, header: FileHeader, spans: Sequence[TensorSpan], number: int, where: str) -> dict[str, tuple[int, int]]:
         """The flat range of its full parameter that each tensor of file ``number`` holds."""
@@ -210,8 +214,10 @@ class _AnchorChecks:
             raise FormatError(f"{where}: expected an anchor, found a {header.kind}")
         _check_part(header, self.first, self.entry, number, where)
         for span in spans:
-            if span.dtype != torch.bfloat16:
-                raise FormatError(f"{where}: parameter {span.name!r} is {span.dtype}, anchors hold bfloat16")
+            if span.dtype not in ELEMENT_DTYPES:
+                raise FormatError(f"{where}: parameter {span.name!r} is {span.dtype}, anchors hold bfloat16 (or a view's codes)")
+            if self.dtypes.setdefault(span.name, span.dtype) != span.dtype:
+                raise FormatError(f"{where}: parameter {span.name!r} is {span.dtype}, part 0 has it as {self.dtypes[span.name]}")
         if not self.entry.parts:
             total = sum(math.prod(span.shape) for span in spans)
             if len(spans) != header.params or total != header.total:
@@ -239,7 +245,7 @@ class _AnchorChecks:
         for name, _, begin, end in header.slices:
             if len(sizes[name]) != 1 or sizes[name][0] != end - begin:
                 raise FormatError(
-                    f"{where}: parameter {name!r} is {list(sizes[name])} values, its slice needs {end - begin} bfloat16 values"
+                    f"{where}: parameter {name!r} is {list(sizes[name])} values, its slice needs {end - begin} values"
                 )
             if end > begin:
                 if begin != self.covered[name]:
@@ -292,10 +298,12 @@ def read_anchor(open_file: Callable[[int], ContextManager[BinaryIO]], entry: Cha
                     metadata = {k: v for k, v in (table.get("__metadata__") or {}).items() if k.startswith("x-")}
                 if not tensors:
                     # Allocated from part 0's shapes, only once the files hold that many bytes.
-                    if 2 * header.total > sum(part.nbytes for part in entry.files):
-                        raise FormatError(f"{where}: {header.total} elements do not fit the {entry.nbytes} bytes of the version's files")
                     assert checks.shapes is not None
-                    tensors = {name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in checks.shapes.items()}
+                    dtypes = {name: checks.dtypes.get(name, torch.bfloat16) for name in checks.shapes}
+                    need = sum(math.prod(shape) * dtypes[name].itemsize for name, shape in checks.shapes.items())
+                    if need > sum(part.nbytes for part in entry.files):
+                        raise FormatError(f"{where}: {header.total} elements do not fit the {entry.nbytes} bytes of the version's files")
+                    tensors = {name: torch.empty(shape, dtype=dtypes[name]) for name, shape in checks.shapes.items()}
             except FormatError as exc:
                 source.refuse(exc)
             for span in spans:
@@ -344,7 +352,13 @@ def _check_part(header: FileHeader, first: FileHeader | None, entry: ChainEntry,
 
 
 def iter_delta_parts(
-    files: Sequence[bytes], entry: ChainEntry, *, url: str, numels: Mapping[str, int], base_values: BaseLookup
+    files: Sequence[bytes],
+    entry: ChainEntry,
+    *,
+    url: str,
+    numels: Mapping[str, int],
+    base_values: BaseLookup,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> Iterator[DeltaPart]:
     """Decode a delta's files one at a time (from :func:`fetch_version`).
 
@@ -356,7 +370,7 @@ def iter_delta_parts(
     last: dict[str, int] = {}
     for number, data in enumerate(files):
         where = _where(url, entry, number)
-        header, changes = decode_delta(data, where=where, numels=numels, base_values=base_values)
+        header, changes = decode_delta(data, where=where, numels=numels, base_values=base_values, dtypes=dtypes)
         _check_part(header, first, entry, number, where)
         for name, change in changes.items():
             if name in last and int(change.index[0]) <= last[name]:
@@ -377,12 +391,14 @@ def decode_version(
     url: str,
     numels: Mapping[str, int] | None = None,
     base_values: BaseLookup | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> tuple[FileHeader, dict[str, torch.Tensor] | dict[str, Change]]:
     """The whole version: for an anchor, full tensors by name; for a delta, merged changes.
 
     The header returned is part 0's with the counts of the whole version (``part``, ``parts``
     and ``slices`` cleared). For deltas pass ``numels`` and ``base_values`` as for
-    :func:`~deltasync.format.decode_delta`.
+    :func:`~deltasync.format.decode_delta` (and ``dtypes`` for a chain that holds other
+    element dtypes than bf16).
     """
     if entry.kind == "anchor":
         anchor = read_anchor(lambda number: contextlib.nullcontext(io.BytesIO(files[number])), entry, url=url)
@@ -391,7 +407,7 @@ def decode_version(
     changes: dict[str, Change] = {}
     pieces: dict[str, list[Change]] = {}
     first: FileHeader | None = None
-    for part in iter_delta_parts(files, entry, url=url, numels=numels, base_values=base_values):
+    for part in iter_delta_parts(files, entry, url=url, numels=numels, base_values=base_values, dtypes=dtypes):
         first = first or part.header
         for name, change in part.changes.items():
             pieces.setdefault(name, []).append(change)

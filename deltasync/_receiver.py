@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._chain import ChainReader, Overlay, Patch, bits, read_pointer
+from ._chain import ChainReader, Overlay, Patch, read_pointer
 from ._errors import ConfigError, FormatError, IntegrityError, NotFoundError, VersionError
 from ._fingerprint import fingerprint, fingerprint_update
 from .format import POINTER_PATH, Pointer
+from .format.dtypes import read_lanes
 from .stores import open_store
 
 if TYPE_CHECKING:
@@ -279,7 +280,8 @@ class DeltaReceiver:
             staged.nbytes += loaded.nbytes
             first = anchor.version + 1
         base = staged._base
-        overlay = Overlay(lambda name, index: (None, bits(base[name].view(-1))[index]))
+        dtypes = None if all(t.dtype == torch.bfloat16 for t in base.values()) else {n: t.dtype for n, t in base.items()}
+        overlay = Overlay(lambda name, index: (None, read_lanes(base[name].view(-1), index)), dtypes)
         staged._patches = overlay.patches
         numels = {name: t.numel() for name, t in base.items()}
         for step in reader.deltas(first, target, overlay, numels=numels):

@@ -1,4 +1,5 @@
-"""Anchors: the complete bf16 state of a version, every parameter under its checkpoint name."""
+"""Anchors: the complete state of a version, every parameter under its checkpoint name, in
+its element dtype (bf16 in the bf16 chain; codes and scales in a quantized view)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import torch
 
 from .._errors import FormatError
 from .container import TensorChunks, load_tensors, safetensors_stream
+from .dtypes import ELEMENT_DTYPES
 from .header import FileHeader, read_header, with_extra_metadata
 
 __all__ = ["AnchorSource", "encode_anchor", "anchor_stream", "decode_anchor"]
+
+_HOLDS = "anchors hold bfloat16 (or, in a quantized view, F8_E4M3 / I8 codes)"
 
 
 def encode_anchor(
@@ -22,16 +26,18 @@ def encode_anchor(
     fingerprint: str,
     extra_metadata: Mapping[str, str] | None = None,
 ) -> bytes:
-    """An anchor: every parameter, in bf16, under its checkpoint name.
+    """An anchor: every parameter, in its element dtype (bf16 in the bf16 chain), under its
+    checkpoint name.
 
     ``extra_metadata``: further metadata keys, each starting with ``x-`` (e.g. the PEFT
     adapter config of an adapter bucket, see :mod:`deltasync._lora`); readers that do not
     know a key ignore it."""
     for name, tensor in state.items():
-        if tensor.dtype != torch.bfloat16:
-            raise FormatError(f"anchor {version}: parameter {name!r} is {tensor.dtype}, anchors hold bfloat16")
+        if tensor.dtype not in ELEMENT_DTYPES:
+            raise FormatError(f"anchor {version}: parameter {name!r} is {tensor.dtype}, {_HOLDS}")
     sources = [
-        AnchorSource(name, tuple(t.shape), 0, t.numel(), lambda t=t: (t.detach().reshape(-1),)) for name, t in state.items()
+        AnchorSource(name, tuple(t.shape), 0, t.numel(), lambda t=t: (t.detach().reshape(-1),), t.dtype)
+        for name, t in state.items()
     ]
     total = sum(t.numel() for t in state.values())
     return b"".join(anchor_stream(sources, version=version, fingerprint=fingerprint, total=total, extra_metadata=extra_metadata))
@@ -47,6 +53,8 @@ class AnchorSource:
     begin: int
     end: int
     chunks: Callable[[], Iterable[torch.Tensor]]
+    dtype: torch.dtype = torch.bfloat16
+    """The element dtype (see :mod:`deltasync.format.dtypes`)."""
 
 
 def anchor_stream(
@@ -84,7 +92,7 @@ def anchor_stream(
     )
     meta = with_extra_metadata(header.to_metadata(), extra_metadata, f"anchor {version}")
     tensors = [
-        TensorChunks(s.name, torch.bfloat16, s.shape if parts is None else (s.end - s.begin,), s.chunks) for s in ordered
+        TensorChunks(s.name, s.dtype, s.shape if parts is None else (s.end - s.begin,), s.chunks) for s in ordered
     ]
     return safetensors_stream(tensors, meta)
 
@@ -98,8 +106,8 @@ def decode_anchor(data: bytes | bytearray, *, where: str) -> tuple[FileHeader, d
     tensors = load_tensors(data, where=where)
     total = 0
     for name, tensor in tensors.items():
-        if tensor.dtype != torch.bfloat16:
-            raise FormatError(f"{where}: parameter {name!r} is {tensor.dtype}, anchors hold bfloat16")
+        if tensor.dtype not in ELEMENT_DTYPES:
+            raise FormatError(f"{where}: parameter {name!r} is {tensor.dtype}, {_HOLDS}")
         total += tensor.numel()
     if len(tensors) != header.params or total != header.total:
         raise FormatError(

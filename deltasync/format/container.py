@@ -34,7 +34,7 @@ __all__ = [
 MAX_HEADER_BYTES = 100 << 20
 """The largest safetensors header a reader parses (the safetensors library's own limit)."""
 
-_ST_DTYPES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}
+_ST_DTYPES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "U8": 1, "I8": 1, "F8_E4M3": 1, "BOOL": 1}
 
 
 def check_tensor_table(table: Mapping[str, Any], data_bytes: int, where: str) -> None:
@@ -79,6 +79,7 @@ _DTYPES = {
     torch.int16: ("I16", 2),
     torch.uint8: ("U8", 1),
     torch.int8: ("I8", 1),
+    torch.float8_e4m3fn: ("F8_E4M3", 1),
     torch.bool: ("BOOL", 1),
 }
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
+
 from .._errors import FormatError
 from .codecs import CODECS, BaseLookup, Change, DeltaContext, get_codec
 from .container import load_safetensors, safetensors_bytes
@@ -62,19 +64,22 @@ def decode_delta(
     where: str,
     numels: Mapping[str, int],
     base_values: BaseLookup,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> tuple[FileHeader, dict[str, Change]]:
     """Decode and validate a delta against the receiver's parameter sizes.
 
     ``numels`` maps every parameter the receiver holds to its element count; a name not in it
     is an unknown parameter. ``base_values`` gives current values (the zstd codec stores new
-    values relative to them). Nothing outside the returned objects is changed.
+    values relative to them). ``dtypes`` gives each parameter's element dtype (None: every one
+    bf16, the bf16 chain); values of another dtype are refused. Nothing outside the returned
+    objects is changed.
     """
     header = read_header(data, where=where)
     if header.kind != "delta":
         raise FormatError(f"{where}: expected a delta, found an {header.kind}")
     tensors = load_safetensors(data, where=where)
     context = DeltaContext(
-        where=where, names=header.names, changed=header.changed, numels=numels, base_values=base_values
+        where=where, names=header.names, changed=header.changed, numels=numels, base_values=base_values, dtypes=dtypes
     )
     changes = get_codec(header.codec).decode(tensors, context)
     changed = sum(change.index.numel() for change in changes.values())

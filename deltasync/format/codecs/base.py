@@ -21,13 +21,15 @@ class Change:
     index: torch.Tensor
     """int64, 1-D, strictly increasing."""
     new: torch.Tensor
-    """bf16, 1-D, the new values."""
+    """1-D, the new values, in the parameter's element dtype (bf16 in the bf16 chain; see
+    :mod:`deltasync.format.dtypes`)."""
     old: torch.Tensor | None = None
-    """bf16, 1-D, the values they replace (needed to encode with the zstd codec)."""
+    """1-D, the values they replace, same dtype (needed to encode with the zstd codec)."""
 
 
 BaseLookup = Callable[[str, torch.Tensor], torch.Tensor]
-"""(parameter name, int64 indices) -> the receiver's current bf16 values there."""
+"""(parameter name, int64 indices) -> the receiver's current values there, in the
+parameter's element dtype."""
 
 Table = tuple[list[str], list[list[str]]]
 """A table ``deltasync inspect`` prints: its column names and its rows."""
@@ -47,6 +49,13 @@ class DeltaContext:
     """Every parameter the receiver holds, with its element count."""
     base_values: BaseLookup
     """The receiver's current values (a codec may store new values relative to them)."""
+    dtypes: Mapping[str, torch.dtype] | None = None
+    """Every parameter's element dtype (None: all bf16, the bf16 chain). A delta whose values
+    have another dtype is refused."""
+
+    def dtype(self, name: str) -> torch.dtype:
+        """Parameter ``name``'s element dtype."""
+        return torch.bfloat16 if self.dtypes is None else self.dtypes[name]
 
 
 class Codec(ABC):

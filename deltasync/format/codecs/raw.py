@@ -1,5 +1,5 @@
-"""The raw codec: per parameter, its flat indices (int32, or int64 when needed) and new bf16
-values, as plain tensors ``<name>:indices`` and ``<name>:values`` (readable with safe_open alone)."""
+"""The raw codec: per parameter, its flat indices (int32, or int64 when needed) and new
+values in the parameter's element dtype (bf16 in the bf16 chain), as plain tensors ``<name>:indices`` and ``<name>:values`` (readable with safe_open alone)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..._errors import FormatError
+from ..dtypes import ELEMENT_DTYPES
 from .base import Change, Codec, DeltaContext, Table, check_index, known_numel
 
 __all__ = ["RawCodec"]
@@ -27,7 +28,8 @@ class RawCodec(Codec):
         for name, change in items:
             wide = (numels is not None and numels[name] > INT32_LIMIT) or int(change.index[-1]) > INT32_LIMIT
             tensors[name + INDEX_SUFFIX] = change.index.to(torch.int64 if wide else torch.int32)
-            tensors[name + VALUE_SUFFIX] = change.new.to(torch.bfloat16)
+            new = change.new
+            tensors[name + VALUE_SUFFIX] = new if new.dtype in ELEMENT_DTYPES else new.to(torch.bfloat16)
         return tensors
 
     def decode(self, tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[str, Change]:
@@ -50,8 +52,9 @@ class RawCodec(Codec):
                 raise FormatError(f"{where}: parameter {name!r} has indices but no values")
             if index.dtype not in (torch.int32, torch.int64) or index.dim() != 1:
                 raise FormatError(f"{where}: indices of parameter {name!r} must be a 1-D int32/int64 tensor, got {index.dtype} {tuple(index.shape)}")
-            if values.dtype != torch.bfloat16 or values.dim() != 1:
-                raise FormatError(f"{where}: values of parameter {name!r} must be a 1-D bfloat16 tensor, got {values.dtype} {tuple(values.shape)}")
+            dtype = delta.dtype(name)
+            if values.dtype != dtype or values.dim() != 1:
+                raise FormatError(f"{where}: values of parameter {name!r} must be a 1-D {str(dtype).removeprefix('torch.')} tensor, got {values.dtype} {tuple(values.shape)}")
             if values.numel() != index.numel():
                 raise FormatError(f"{where}: parameter {name!r} has {index.numel()} indices but {values.numel()} values")
             index = index.to(torch.int64)

@@ -12,6 +12,7 @@ import torch
 import zstandard
 
 from ..._errors import FormatError
+from ..dtypes import ELEMENT_DTYPES, from_lanes, lanes
 from .base import Change, Codec, DeltaContext, Table, known_numel
 
 __all__ = ["ZstdCodec", "STREAMS", "ENCODE_CHUNK", "zstd_streams", "ordered", "from_ordered", "bounded_decompress"]
@@ -87,7 +88,7 @@ def zstd_streams(items: Sequence[tuple[str, Change]]) -> tuple[dict[str, bytes],
             # New minus old ordered bit pattern modulo 2**16, as a signed 16-bit number,
             # zigzag-mapped: -1 -> 1, +1 -> 2, -2 -> 3, +2 -> 4, ... Symbols 0..2 stand for
             # zigzag 1..3; 3 escapes.
-            d = ((ordered(change.new[start:stop]) - ordered(change.old[start:stop])) & 0xFFFF).numpy().astype(np.int32)
+            d = ((_ordered_lanes(change.new[start:stop]) - _ordered_lanes(change.old[start:stop])) & 0xFFFF).numpy().astype(np.int32)
             d = np.where(d >= 0x8000, d - 0x10000, d)
             zig = ((d << 1) ^ (d >> 31)).astype(np.uint32)
             if (zig == 0).any():
@@ -129,6 +130,15 @@ def from_ordered(pattern: torch.Tensor) -> torch.Tensor:
     o = ((pattern + 0x8000) & 0xFFFF) - 0x8000
     bits = torch.where(o < 0, 0x7FFF - o, o)
     return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.bfloat16)
+
+
+def _ordered_lanes(values: torch.Tensor) -> torch.Tensor:
+    """The ordered pattern (:func:`ordered`) of bf16 values; for one-byte elements their lane
+    (the byte zero-extended), as int32. One-byte codes move by small steps of their byte, so
+    their differences take the same symbols."""
+    if values.dtype in ELEMENT_DTYPES and values.dtype != torch.bfloat16:
+        return lanes(values.cpu()).to(torch.int32)
+    return ordered(values)
 
 
 _SYMBOL_DIFF = np.array([-1, 1, -2, 0], dtype=np.int16)
@@ -255,8 +265,13 @@ def _decode(tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[st
                 f"{where}: index {int(index[-1])} of parameter {name!r} is out of range "
                 f"(it has {numels[name]} elements)"
             )
-        base = delta.base_values(name, index).to(torch.bfloat16).cpu().contiguous().view(torch.int16)
-        new = _flip16(_flip16(base) + diff_t[start : start + count])  # int16 arithmetic wraps modulo 2**16
-        changes[name] = Change(index=index, new=new.view(torch.bfloat16))
+        dtype = delta.dtype(name)
+        if dtype == torch.bfloat16:
+            base = delta.base_values(name, index).to(torch.bfloat16).cpu().contiguous().view(torch.int16)
+            new = _flip16(_flip16(base) + diff_t[start : start + count])  # int16 arithmetic wraps modulo 2**16
+            changes[name] = Change(index=index, new=new.view(torch.bfloat16))
+        else:  # one-byte codes: lanes, which must stay within their byte
+            new = lanes(delta.base_values(name, index).cpu()) + diff_t[start : start + count]
+            changes[name] = Change(index=index, new=from_lanes(new, dtype, what=f"{where}: parameter {name!r}"))
         start += count
     return changes

@@ -339,7 +339,7 @@ HEADER_EDITS = {
     "2**50 dims": (lambda h: h[first_tensor(h)].update(shape=[2**25, 2**25, 2]), r"claims more than \d+ elements"),
     "negative dim": (lambda h: h[first_tensor(h)].update(shape=[-1]), r"shape must be an integer in 0\.\.\d+, got -1"),
     "offsets past the end": (lambda h: h[first_tensor(h)].update(data_offsets=[0, 10**9]), r"data_offsets \[0, 1000000000\] do not fit"),
-    "unknown dtype": (lambda h: h[first_tensor(h)].update(dtype="F8_E4M3"), r"unsupported dtype 'F8_E4M3'"),
+    "unknown dtype": (lambda h: h[first_tensor(h)].update(dtype="F8_E5M2"), r"unsupported dtype 'F8_E5M2'"),
     "tensor not an object": (lambda h: h.update(x=[1]), r"tensor 'x' must be an object"),
     "header not an object": (lambda h: b"[]", r"not a JSON object"),
 }
