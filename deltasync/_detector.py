@@ -362,6 +362,17 @@ class BF16ChangeDetector:
         snapshot itself, not a copy. Read it only while :meth:`pin` holds it."""
         return self._snapshot[name]
 
+    def published_flat(self, name: str) -> torch.Tensor:
+        """The published bf16 values of a tracked parameter (this rank's elements), flat, at the
+        newest commit: a copy of the snapshot with the commits a :meth:`pin` keeps aside laid
+        over it."""
+        with self._lock:
+            flat = self._snapshot[name].clone()
+            patch = self._overlay.get(name)
+            if patch is not None and patch.index.numel():
+                flat.view(torch.int16)[patch.index.to(flat.device)] = patch.bits.to(flat.device)
+            return flat
+
     def close(self) -> None:
         """Remove the optimizer hooks."""
         for hook in self._hooks:

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +43,7 @@ from .format import (
 from ._memory import release_free_memory
 from ._sharded import ShardLayout, solo_layout
 from ._sources import WeightSource, weight_source
+from ._view_chain import ViewChain
 from .stores import TempCleaningStore, open_store, read_limited, write_stream
 
 if TYPE_CHECKING:
@@ -90,6 +91,14 @@ class PublishOptions:
     done, so the version is still exactly the weights at ``submit()``). "overlap" needs the
     optimizer, and nothing but the optimizer may change the weights between ``submit()`` and
     the next step (a weight tie set by hand, a ``load_state_dict``)."""
+    views: tuple[str, ...] = ()
+    """Quantized views to publish beside the bf16 chain, by compressed-tensors preset scheme
+    name (``("FP8_DYNAMIC",)``; :data:`deltasync.views.SCHEMES` lists them). Each is an exact
+    chain of its own in ``views/<NAME>/``, which quantized rollout servers follow (see
+    :mod:`deltasync._view_chain`); the bf16 chain is unchanged."""
+    view_ignore: tuple[str, ...] = ("lm_head",)
+    """Layers the views leave in bf16, as llm-compressor's ``ignore`` takes them (module names,
+    or ``re:`` patterns)."""
     stale_temp_seconds: float = 3600.0
     """Temporary files of writes (local buckets) older than this are deleted when the publisher
     starts and after each anchor: a writer killed mid-write leaves one behind."""
@@ -110,6 +119,15 @@ class PublishOptions:
             raise ConfigError(f"keep_anchors must be in 1..{MAX_ANCHORS} (the newest anchor is always kept), got {self.keep_anchors}")
         if self.capture not in _CAPTURES:
             raise ConfigError(f"capture must be one of {', '.join(map(repr, _CAPTURES))}, got {self.capture!r}")
+        if isinstance(self.views, str) or isinstance(self.view_ignore, str):
+            raise ConfigError("views and view_ignore are tuples of names, e.g. views=('FP8_DYNAMIC',)")
+        if len(set(self.views)) != len(self.views):
+            raise ConfigError(f"views lists a scheme twice: {self.views}")
+        if self.views:
+            from .views import get_scheme  # compressed-tensors is needed only for views
+
+            for name in self.views:
+                get_scheme(name)
         if not self.stale_temp_seconds > 0:
             raise ConfigError(f"stale_temp_seconds must be > 0, got {self.stale_temp_seconds}")
 
@@ -141,7 +159,10 @@ class PublishResult:
     """An anchor of this version is being written beside its delta, in the background."""
     warnings: tuple[str, ...] = ()
     """Problems that did not undo the commit (a failed retention delete, a failed background
-    anchor); also logged."""
+    anchor, a view that could not be written); also logged."""
+    view_nbytes: dict[str, int] = field(default_factory=dict)
+    """Quantized view -> bytes written into it for this version (its delta, plus its anchor
+    when one was written); a view that failed this version is absent."""
 
     @property
     def changed_fraction(self) -> float:
@@ -277,8 +298,93 @@ class DeltaPublisher:
         self._closed = False
         self.anchor_metadata: dict[str, str] = {}
         """Extra ``x-`` metadata written into every anchor (an adapter bucket's PEFT config)."""
+        self._views = self._make_views(source)
         if layout.rank == 0:
             self._clean_temp()
+
+    def _make_views(self, source: WeightSource) -> list[ViewChain]:
+        """One :class:`ViewChain` per name in ``options.views``."""
+        if not self.options.views:
+            return []
+        layout = self._layout
+        if layout.world > 1 or layout.parts > 1:
+            raise ConfigError(
+                f"quantized views ({', '.join(self.options.views)}) are published by a single trainer process "
+                f"for now; this one is {layout.description}"
+            )
+        from .views import get_scheme, quantized_names
+
+        shapes = {name: owned.shape for name, owned in layout.slices.items()}
+        module = source.checkpoint_model if isinstance(source.checkpoint_model, torch.nn.Module) else None
+        if module is None:
+            raise ConfigError("quantized views need the model (an nn.Module) to tell its Linear layers")
+        ignore = tuple(self.options.view_ignore)
+        targets = {n for n in quantized_names(module, list(shapes), ignore) if len(shapes[n]) == 2}
+        return [
+            ViewChain(
+                self.store, get_scheme(name), targets=targets, shapes=shapes, ignore=ignore, codec=self.options.codec,
+                level=self.options.zstd_level if get_codec(self.options.codec).levels else None,
+                keep_anchors=self.options.keep_anchors,
+            )
+            for name in self.options.views
+        ]
+
+    @property
+    def views(self) -> tuple[str, ...]:
+        """The quantized views this publisher writes beside the bf16 chain."""
+        return tuple(view.name for view in self._views)
+
+    def view_fingerprint(self, name: str) -> str | None:
+        """The fingerprint of view ``name`` at its newest committed version (None before one)."""
+        for view in self._views:
+            if view.name == name:
+                return None if view.head is None else view.head.fingerprint
+        raise ConfigError(f"this publisher writes no view {name!r} (it writes {', '.join(self.views) or 'none'})")
+
+    def _checkpoint_values(self) -> Callable[[str], torch.Tensor]:
+        """Checkpoint tensor name -> its value at the newest committed version, in bf16 on the
+        CPU, from the snapshot (a parameter that is not trained: its live value). Each live
+        parameter is read once per call of this (a fused MoE tensor serves many names).
+        Single writer only."""
+        flats: dict[str, torch.Tensor] = {}
+
+        def value(name: str) -> torch.Tensor:
+            source = self._checkpoint.pieces[name].source
+            flat = flats.get(source)
+            if flat is None:
+                live = self._live_layout.slices[source]
+                tracked = self.detector.is_tracked(source)
+                flat = self.detector.published_flat(source) if tracked else live.local(self._params[source])
+                flats.clear()  # one source at a time: names of one source come together
+                flats[source] = flat
+            return self._checkpoint_value(name, flat)
+
+        return value
+
+    def _checkpoint_value(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        owned = self._layout.slices[name]
+        live = self._live_layout.slices[self._checkpoint.pieces[name].source]
+        pieces = [c.detach().to("cpu", torch.bfloat16) for c in self._checkpoint.chunks(name, flat, live.begin, owned)]
+        return torch.cat(pieces).view(owned.shape) if pieces else torch.empty(owned.shape, dtype=torch.bfloat16)
+
+    def _publish_views(self, version: int, changes: dict[str, Change] | None, anchor: bool) -> dict[str, int]:
+        """Bring every view to ``version`` (just committed in the bf16 chain): a delta from
+        ``changes`` (None: a new chain), and an anchor beside it when ``anchor``. Never raises:
+        a view that fails is reported and starts a new chain at the next version."""
+        written: dict[str, int] = {}
+        for view in self._views:
+            try:
+                nbytes = 0
+                entry = None if changes is None else view.publish_delta(version, changes, self._checkpoint_values())
+                if entry is not None:
+                    nbytes += entry.nbytes
+                if entry is None or anchor:
+                    nbytes += view.publish_anchor(version, self._checkpoint_values(), new_chain=entry is None).nbytes
+                written[view.name] = nbytes
+            except Exception as exc:  # noqa: BLE001 - reported; the bf16 chain is committed
+                self._warn(f"view {view.name}: version {version} was not written (the bf16 chain has it; the view "
+                           f"starts a new chain at the next version): {exc}")
+        return written
 
     # ------------------------------------------------------------------ state
 
@@ -482,7 +588,9 @@ class DeltaPublisher:
         chain.version, chain.fingerprint = version, capture.fingerprint
         chain.since_anchor += entry.nbytes
         scheduled = self._schedule_anchor(version, capture.fingerprint, capture.forced_anchor)
-        return self._result(capture, entry, chain.total, scheduled)
+        view_nbytes = self._publish_views(version, changes, scheduled) if self._views else {}
+        result = self._result(capture, entry, chain.total, scheduled)
+        return replace(result, view_nbytes=view_nbytes) if view_nbytes else result
 
     def _schedule_anchor(self, version: int, fp: str, forced: bool) -> bool:
         """Start an anchor of ``version`` beside its delta if it is due (collective; never raises)."""
@@ -536,6 +644,7 @@ class DeltaPublisher:
                 return None, None
 
             self._layout.agree(f"committing version {capture.version}", commit, self._delta_group)
+            view_nbytes = self._publish_views(capture.version, None, True) if self._views else {}
         finally:
             self.detector.unpin()
         # Committed.
@@ -545,7 +654,7 @@ class DeltaPublisher:
         )
         warnings = self._housekeep(capture.version) if self._layout.rank == 0 else []
         result = self._result(replace(capture, fingerprint=fp), entry, total, False)
-        return replace(result, kind="anchor", warnings=(*result.warnings, *warnings))
+        return replace(result, kind="anchor", warnings=(*result.warnings, *warnings), view_nbytes=view_nbytes)
 
     def _background_anchor(self, version: int, fp: str) -> None:
         """An anchor of a committed version, streamed from the pinned snapshot; then committed
@@ -648,17 +757,7 @@ class DeltaPublisher:
         under the commit lock)."""
         pointer = self._pointer
         assert pointer is not None
-        anchors = (*pointer.anchors, entry)
-        keep = anchors[-self.options.keep_anchors :]
-        base = pointer.base
-        if len(anchors) > len(keep):
-            # Deltas are kept from the anchor before the kept ones: a follower up to one anchor
-            # interval behind still catches up with deltas alone.
-            base = max(base, anchors[-len(keep) - 1].version)
-        fp = pointer.fingerprint_at(base)
-        assert fp is not None
-        chain = tuple(item for item in pointer.chain if item.version > base)
-        return replace(pointer, anchors=keep, base=base, base_fingerprint=fp, chain=chain)
+        return pointer.with_anchor(entry, self.options.keep_anchors)
 
     # ------------------------------------------------------------------ commit (rank 0)
 

@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._errors import FormatError
@@ -238,6 +238,20 @@ class Pointer:
             version=anchor.version, fingerprint=anchor.fingerprint, total=total, root=anchor.version,
             base=anchor.version, base_fingerprint=anchor.fingerprint, anchors=(anchor,),
         )
+
+    def with_anchor(self, entry: ChainEntry, keep_anchors: int) -> Pointer:
+        """This pointer with a newly complete anchor ``entry``, keeping the newest
+        ``keep_anchors`` anchors and the deltas from the anchor before the kept ones: a
+        follower up to one anchor interval behind still catches up with deltas alone."""
+        anchors = (*self.anchors, entry)
+        keep = anchors[-keep_anchors:]
+        base = self.base
+        if len(anchors) > len(keep):
+            base = max(base, anchors[-len(keep) - 1].version)
+        fp = self.fingerprint_at(base)
+        assert fp is not None
+        chain = tuple(item for item in self.chain if item.version > base)
+        return replace(self, anchors=keep, base=base, base_fingerprint=fp, chain=chain)
 
     def to_bytes(self) -> bytes:
         body = {
