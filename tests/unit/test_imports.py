@@ -23,8 +23,9 @@ from packaging.requirements import Requirement
 
 from servers import REPO_ROOT
 
-#: What ``pip install deltasync`` does not install (extras: trl, wordle, vllm, plot).
-OPTIONAL = ("trl", "transformers", "peft", "accelerate", "datasets", "openenv", "vllm", "vllm_ext", "matplotlib")
+#: What ``pip install deltasync`` does not install (extras: trl, wordle, vllm, plot, views).
+OPTIONAL = ("trl", "transformers", "peft", "accelerate", "datasets", "openenv", "vllm", "vllm_ext", "matplotlib",
+            "compressed_tensors")
 
 #: Import layers, lowest first: a module may import its own layer and those below, never above.
 LAYERS = (
@@ -34,6 +35,8 @@ LAYERS = (
      "deltasync.format.codecs"),
     ("deltasync.format", "deltasync._auth", "deltasync._messages", "deltasync.stores"),
     ("deltasync._sharded", "deltasync._parts", "deltasync._client", "deltasync._checkpoint_layout", "deltasync._sources"),
+    # Quantized views: schemes (compressed-tensors, imported lazily), targets, checkpoint writer.
+    ("deltasync.views",),
     ("deltasync._chain",),
     ("deltasync._detector", "deltasync._receiver"),
     ("deltasync._publisher",),

@@ -1,0 +1,24 @@
+"""Quantized views of the policy: compressed-tensors' preset schemes (FP8_DYNAMIC, FP8_BLOCK, W8A8)
+computed from bf16 weights exactly as llm-compressor writes them, which weights they quantize,
+and a checkpoint writer that vLLM and transformers load.
+
+compressed-tensors is imported only when a view is computed (``pip install 'deltasync[views]'``).
+"""
+
+from __future__ import annotations
+
+from .checkpoint import write_checkpoint
+from .schemes import SCHEMES, ViewScheme, check_codes, check_scale, from_quantization_config, get_scheme
+from .targets import ignore_list, quantized_names
+
+__all__ = [
+    "SCHEMES",
+    "ViewScheme",
+    "check_codes",
+    "check_scale",
+    "from_quantization_config",
+    "get_scheme",
+    "ignore_list",
+    "quantized_names",
+    "write_checkpoint",
+]
