@@ -17,7 +17,7 @@ pattern (NaN payloads too) arrives exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,7 +34,7 @@ from .stores import read_limited
 if TYPE_CHECKING:
     from .stores import Store
 
-__all__ = ["BaseRead", "ChainReader", "DeltaStep", "Move", "Overlay", "Patch", "bits", "read_pointer"]
+__all__ = ["BaseRead", "ChainReader", "check_view_values", "DeltaStep", "Move", "Overlay", "Patch", "bits", "read_pointer"]
 
 
 def bits(values: torch.Tensor) -> torch.Tensor:
@@ -176,6 +176,22 @@ class DeltaStep:
     """Changed parameter -> what it moves (see :meth:`Overlay.advance`)."""
 
 
+def check_view_values(items: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """Refuse codes and scales a quantized view cannot hold (:func:`deltasync.views.check_codes`,
+    :func:`~deltasync.views.check_scale`): a NaN fp8 code, a scale that is NaN, infinite, zero
+    or negative. ``items``: a view's tensors (or new values) by name."""
+    from .views.schemes import check_codes, check_scale
+
+    try:
+        for name, values in items:
+            if values.dtype in (torch.float8_e4m3fn, torch.int8):
+                check_codes(name, values)
+            elif name.endswith("_scale"):
+                check_scale(name, values)
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+
+
 def read_pointer(store: Store) -> Pointer:
     """The bucket's committed pointer (read with a bound, parsed and checked)."""
     where = f"{store.url}/{POINTER_PATH}"
@@ -238,6 +254,8 @@ class ChainReader:
         where = self.where(entry)
         anchor = fetch_anchor(self.store, entry)
         self.check_header(anchor.header, entry)
+        if any(t.dtype != torch.bfloat16 for t in anchor.tensors.values()):
+            check_view_values(anchor.tensors.items(), where)
         got = fingerprint(anchor.tensors)
         if got != anchor.header.fingerprint:
             raise IntegrityError(
@@ -273,5 +291,7 @@ class ChainReader:
                 files, entry, url=self.store.url, numels=numels, base_values=overlay.values, dtypes=overlay.dtypes
             )
             self.check_header(header, entry)
+            if overlay.dtypes is not None:
+                check_view_values(((name, c.new) for name, c in changes.items()), self.where(entry))  # type: ignore[union-attr]
             moves = overlay.advance(changes)  # type: ignore[arg-type]  (a delta decodes to changes)
             yield DeltaStep(entry, header, self.where(entry), sum(map(len, files)), moves)

@@ -13,9 +13,10 @@ import torch
 from ._chain import ChainReader, Overlay, Patch, read_pointer
 from ._errors import ConfigError, FormatError, IntegrityError, NotFoundError, VersionError
 from ._fingerprint import fingerprint, fingerprint_update
-from .format import POINTER_PATH, Pointer
+from .format import POINTER_PATH, Pointer, view_prefix
 from .format.dtypes import read_lanes
 from .stores import open_store
+from .stores._sub import sub_store
 
 if TYPE_CHECKING:
     import os
@@ -110,7 +111,8 @@ class StagedUpdate:
 
 
 class DeltaReceiver:
-    """Keeps an exact bf16 copy of the published weights by following a bucket.
+    """Keeps an exact bf16 copy of the published weights (or of a quantized view of them) by
+    following a bucket.
 
     With no state, after a gap it cannot bridge, or when its fingerprint disagrees with the
     bucket's, it loads the newest anchor and replays the deltas after it; otherwise it
@@ -130,6 +132,10 @@ class DeltaReceiver:
             checkpoint a server started with, or ``{n: p.shape for n, p in model.named_parameters()}``).
         max_attempts: how many times :meth:`stage` starts over from the newest pointer when
             files vanish under it (a new anchor retired them while it read).
+        view: follow this quantized view of the bucket (``"FP8_DYNAMIC"``; its chain in
+            ``views/<view>/``) instead of the bf16 chain. Its state holds the codes and scales
+            of the quantized layers and every other parameter in bf16; codes and scales that
+            a view cannot hold (a NaN code, a NaN, infinite or zero scale) are refused.
     """
 
     def __init__(
@@ -138,8 +144,11 @@ class DeltaReceiver:
         *,
         expected: Mapping[str, tuple[int, ...] | torch.Size] | None = None,
         max_attempts: int = _MAX_ATTEMPTS,
+        view: str | None = None,
     ) -> None:
-        self.store = open_store(bucket)
+        self.view = view
+        """The quantized view followed (None: the bf16 chain)."""
+        self.store = open_store(bucket) if view is None else sub_store(open_store(bucket), view_prefix(view))
         self._state: dict[str, torch.Tensor] = {}
         self._version: int | None = None
         self._fingerprint: str | None = None

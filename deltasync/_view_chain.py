@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -45,6 +44,7 @@ from .format import (
     delta_path,
     encode_delta,
     sha256_hex,
+    view_prefix,
 )
 from .stores import write_stream
 from .stores._sub import sub_store
@@ -53,35 +53,14 @@ if TYPE_CHECKING:
     from .stores import Store
     from .views import ViewScheme
 
-__all__ = ["VIEWS_PREFIX", "VIEW_NAME_RE", "ViewChain", "view_prefix", "view_names", "view_tensor_names"]
+__all__ = ["ViewChain", "view_tensor_names"]
 
 logger = logging.getLogger("deltasync")
 
-VIEWS_PREFIX = "views/"
-"""The folder of the bucket that holds one folder per view (``views/FP8_DYNAMIC/``)."""
-VIEW_NAME_RE = re.compile(r"[A-Z0-9_]{1,64}\Z", re.ASCII)
-"""A view's name: a compressed-tensors preset scheme name."""
 CONFIG_KEY = "x-quantization-config"
 """The anchor metadata key holding the view's ``quantization_config`` (JSON)."""
 VIEW_KEY = "x-view"
 """The anchor metadata key naming the view."""
-
-
-def view_prefix(name: str) -> str:
-    """The folder of view ``name`` in a bucket."""
-    if not isinstance(name, str) or not VIEW_NAME_RE.match(name):
-        raise ConfigError(f"view name {name!r} is not a scheme name (upper-case letters, digits and '_')")
-    return f"{VIEWS_PREFIX}{name}/"
-
-
-def view_names(store: Store) -> list[str]:
-    """The views a bucket holds (those with a committed pointer), sorted."""
-    found = set()
-    for path in store.list(VIEWS_PREFIX):
-        parts = path[len(VIEWS_PREFIX) :].split("/")
-        if len(parts) == 2 and parts[1] == POINTER_PATH and VIEW_NAME_RE.match(parts[0]):
-            found.add(parts[0])
-    return sorted(found)
 
 
 def view_tensor_names(name: str, suffixes: list[str]) -> dict[str, str]:

@@ -61,6 +61,10 @@ from .pointer import (
     delta_path,
     part_path,
     sha256_hex,
+    VIEWS_PREFIX,
+    VIEW_NAME_RE,
+    view_prefix,
+    view_names,
 )
 from .versions import (
     CHAIN_FORMAT_VERSION,
@@ -120,5 +124,9 @@ __all__ = [
     "check_int",
     "check_hex",
     "sha256_hex",
+    "VIEWS_PREFIX",
+    "VIEW_NAME_RE",
+    "view_prefix",
+    "view_names",
 ]
 __all__ += versions.__all__  # the format's name and version numbers

@@ -33,6 +33,10 @@ __all__ = [
     "part_path",
     "data_path_version",
     "sha256_hex",
+    "VIEWS_PREFIX",
+    "VIEW_NAME_RE",
+    "view_prefix",
+    "view_names",
 ]
 
 POINTER_PATH = "latest.json"
@@ -74,6 +78,29 @@ def data_path_version(path: str) -> int | None:
     """The version of a data file (:data:`DATA_PATH_RE`); None for any other path."""
     match = DATA_PATH_RE.match(path)
     return None if match is None else int(match.group(1))
+
+
+VIEWS_PREFIX = "views/"
+"""The folder of the bucket that holds one folder per view (``views/FP8_DYNAMIC/``)."""
+VIEW_NAME_RE = re.compile(r"[A-Z0-9_]{1,64}\Z", re.ASCII)
+"""A view's name: a compressed-tensors preset scheme name."""
+
+
+def view_prefix(name: str) -> str:
+    """The folder of view ``name`` in a bucket."""
+    if not isinstance(name, str) or not VIEW_NAME_RE.match(name):
+        raise FormatError(f"view name {name!r} is not a scheme name (upper-case letters, digits and '_')")
+    return f"{VIEWS_PREFIX}{name}/"
+
+
+def view_names(store: Any) -> list[str]:
+    """The views a bucket holds (those with a committed pointer), sorted."""
+    found = set()
+    for path in store.list(VIEWS_PREFIX):
+        parts = path[len(VIEWS_PREFIX) :].split("/")
+        if len(parts) == 2 and parts[1] == POINTER_PATH and VIEW_NAME_RE.match(parts[0]):
+            found.add(parts[0])
+    return sorted(found)
 
 
 def sha256_hex(data: bytes) -> str:

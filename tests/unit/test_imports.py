@@ -32,13 +32,13 @@ LAYERS = (
     ("deltasync._errors", "deltasync._env", "deltasync._fingerprint", "deltasync._collective", "deltasync._memory"),
     # The format's foundations: the codecs know no file header, no pointer.
     ("deltasync.format.versions", "deltasync.format.limited_json", "deltasync.format.container",
-     "deltasync.format.codecs"),
+     "deltasync.format.dtypes", "deltasync.format.codecs"),
     ("deltasync.format", "deltasync._auth", "deltasync._messages", "deltasync.stores"),
     ("deltasync._sharded", "deltasync._parts", "deltasync._client", "deltasync._checkpoint_layout", "deltasync._sources"),
     # Quantized views: schemes (compressed-tensors, imported lazily), targets, checkpoint writer.
     ("deltasync.views",),
     ("deltasync._chain",),
-    ("deltasync._detector", "deltasync._receiver"),
+    ("deltasync._detector", "deltasync._receiver", "deltasync._view_chain"),
     ("deltasync._publisher",),
     ("deltasync._lora",),
     ("deltasync",),
