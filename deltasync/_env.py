@@ -22,6 +22,7 @@ __all__ = [
     "TOKEN_ENV",
     "UPDATE_MODES",
     "UPDATE_MODE_ENV",
+    "VIEW_ENV",
 ]
 
 #: The bucket a server follows; no request can name another.
@@ -52,5 +53,9 @@ STAGING_CPUS_ENV = "DELTASYNC_STAGING_CPUS"
 #: nice 19: serving takes the CPU back at once, and staging takes longer).
 STAGING_NICE_ENV = "DELTASYNC_STAGING_NICE"
 DEFAULT_STAGING_NICE = 19
+#: The quantized view a server follows (a scheme name such as "FP8_DYNAMIC"; ``deltasync serve``
+#: sets it from the served checkpoint's ``quantization_config``, or from ``--view``). Unset: the
+#: view the served checkpoint is, or the bf16 chain for a bf16 checkpoint.
+VIEW_ENV = "DELTASYNC_VIEW"
 #: "1" lets a server loaded with the test extension (``vllm_ext.testing``) run its test RPCs.
 TEST_HOOKS_ENV = "DELTASYNC_TEST_HOOKS"

@@ -92,6 +92,10 @@ class StagedUpdate:
         """The shape of ``name`` after this update, without building its value."""
         return self._base[name].shape
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The element dtype of ``name`` after this update."""
+        return self._base[name].dtype
+
     def tensor(self, name: str) -> torch.Tensor:
         """The new full value of ``name`` (a fresh tensor; the receiver is not touched)."""
         if self._consumed:

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from deltasync import DeltaSyncError, FormatError, StagedUpdate
 
-__all__ = ["ServedCheckpoint", "read_checkpoint_shapes", "resolve_model_dir"]
+__all__ = ["ServedCheckpoint", "checkpoint_view", "read_checkpoint_dtypes", "read_checkpoint_shapes", "resolve_model_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,11 @@ class ServedCheckpoint:
     """Parameter name -> shape; None when unknown (updates are then not checked)."""
     tied: bool
     """Whether ``lm_head.weight`` is the embedding (an anchor may leave it out)."""
+    dtypes: dict[str, torch.dtype] | None = None
+    """Parameter name -> its dtype in the checkpoint (None when unknown or not one a chain holds)."""
+    view: str | None = None
+    """The quantized view the checkpoint is (its ``quantization_config`` as a scheme name), or
+    None for a bf16 checkpoint."""
 
     @classmethod
     def of(cls, model_config: Any) -> ServedCheckpoint:
@@ -53,12 +60,16 @@ class ServedCheckpoint:
                 "parameter names and shapes", model,
             )
             return cls(path=model, shapes=None, tied=tied)
+        view = checkpoint_view(directory)  # a quantization deltasync cannot follow raises: refused at start
         try:
-            return cls(path=str(directory), shapes=read_checkpoint_shapes(directory), tied=tied)
+            return cls(
+                path=str(directory), shapes=read_checkpoint_shapes(directory), tied=tied,
+                dtypes=read_checkpoint_dtypes(directory), view=view,
+            )
         except (OSError, ValueError, DeltaSyncError) as exc:
             logger.warning("deltasync: cannot read the checkpoint of %s (%s); updates are not checked against it",
                            model, exc)
-            return cls(path=str(directory), shapes=None, tied=tied)
+            return cls(path=str(directory), shapes=None, tied=tied, view=view)
 
     def reader(self) -> Callable[[str], Any]:
         """``name -> tensor`` of the served checkpoint, read from its files when asked (None
@@ -109,6 +120,13 @@ class ServedCheckpoint:
                 raise FormatError(
                     f"{where}: {name} has shape {list(shape)}, the served checkpoint's is {list(expected[name])}"
                 )
+            if self.dtypes is not None and staged.kind == "anchor":
+                dtype = staged.dtype(name)
+                if name in self.dtypes and dtype != self.dtypes[name] and (self.view is not None or dtype != torch.bfloat16):
+                    raise FormatError(
+                        f"{where}: {name} is {dtype}, the served checkpoint's is {self.dtypes[name]} "
+                        f"(a {'quantized view' if self.view else 'bf16 chain'} was expected)"
+                    )
 
 
 def resolve_model_dir(model: str, *, revision: str | None = None, cache_dir: str | None = None) -> Path | None:
@@ -154,7 +172,37 @@ def read_checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple
     return shapes
 
 
-def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def checkpoint_view(model_dir: str | os.PathLike[str]) -> str | None:
+    """The view a checkpoint folder is: the scheme its ``config.json``'s ``quantization_config``
+    names (a :class:`~deltasync.ConfigError` for one deltasync cannot follow), None for none."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    if quantization is None:
+        return None
+    from deltasync.views import from_quantization_config
+
+    return from_quantization_config(quantization).name
+
+
+def read_checkpoint_dtypes(model_dir: str | os.PathLike[str]) -> dict[str, torch.dtype] | None:
+    """Parameter name -> dtype for every tensor of the checkpoint in ``model_dir``; None when a
+    tensor has a dtype no chain holds (the checkpoint cannot be followed element by element)."""
+    from deltasync.format.dtypes import ELEMENT_DTYPES
+
+    codes = {code: dtype for dtype, code in ELEMENT_DTYPES.items()}
+    dtypes: dict[str, torch.dtype] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        for name, code in _header_info(path, "dtype").items():
+            if code not in codes:
+                return None
+            dtypes[name] = codes[code]
+    return dtypes
+
+
+def _header_info(path: Path, key: str) -> dict[str, Any]:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
@@ -163,4 +211,8 @@ def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         if size > _MAX_HEADER:
             raise FormatError(f"{path}: header of {size} bytes is not plausible for a safetensors file")
         header = json.loads(f.read(size))
-    return {name: tuple(int(d) for d in info["shape"]) for name, info in header.items() if name != "__metadata__"}
+    return {name: info[key] for name, info in header.items() if name != "__metadata__"}
+
+
+def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(int(d) for d in shape) for name, shape in _header_info(path, "shape").items()}

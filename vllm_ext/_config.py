@@ -25,12 +25,13 @@ from deltasync._env import (
     TOKEN_ENV,
     UPDATE_MODE_ENV,
     UPDATE_MODES,
+    VIEW_ENV,
 )
 from deltasync._errors import ConfigError
 
 from ._cpus import STAGING_CPUS_PATTERN
 
-__all__ = ["ServerConfig"]
+__all__ = ["ServerConfig", "resolve_view"]
 
 _TRUE, _FALSE = ("1", "true", "yes"), ("", "0", "false", "no")
 
@@ -62,6 +63,8 @@ class ServerConfig:
     """How far those threads lower their priority (``DELTASYNC_STAGING_NICE``: 0-19, or "idle")."""
     test_hooks: bool = False
     """The test extension's RPCs may run (``DELTASYNC_TEST_HOOKS=1``)."""
+    view: str | None = None
+    """The quantized view followed (``DELTASYNC_VIEW``); None: the one the served checkpoint is."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> ServerConfig:
@@ -93,4 +96,32 @@ class ServerConfig:
             staging_cpus=cpus,
             staging_nice=raw_nice if raw_nice == "idle" else int(raw_nice),
             test_hooks=environ.get(TEST_HOOKS_ENV) == "1",
+            view=_view(environ.get(VIEW_ENV, "").strip()),
         )
+
+
+def _view(name: str) -> str | None:
+    if not name:
+        return None
+    from deltasync.format import VIEW_NAME_RE
+
+    if not VIEW_NAME_RE.match(name):
+        raise ConfigError(f"{VIEW_ENV} must be a scheme name such as FP8_DYNAMIC, got {name!r}")
+    return name
+
+
+def resolve_view(configured: str | None, checkpoint_view: str | None, checkpoint: str) -> str | None:
+    """The view a server follows: its checkpoint's, which ``configured`` (``--view``) may name
+    again but never contradict (the served layers are quantized one way)."""
+    if configured is None or configured == checkpoint_view:
+        return checkpoint_view
+    if checkpoint_view is None:
+        raise ConfigError(
+            f"the server is asked to follow view {configured}, but its checkpoint {checkpoint} is not quantized "
+            f"(no quantization_config): start it from a {configured} checkpoint (deltasync export --view "
+            f"{configured}), or drop the view to follow the bf16 chain"
+        )
+    raise ConfigError(
+        f"the server is asked to follow view {configured}, but its checkpoint {checkpoint} is quantized as "
+        f"{checkpoint_view}: start it from a {configured} checkpoint, or follow view {checkpoint_view}"
+    )

@@ -8,8 +8,11 @@ parameters (sorted, for a near-sequential pass), and saving the old values there
 rollback; they cannot change in between, since a staged update is used only while the
 served version and fingerprint are those it was staged against, and only an update changes
 them. Applying is one ``scatter_`` per live parameter: time and memory are O(changed
-elements on this rank). Values move as int16 bit patterns, never through float
-arithmetic, so every bf16 pattern (NaN payloads too) arrives exactly.
+elements on this rank). Values move as int16 lanes (a bf16 bit pattern, or a quantized view's
+one-byte code zero-extended; :mod:`deltasync.format.dtypes`), never through float
+arithmetic, so every pattern (NaN payloads too) arrives exactly. A live parameter is read and
+written in storage order through :class:`~vllm_ext._quantized.LiveFlat` (an FP8 weight that
+vLLM transposed after loading, a scale it widened to float32).
 
 The fingerprint of what is served is computed from the live weights through the map:
 each rank hashes the elements it owns (an element held by several ranks or pieces, like a
@@ -34,6 +37,7 @@ from deltasync._chain import ChainReader, Overlay
 from deltasync._fingerprint import fingerprint_add, fingerprint_move, fingerprint_share
 
 from ._cpus import enter_background
+from ._quantized import LiveFlat
 from ._weight_map import Piece, WeightMap
 
 __all__ = ["InPlaceState", "LiveStaged", "release_freed_memory", "release_later", "wait_for_device"]
@@ -128,7 +132,7 @@ class InPlaceState:
     """One worker's served weights, followed in place.
 
     Parameters that cannot be patched in place (``host``: checkpoint name -> shape, whole vLLM
-    modules at a time) fall back one by one: their values are kept in HF-named bf16 tensors on
+    modules at a time) fall back one by one: their values are kept in HF-named tensors on
     the host, which deltas patch like live parameters (the same staging, fingerprint shares and
     undo log), and the modules they feed are rebuilt from those tensors through ``reload``
     inside the pause. Every other parameter is written in place.
@@ -143,6 +147,7 @@ class InPlaceState:
         reload: rebuilds the modules of the given checkpoint names from ``(name, tensor)``
             pairs (whole modules: see :func:`~vllm_ext._reload.reload_groups`); raises on failure.
         groups: checkpoint names -> the names to send so that each touched module is whole.
+        dtypes: each checkpoint name's element dtype, for a quantized view (None: all bf16).
     """
 
     def __init__(
@@ -156,6 +161,7 @@ class InPlaceState:
         host: Mapping[str, tuple[int, ...]] | None = None,
         reload: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
         groups: Callable[[list[str]], list[str]] | None = None,
+        dtypes: Mapping[str, torch.dtype] | None = None,
     ) -> None:
         self.map = weight_map
         self.gather = gather
@@ -164,14 +170,16 @@ class InPlaceState:
         self.groups = groups or (lambda names: list(names))
         self.model = model
         # Allocated now, filled by the first anchor (pages are only touched then).
-        self.host: dict[str, torch.Tensor] = {name: torch.empty(shape, dtype=torch.bfloat16)
+        self.dtypes = None if dtypes is None else dict(dtypes)
+        """Checkpoint name -> element dtype, for a checkpoint that is not all bf16 (a quantized view)."""
+        self.host: dict[str, torch.Tensor] = {name: torch.empty(shape, dtype=self.dtype_of(name))
                                               for name, shape in (host or {}).items()}  # fmt: skip
         for name, tensor in self.host.items():
             n = tensor.numel()
             self.map.pieces[name] = [Piece(_HOST + name, (n,), 0, (1,), 0, (1,))] if n else []
-        self.flat: dict[str, torch.Tensor] = {}
+        self.flat: dict[str, LiveFlat] = {}
         self._refresh_live()
-        self.flat.update({_HOST + name: t.view(-1).view(torch.int16) for name, t in self.host.items()})
+        self.flat.update({_HOST + name: LiveFlat(t) for name, t in self.host.items()})
         # Pieces of the same name held by earlier ranks, or earlier on this rank, own their
         # elements: an element counts once in the fingerprint.
         everyone = gather(self.map.pieces)
@@ -192,7 +200,11 @@ class InPlaceState:
         for pieces in self.map.pieces.values():
             for piece in pieces:
                 if not piece.param.startswith(_HOST):
-                    self.flat[piece.param] = params[piece.param].data.view(-1).view(torch.int16)
+                    self.flat[piece.param] = LiveFlat(params[piece.param])
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """Checkpoint name ``name``'s element dtype."""
+        return torch.bfloat16 if self.dtypes is None else self.dtypes.get(name, torch.bfloat16)
 
     @property
     def host_bytes(self) -> int:
@@ -219,7 +231,7 @@ class InPlaceState:
                     if not bool(owned.all()):
                         src, dst = src[owned], dst[owned]
                     flat = self.flat[piece.param]
-                    bits = flat.index_select(0, dst.to(flat.device))
+                    bits = flat.read(dst.to(flat.device))
                     total = (total + fingerprint_share(name, src, bits.view(torch.bfloat16))) & _MASK
         return total
 
@@ -271,14 +283,14 @@ class InPlaceState:
         if len(pieces) == 1:  # the common case: one box of one parameter (hits come sorted, once each)
             hit, dst = pieces[0].locate(index, sorted_index=True)
             flat = self.flat[pieces[0].param]
-            got = flat.index_select(0, dst.to(flat.device)).cpu()
+            got = flat.read(dst.to(flat.device)).cpu()
             return (None if hit.numel() == index.numel() else hit), got
         found = torch.zeros(index.numel(), dtype=torch.bool)
         out = torch.zeros(index.numel(), dtype=torch.int16)
         for piece in pieces:
             hit, dst = piece.locate(index, sorted_index=True)
             flat = self.flat[piece.param]
-            out[hit] = flat.index_select(0, dst.to(flat.device)).cpu()
+            out[hit] = flat.read(dst.to(flat.device)).cpu()
             found[hit] = True
         return torch.nonzero(found).reshape(-1), out[found]
 
@@ -296,7 +308,7 @@ class InPlaceState:
             fingerprint=reader.pointer.fingerprint_at(target) or "",
         )
         # Old values at the elements this rank holds (the others are decoded, then dropped).
-        overlay = Overlay(self.read)
+        overlay = Overlay(self.read, self.dtypes)
         patches = overlay.patches
         names: dict[str, None] = {}
         # One delta (the common case): the live values it read are the undo log already.
@@ -350,7 +362,7 @@ class InPlaceState:
             write.bits = write.bits.to(flat.device)
             # The undo log, read now rather than in the write's standstill: the staging's own read
             # where it holds every element written, else read here.
-            write.old = flat.gather(0, write.dst) if old is None else old.to(flat.device)
+            write.old = flat.read(write.dst) if old is None else old.to(flat.device)
         wait_for_device(w.old for w in staged.writes.values())  # filled before another thread uses them
         staged.seconds = time.perf_counter() - start
         return staged
@@ -397,10 +409,10 @@ class InPlaceState:
         try:
             for param, w in staged.writes.items():
                 flat = self.flat[param]
-                old = w.old if w.old is not None else flat.gather(0, w.dst)
+                old = w.old if w.old is not None else flat.read(w.dst)
                 undo.append((param, w.dst, old))
-                flat.scatter_(0, w.dst, w.bits)
-            wait_for_device(self.flat[param] for param, _, _ in undo)
+                flat.write(w.dst, w.bits)
+            wait_for_device(self.flat[param].tensor for param, _, _ in undo)
             self._reload_host([param for param, _, _ in undo])
         except Exception as exc:
             exc.undo = undo  # type: ignore[attr-defined]
@@ -411,8 +423,8 @@ class InPlaceState:
         """Put the saved old bits back, last write first, and rebuild the host parameters' modules
         from the restored values."""
         for param, dst, old in reversed(undo):
-            self.flat[param].scatter_(0, dst, old)
-        wait_for_device(self.flat[param] for param, _, _ in undo)
+            self.flat[param].write(dst, old)
+        wait_for_device(self.flat[param].tensor for param, _, _ in undo)
         self._reload_host([param for param, _, _ in undo])
 
     def _reload_host(self, params: list[str]) -> None:
@@ -439,7 +451,7 @@ class InPlaceState:
                     yield name, tensor
 
         self.load_dense(live_part())
-        wait_for_device(self.flat.values())
+        wait_for_device(flat.tensor for flat in self.flat.values())
         if host:
             self.load_host(list(host))
 
@@ -466,7 +478,7 @@ class InPlaceState:
             if hit.numel():
                 signed = bits - 0x10000 if bits >= 0x8000 else bits
                 flat = self.flat[piece.param]
-                flat.index_put_((dst.to(flat.device),), torch.tensor([signed], dtype=torch.int16, device=flat.device))
-                wait_for_device([flat])
+                flat.write(dst.to(flat.device), torch.tensor([signed], dtype=torch.int16, device=flat.device))
+                wait_for_device([flat.tensor])
                 done = True
         return done

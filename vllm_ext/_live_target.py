@@ -27,6 +27,7 @@ from ._plain_gemm import PLAIN_GEMM_ENV, plain_gemm_enabled
 from ._ranks import agree, gather, rank_index
 from ._reload import reload_groups, reload_weights
 from ._target import Applied, Refused, UpdateTarget
+from ._quantized import load_time_params
 from ._weight_map import discover
 
 __all__ = ["LiveTarget", "plan_in_place"]
@@ -193,8 +194,9 @@ def plan_in_place(
         return None, {name: reason for name in expected or {"*": ()}}
     assert expected is not None
     start = time.perf_counter()
-    with set_current_vllm_config(vllm_config):
-        weight_map = discover(model, expected, values=checkpoint.reader())
+    quantized = checkpoint.view is not None
+    with set_current_vllm_config(vllm_config), load_time_params(model):
+        weight_map = discover(model, expected, dtypes=checkpoint.dtypes, widen=quantized, values=checkpoint.reader())
     fallback: dict[str, str] = {}
     for theirs in gather(weight_map.fallback):  # every rank decides alike
         fallback.update(theirs)
@@ -216,13 +218,14 @@ def plan_in_place(
             raise UpdateError(f"modules {', '.join(partial[:5])} were loaded only in part")
 
     def load_dense(weights: Any) -> None:
-        with set_current_vllm_config(vllm_config), torch.no_grad():
+        with set_current_vllm_config(vllm_config), torch.no_grad(), load_time_params(model):
             model.load_weights(weights)
 
     live = InPlaceState(
         model, weight_map, gather, rank_index(), load_dense,
         host={n: expected[n] for n in host}, reload=reload_host,
         groups=lambda changed: reload_groups(changed, host, packed, landing),
+        dtypes=checkpoint.dtypes if quantized else None,
     )  # fmt: skip
     if host:
         name, why = next(iter(sorted(fallback.items())))

@@ -75,6 +75,8 @@ class FollowConfig:
     """Seconds between two reads of the pointer."""
     bucket: str | None = None
     """The bucket the server follows (``DELTASYNC_BUCKET``)."""
+    view: str | None = None
+    """The quantized view whose pointer it reads (``DELTASYNC_VIEW``); None: the bf16 chain's."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.interval) and self.interval > 0):
@@ -89,7 +91,7 @@ class FollowConfig:
     @classmethod
     def of(cls, config: ServerConfig) -> FollowConfig:
         """Follow mode's part of the server's settings."""
-        return cls(enabled=config.follow, interval=config.follow_interval, bucket=config.bucket)
+        return cls(enabled=config.follow, interval=config.follow_interval, bucket=config.bucket, view=config.view)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +134,7 @@ class ServerSync:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._task: asyncio.Task[None] | None = None
-        self._receiver = DeltaReceiver(follow.bucket) if follow.bucket else None
+        self._receiver = DeltaReceiver(follow.bucket, view=follow.view) if follow.bucket else None
         from . import _metrics
 
         self.metrics = _metrics.metrics()

@@ -28,7 +28,7 @@ from deltasync._errors import UpdateError
 from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus, check_version
 
 from ._checkpoint import ServedCheckpoint
-from ._config import ServerConfig
+from ._config import ServerConfig, resolve_view
 from ._cpus import configure as configure_background_cpus
 from ._cpus import Background, enter_background
 from ._live_target import LiveTarget, plan_in_place
@@ -79,6 +79,8 @@ class WorkerUpdater:
         packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", None) or {})
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.checkpoint = ServedCheckpoint.of(vllm_config.model_config)
+        self.view = resolve_view(self.config.view, self.checkpoint.view, self.checkpoint.path)
+        """The quantized view followed (None: the bf16 chain)."""
         self.last_rank = is_last_rank()
         self.last: UpdateAnswer | None = None
         self.last_error: dict[str, Any] | None = None
@@ -259,7 +261,7 @@ class WorkerUpdater:
                     f"this server follows no bucket: start it with {BUCKET_ENV}=<bucket URL> "
                     "(the URL the trainer's DeltaPublisher writes to)"
                 )
-            self._receiver = DeltaReceiver(self.config.bucket)
+            self._receiver = DeltaReceiver(self.config.bucket, view=self.view)
         return self._receiver
 
     def _take_prefetched(self, version: int) -> Staged | None:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._quantized import is_widening
 from ._reload import post_load_experts
 
 __all__ = ["Piece", "WeightMap", "discover"]
@@ -157,9 +158,10 @@ class WeightMap:
 class _Recorder(TorchDispatchMode):
     """Records copies into parameters from the probe; suppresses every write to a parameter."""
 
-    def __init__(self, storages: Mapping[int, tuple[str, torch.Tensor]], probe: torch.Tensor) -> None:
+    def __init__(self, storages: Mapping[int, tuple[str, torch.Tensor]], probe: torch.Tensor, widen: bool = False) -> None:
         super().__init__()
         self.storages = storages
+        self.widen = widen
         self.probe_ptr = probe.untyped_storage().data_ptr()
         self.probe_offset = probe.storage_offset()
         self.copies: list[Piece] = []
@@ -190,7 +192,7 @@ class _Recorder(TorchDispatchMode):
         if not isinstance(src, torch.Tensor) or src.untyped_storage().data_ptr() != self.probe_ptr:
             self.problems.append(f"{name}: the loader copies a transformed tensor into it")
             return
-        if src.dtype != dst.dtype or tuple(src.shape) != tuple(dst.shape):
+        if (src.dtype != dst.dtype and not (self.widen and is_widening(src, dst))) or tuple(src.shape) != tuple(dst.shape):
             self.problems.append(f"{name}: the loader converts {src.dtype}{list(src.shape)} to "
                                  f"{dst.dtype}{list(dst.shape)}")  # fmt: skip
             return
@@ -214,12 +216,17 @@ def discover(
     shapes: Mapping[str, tuple[int, ...]],
     *,
     dtype: torch.dtype = torch.bfloat16,
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    widen: bool = False,
     values: Callable[[str], torch.Tensor | None] | None = None,
 ) -> WeightMap:
     """Map every checkpoint name in ``shapes`` onto this worker's live parameters.
 
-    ``values``: the served checkpoint's tensor of a name (None when unknown), to check that the
-    live parameters hold it where the map says (see :func:`misplaced`).
+    ``dtypes``: each name's dtype in the checkpoint (default: ``dtype`` for all; a quantized
+    view's codes are one byte, its scales bf16). With ``widen`` (a quantized view), a loader
+    may widen a bf16 tensor into a float32 parameter (its scales: exact, and the in-place
+    writer keeps it as bf16 lanes); any other cast falls back. ``values``: the served checkpoint's tensor of a name (None when unknown), to
+    check that the live parameters hold it where the map says (see :func:`misplaced`).
     """
     params = dict(model.named_parameters())
     storages: dict[int, tuple[str, torch.Tensor]] = {}
@@ -243,16 +250,16 @@ def discover(
     for name, param in params.items():
         if id(param) in repacked:
             unfit[name] = repacked[id(param)]
-        elif param.dtype != dtype:
-            unfit[name] = f"it is {param.dtype}, not {dtype}"
+        elif param.dtype not in _WRITABLE or (param.dtype == torch.float32 and not widen):
+            unfit[name] = f"it is {param.dtype}, which is not written in place"
         elif not param.is_contiguous() or param.numel() == 0:
             unfit[name] = "it is not a dense tensor (repacked for a kernel)"
         if param.numel():
             storages[param.untyped_storage().data_ptr()] = (name, param)
     out = WeightMap(numels={name: _numel(shape) for name, shape in shapes.items()})
     for name, shape in shapes.items():
-        probe = torch.empty(shape, dtype=dtype)
-        recorder = _Recorder(storages, probe)
+        probe = torch.empty(shape, dtype=dtype if dtypes is None else dtypes.get(name, dtype))
+        recorder = _Recorder(storages, probe, widen)
         try:
             with torch.no_grad(), recorder:
                 loaded = model.load_weights([(name, probe)])
@@ -279,6 +286,8 @@ def discover(
 
 
 _SAMPLES = 1024
+_WRITABLE = (torch.bfloat16, torch.float8_e4m3fn, torch.int8, torch.float32)
+"""Parameter dtypes the in-place writer holds (float32: bf16 values widened, see :mod:`._quantized`)."""
 
 
 def misplaced(pieces: list[Piece], params: Mapping[str, torch.Tensor], value: torch.Tensor | None) -> str | None:
