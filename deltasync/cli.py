@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -247,6 +248,41 @@ def _plot(records: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+# --------------------------------------------------------------------------- export
+
+
+@_command("export")
+def _export(args: argparse.Namespace) -> int:
+    from ._receiver import DeltaReceiver
+    from ._view_chain import read_view_config
+    from .views import write_checkpoint
+
+    receiver = DeltaReceiver(args.bucket, view=args.view)
+    what = f"view {args.view}" if args.view else "the bf16 chain"
+    staged = receiver.stage(args.version)
+    receiver.apply(staged)
+    config = read_view_config(staged.anchor_metadata)
+    if args.view and config is None:
+        raise DeltaSyncError(f"{receiver.store.url}: the anchor of view {args.view} carries no quantization_config")
+    state = receiver.state_dict()
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    print(f"{receiver.store.url}: {what} at version {receiver.version} (fingerprint {receiver.fingerprint}), "
+          f"{len(state)} tensors, {_human(total)}")
+
+    def progress(done: int, total: int) -> None:
+        print(f"  written {_human(done)} of {_human(total)} ({100 * done / max(total, 1):.0f}%)", file=sys.stderr)
+
+    with warnings.catch_warnings():  # "tensors only" is said below, once
+        warnings.simplefilter("ignore", UserWarning)
+        paths = write_checkpoint(
+            args.out, sorted(state.items()), quantization_config=config, like=args.like,
+            max_shard_bytes=args.max_shard_gb << 30, progress=progress, total_bytes=total,
+        )
+    print(f"{args.out}: {len(paths)} files written" + ("" if args.like else " (tensors only: pass --like MODEL_DIR "
+                                                        "for config.json and the tokenizer)"))
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -257,6 +293,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="a local file, or BUCKET_URL/deltas/<file>")
     p = sub.add_parser("verify", help="replay a bucket's committed chain and check every fingerprint")
     p.add_argument("bucket", help="a path or URL (file://, hf://buckets/ns/name, s3://, ...)")
+    p = sub.add_parser("export", help="write a version of a bucket (bf16, or a quantized view) as a checkpoint folder")
+    p.add_argument("bucket")
+    p.add_argument("out", help="the folder to write (must hold no safetensors files yet)")
+    p.add_argument("--view", help="a quantized view of the bucket (e.g. FP8_DYNAMIC); default: the bf16 chain")
+    p.add_argument("--version", type=int, help="the version to export (default: the newest committed)")
+    p.add_argument("--like", metavar="MODEL_DIR", help="copy config.json (with the view's quantization_config), "
+                   "the tokenizer and generation files from this model folder")
+    p.add_argument("--max-shard-gb", type=int, default=5, help="largest safetensors shard, in GiB (default 5)")
     p = sub.add_parser("stats", help="bytes, changed fraction and kind per version")
     p.add_argument("bucket")
     p.add_argument("--plot", metavar="FILE.png", help="also plot them")
