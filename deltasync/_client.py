@@ -156,6 +156,9 @@ class ServerStatus:
     follow: dict[str, Any] | None = None
     """From :meth:`RolloutClient.served`: the server's follow mode (``enabled``, ``interval``,
     ``latest_seen``, ``lag``, ``last_error``, ``last_update_at``)."""
+    view: str | None = None
+    """From :meth:`RolloutClient.served`: the quantized view served (None: the bf16 chain);
+    ``fingerprint`` is then the view's (``DeltaPublisher.view_fingerprint``)."""
 
 
 class RequestError(Exception):
@@ -550,7 +553,7 @@ class RolloutClient(BaseRolloutClient):
             return ServerStatus(url=server.url, ok=False, error=str(exc))
         return ServerStatus(
             url=server.url, ok=True, version=status.version, fingerprint=status.fingerprint, mode=status.mode,
-            workers=[w.to_json() for w in status.workers], follow=status.follow,
+            workers=[w.to_json() for w in status.workers], follow=status.follow, view=status.view,
         )
 
     def _status_one(self, server: ServerHandle) -> ServerStatus:

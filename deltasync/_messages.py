@@ -152,6 +152,9 @@ class WorkerStatus:
     last_update: UpdateAnswer | None = None
     last_error: dict[str, Any] | None = None
     prefetch: PrefetchState | None = None
+    view: str | None = None
+    """The quantized view served and followed (None: the bf16 chain); ``fingerprint`` is then
+    that of the view's state (codes, scales and bf16 parameters)."""
 
     @classmethod
     def from_answer(cls, data: object, where: str = "worker status") -> WorkerStatus:
@@ -173,6 +176,7 @@ class WorkerStatus:
             last_update=None if last is None else UpdateAnswer.from_answer(last, f"{where}: last_update"),
             last_error=None if _take(d, "last_error", (Mapping,), where, None) is None else dict(d["last_error"]),
             prefetch=None if prefetch is None else PrefetchState.from_answer(prefetch, f"{where}: prefetch"),
+            view=_take(d, "view", (str,), where, None),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -193,6 +197,8 @@ class ServedBody:
     mode: str
     follow: dict[str, Any]
     workers: tuple[WorkerStatus, ...]
+    view: str | None = None
+    """The quantized view served (None: the bf16 chain)."""
 
     @classmethod
     def from_answer(cls, data: object, where: str = "status") -> ServedBody:
@@ -204,4 +210,5 @@ class ServedBody:
             mode=_take(d, "mode", (str,), where),
             follow=dict(_mapping(_take(d, "follow", (Mapping,), where), f"{where}: follow")),
             workers=tuple(WorkerStatus.from_answer(w, f"{where}: workers[{i}]") for i, w in enumerate(workers)),
+            view=_take(d, "view", (str,), where, None),
         )

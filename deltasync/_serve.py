@@ -22,8 +22,10 @@ from ._env import (
     TOKEN_ENV,
     UPDATE_MODE_ENV,
     UPDATE_MODES,
+    VIEW_ENV,
 )
 from ._errors import ConfigError
+from .views.serving import check_bucket_has_view, checkpoint_view, resolve_view
 
 __all__ = [
     "BUCKET_ENV",
@@ -73,6 +75,7 @@ def serve_command(
     follow: bool = False,
     follow_interval: float | None = None,
     update_mode: str | None = None,
+    view: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that ``deltasync serve`` runs.
 
@@ -81,7 +84,10 @@ def serve_command(
     ``VLLM_SERVER_DEV_MODE=1``, ``DELTASYNC_BUCKET`` and ``DELTASYNC_TOKEN``. ``vllm_args``
     follow unchanged. ``follow``: the server reads the bucket's pointer every ``follow_interval``
     seconds (default 2) and brings itself to each newer version, with no request from the
-    trainer (``DELTASYNC_FOLLOW=1``).
+    trainer (``DELTASYNC_FOLLOW=1``). ``view``: the quantized view to follow; a local
+    checkpoint folder whose ``config.json`` has a ``quantization_config`` follows its own view
+    (``view`` may name it again, never another), refused at once when the bucket holds versions
+    but not that view (``DELTASYNC_VIEW``).
     """
     env = dict(os.environ if environ is None else environ)
     if not bucket:
@@ -124,6 +130,15 @@ def serve_command(
         if update_mode not in UPDATE_MODES:
             raise ConfigError(f"--update-mode must be one of {', '.join(UPDATE_MODES)}, got {update_mode!r}")
         env[UPDATE_MODE_ENV] = update_mode
+    served = checkpoint_view(model) if os.path.isdir(model) else None
+    chosen = resolve_view(view, served, model) if os.path.isdir(model) else view
+    if chosen is not None:
+        from .stores import open_store
+
+        check_bucket_has_view(open_store(bucket), chosen, model)
+        env[VIEW_ENV] = chosen
+    else:
+        env.pop(VIEW_ENV, None)
     return command + list(vllm_args), env
 
 
@@ -162,6 +177,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "or 'inflight' (written in place between two engine steps, no pause; requests keep their KV)",
     )
     p.add_argument(
+        "--view",
+        metavar="SCHEME",
+        help="the quantized view of the bucket to follow (e.g. FP8_DYNAMIC); default: the one MODEL's "
+        "quantization_config names, or the bf16 chain",
+    )
+    p.add_argument(
         "--token-env",
         metavar="NAME",
         help=f"environment variable holding the shared token (default: {TOKEN_ENV}, when set)",
@@ -172,7 +193,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     command, env = serve_command(
         args.model, args.bucket, token_env=args.token_env, vllm_args=args.extra, follow=args.follow,
-        follow_interval=args.follow_interval, update_mode=args.update_mode,
+        follow_interval=args.follow_interval, update_mode=args.update_mode, view=args.view,
     )
     if TOKEN_ENV not in env:
         print(

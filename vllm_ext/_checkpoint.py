@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from deltasync import DeltaSyncError, FormatError, StagedUpdate
+from deltasync.views.serving import checkpoint_view
 
-__all__ = ["ServedCheckpoint", "checkpoint_view", "read_checkpoint_dtypes", "read_checkpoint_shapes", "resolve_model_dir"]
+__all__ = ["ServedCheckpoint", "read_checkpoint_dtypes", "read_checkpoint_shapes", "resolve_model_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,21 +171,6 @@ def read_checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple
                 raise FormatError(f"{path}: tensor {name!r} is in two files of the checkpoint")
             shapes[name] = shape
     return shapes
-
-
-def checkpoint_view(model_dir: str | os.PathLike[str]) -> str | None:
-    """The view a checkpoint folder is: the scheme its ``config.json``'s ``quantization_config``
-    names (a :class:`~deltasync.ConfigError` for one deltasync cannot follow), None for none."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return None
-    config = json.loads(path.read_text())
-    quantization = config.get("quantization_config") if isinstance(config, dict) else None
-    if quantization is None:
-        return None
-    from deltasync.views import from_quantization_config
-
-    return from_quantization_config(quantization).name
 
 
 def read_checkpoint_dtypes(model_dir: str | os.PathLike[str]) -> dict[str, torch.dtype] | None:

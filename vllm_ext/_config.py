@@ -31,7 +31,7 @@ from deltasync._errors import ConfigError
 
 from ._cpus import STAGING_CPUS_PATTERN
 
-__all__ = ["ServerConfig", "resolve_view"]
+__all__ = ["ServerConfig"]
 
 _TRUE, _FALSE = ("1", "true", "yes"), ("", "0", "false", "no")
 
@@ -109,19 +109,3 @@ def _view(name: str) -> str | None:
         raise ConfigError(f"{VIEW_ENV} must be a scheme name such as FP8_DYNAMIC, got {name!r}")
     return name
 
-
-def resolve_view(configured: str | None, checkpoint_view: str | None, checkpoint: str) -> str | None:
-    """The view a server follows: its checkpoint's, which ``configured`` (``--view``) may name
-    again but never contradict (the served layers are quantized one way)."""
-    if configured is None or configured == checkpoint_view:
-        return checkpoint_view
-    if checkpoint_view is None:
-        raise ConfigError(
-            f"the server is asked to follow view {configured}, but its checkpoint {checkpoint} is not quantized "
-            f"(no quantization_config): start it from a {configured} checkpoint (deltasync export --view "
-            f"{configured}), or drop the view to follow the bf16 chain"
-        )
-    raise ConfigError(
-        f"the server is asked to follow view {configured}, but its checkpoint {checkpoint} is quantized as "
-        f"{checkpoint_view}: start it from a {configured} checkpoint, or follow view {checkpoint_view}"
-    )

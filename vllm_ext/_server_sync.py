@@ -35,7 +35,7 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from deltasync import DeltaReceiver
@@ -315,6 +315,14 @@ class ServerSync:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="deltasync-follow")
 
+    def _follow_view(self, view: str | None) -> None:
+        """Read the pointer of the view the workers serve (their checkpoint's), when the
+        environment did not name it: a view commits each version after the bf16 chain does."""
+        if view is not None and view != self.config.view and self.config.bucket:
+            logger.info("deltasync: following view %s of %s (the served checkpoint's)", view, self.config.bucket)
+            self.config = replace(self.config, view=view)
+            self._receiver = DeltaReceiver(self.config.bucket, view=view)
+
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
@@ -326,8 +334,10 @@ class ServerSync:
 
     async def _run(self) -> None:
         try:
-            self.served = _served(await self.workers())
+            workers = await self.workers()
+            self.served = _served(workers)
             self.metrics.served.set(-1 if self.served is None else self.served)
+            self._follow_view(workers[0].view if workers else None)
         except Exception as exc:  # noqa: BLE001  (the engine may still be warming up; updates set it)
             logger.warning("deltasync: cannot read the served version at start-up: %s", exc)
         if not self.config.enabled:

@@ -172,6 +172,7 @@ class UpdateMiddleware:
             "version": None if any(v is None for v in versions) else min(v for v in versions if v is not None),
             "fingerprint": fingerprints.pop() if len(fingerprints) == 1 else None,
             "mode": workers[0].mode if len({w.mode for w in workers}) == 1 else "mixed",
+            "view": workers[0].view,
             "follow": sync.follow_status(),
             "workers": [w.to_json() for w in workers],
         })  # fmt: skip

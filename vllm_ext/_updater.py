@@ -25,10 +25,11 @@ from deltasync import ConfigError, DeltaReceiver, DeltaSyncError, VersionError
 from deltasync._auth import check_update_tag
 from deltasync._env import BUCKET_ENV, TEST_HOOKS_ENV
 from deltasync._errors import UpdateError
+from deltasync.views.serving import resolve_view
 from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus, check_version
 
 from ._checkpoint import ServedCheckpoint
-from ._config import ServerConfig, resolve_view
+from ._config import ServerConfig
 from ._cpus import configure as configure_background_cpus
 from ._cpus import Background, enter_background
 from ._live_target import LiveTarget, plan_in_place
@@ -126,6 +127,7 @@ class WorkerUpdater:
             last_update=self.last,
             last_error=None if self.last_error is None else dict(self.last_error),
             prefetch=None if self._prefetch is None else self._prefetch.describe(),
+            view=self.view,
         ).to_json()
 
     def prefetch(self, version: object, auth: object = None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .checkpoint import write_checkpoint
 from .schemes import SCHEMES, ViewScheme, check_codes, check_scale, from_quantization_config, get_scheme
+from .serving import check_bucket_has_view, checkpoint_view, resolve_view
 from .targets import ignore_list, quantized_names
 
 __all__ = [
@@ -21,4 +22,7 @@ __all__ = [
     "ignore_list",
     "quantized_names",
     "write_checkpoint",
+    "check_bucket_has_view",
+    "checkpoint_view",
+    "resolve_view",
 ]
