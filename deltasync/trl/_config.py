@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .._env import TOKEN_ENV
 from .._errors import ConfigError
@@ -45,6 +45,12 @@ class DeltaSyncConfig:
     weights), or None to decide from the servers' ``lora_config`` as TRL does."""
     lora_name: str = "trl-policy"
     """Adapter mode: adapters are served as ``<lora_name>-v<version>``."""
+    view: str | None = None
+    """The quantized view the rollout servers serve (a compressed-tensors preset scheme name,
+    e.g. ``"FP8_DYNAMIC"``): it is published beside the bf16 chain (added to
+    ``publish.views``), each server must report serving it, and sync records carry its bytes
+    and fingerprint. Start the servers from a checkpoint of the view (``deltasync export
+    --view``, or ``deltasync.views.write_view_checkpoint``)."""
 
     def server_token(self) -> str | None:
         """:attr:`token`, or else the trainer's ``DELTASYNC_TOKEN`` (None when neither is set):
@@ -63,6 +69,13 @@ class DeltaSyncConfig:
             raise ConfigError("server_urls is empty: give at least one rollout server, or None for the trainer's")
         if self.timeout <= 0:
             raise ConfigError(f"timeout must be positive, got {self.timeout}")
+        if self.view is not None:
+            from ..views import get_scheme
+
+            get_scheme(self.view)  # an unknown scheme is refused by name
+            if self.peft_sync == "adapter":
+                raise ConfigError(f"view={self.view!r} with peft_sync='adapter': adapters are bf16; use peft_sync='merged'")
+            self.publish = replace(self.publish, views=tuple(dict.fromkeys((*self.publish.views, self.view))))
         if self.follow and self.peft_sync == "adapter":
             raise ConfigError(
                 "follow=True with peft_sync='adapter': followers serve full weights; adapter versions are loaded on the "

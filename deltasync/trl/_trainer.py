@@ -284,7 +284,15 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
             "served": [r.version for r in report.results],
             "failed": {r.url: r.error for r in report.results if not r.ok},
             "fingerprint": result.fingerprint,
+            **self._view_record(result),
         }
+
+    def _view_record(self, result: PublishResult) -> dict[str, Any]:
+        """The quantized view's part of a sync's record (nothing without a view)."""
+        view = None if self._delta_config is None else self._delta_config.view
+        if view is None or self._publisher is None:
+            return {}
+        return {"view": view, "view_nbytes": result.view_nbytes.get(view), "view_fingerprint": self._publisher.view_fingerprint(view)}
 
     def _add_record(self, record: dict[str, Any]) -> None:
         """Log a sync's record (training thread only: TRL reads and clears the metrics there)."""
