@@ -31,9 +31,9 @@ try:
 except ImportError:  # a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _machine import machine  # noqa: E402
+from _machine import machine
 
-from deltasync.views import SCHEMES, get_scheme  # noqa: E402
+from deltasync.views import SCHEMES, get_scheme
 
 
 class Trace:

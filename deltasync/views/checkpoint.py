@@ -21,7 +21,7 @@ import torch
 
 from .._errors import ConfigError
 
-__all__ = ["write_checkpoint", "COPIED_FILES"]
+__all__ = ["COPIED_FILES", "write_checkpoint"]
 
 #: Files copied from ``like`` (glob patterns): tokenizer, chat template and generation settings.
 COPIED_FILES: tuple[str, ...] = (

@@ -43,7 +43,7 @@ import torch
 
 from .._errors import ConfigError, FormatError
 
-__all__ = ["SCHEMES", "ViewScheme", "get_scheme", "from_quantization_config", "check_codes", "check_scale"]
+__all__ = ["SCHEMES", "ViewScheme", "check_codes", "check_scale", "from_quantization_config", "get_scheme"]
 
 #: The compressed-tensors preset schemes deltasync publishes views of.
 SCHEMES: tuple[str, ...] = ("FP8_DYNAMIC", "FP8_BLOCK", "W8A8")
@@ -57,7 +57,7 @@ _SHAPES: dict[str, tuple[torch.dtype, Literal["channel", "block"], tuple[int, in
 
 def _ct() -> Any:
     try:
-        import compressed_tensors  # noqa: F401
+        import compressed_tensors
     except ImportError as exc:  # pragma: no cover - compressed-tensors comes with vLLM and the extra
         raise ConfigError(
             "quantized views need compressed-tensors: pip install 'deltasync[views]' (vLLM installs it too)"
@@ -128,7 +128,7 @@ class ViewScheme:
         :meth:`quantize_rows` as ``block_amax``."""
         if self.block is None:
             raise ConfigError(f"view {self.name}: block_absmax_rows is for block schemes; {self.name} scales rows")
-        out, cols = self._check_rows(rows, row0, full_shape)
+        self._check_rows(rows, row0, full_shape)
         bh = self.block[0]
         amax = torch.zeros(self.scale_shape(full_shape), dtype=rows.dtype, device=rows.device)
         if rows.shape[0] == 0:
@@ -149,7 +149,7 @@ class ViewScheme:
         those rows' codes; ``weight_scale`` holds the scale rows this shard owns (channel: its rows;
         block: the blocks whose first row is in the shard). ``block_amax`` (block strategy only, and
         required there) is the MAX-reduced :meth:`block_absmax_rows` of every rank."""
-        out, cols = self._check_rows(rows, row0, full_shape)
+        _, cols = self._check_rows(rows, row0, full_shape)
         if self.block is None:
             if block_amax is not None:
                 raise ConfigError(f"view {self.name}: block_amax is for block schemes; {self.name} scales rows")
@@ -227,7 +227,10 @@ class ViewScheme:
 
     def _empty(self, cols: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         width = 1 if self.block is None else math.ceil(cols / self.block[1])
-        return {"weight": torch.empty(0, cols, dtype=self.code_dtype), "weight_scale": torch.empty(0, width, dtype=dtype)}
+        return {
+            "weight": torch.empty(0, cols, dtype=self.code_dtype),
+            "weight_scale": torch.empty(0, width, dtype=dtype),
+        }
 
     def _span(self, rows: torch.Tensor, row0: int) -> torch.Tensor:
         """``rows`` placed in the whole blocks of rows they touch, zeros elsewhere (the tail block
@@ -318,11 +321,13 @@ def from_quantization_config(cfg: Mapping[str, Any]) -> ViewScheme:
     _ct()
     from compressed_tensors.quantization import QuantizationScheme
 
-    (group_name, group), = groups.items()
+    ((group_name, group),) = groups.items()
     try:
         found = QuantizationScheme.model_validate(dict(group))
     except Exception as exc:  # pydantic's ValidationError: say which group
-        raise ConfigError(f"quantization_config group {group_name!r} is not a compressed-tensors scheme: {exc}") from exc
+        raise ConfigError(
+            f"quantization_config group {group_name!r} is not a compressed-tensors scheme: {exc}"
+        ) from exc
     for name in SCHEMES:
         preset = _preset(name)
         if _same_args(found.weights, preset.weights) and _same_args(found.input_activations, preset.input_activations):

@@ -49,7 +49,9 @@ def test_one_shard_with_config_and_files(tmp_path: pathlib.Path) -> None:
     assert seen == [(total, total)]
     got = load_file(out / "model.safetensors")
     for name, tensor in tensors:  # views and transposes are written as their values
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name].view(torch.uint8), tensor.contiguous().view(torch.uint8))
+        assert got[name].dtype == tensor.dtype and torch.equal(
+            got[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)
+        )
     config = json.loads((out / "config.json").read_text())
     assert config == {"model_type": "qwen2", "quantization_config": cfg}
     assert (out / "tokenizer.json").read_text() == "tokenizer.json"
@@ -105,5 +107,7 @@ def test_a_failing_source_leaves_no_final_file(tmp_path: pathlib.Path) -> None:
         raise OSError("bucket went away")
 
     with pytest.raises(OSError, match="bucket went away"):
-        write_checkpoint(tmp_path, tensors(), quantization_config=None, like=None, max_shard_bytes=4000, total_bytes=12000)
+        write_checkpoint(
+            tmp_path, tensors(), quantization_config=None, like=None, max_shard_bytes=4000, total_bytes=12000
+        )
     assert list(tmp_path.iterdir()) == []
