@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -118,6 +118,20 @@ class ViewScheme:
         self._check_shape("weight", weight.shape)
         low, high = self._observe(weight)
         return self._compress(weight, low, high)
+
+    def checkpoint_tensors(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], quantized: Container[str]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The view's checkpoint, streamed: each (name, tensor) of ``tensors`` (a bf16 checkpoint) as
+        it is, except names in ``quantized`` (see :func:`deltasync.views.quantized_names`), which
+        become ``name`` (the codes) followed by its :func:`scale_name` (the scale)."""
+        for name, tensor in tensors:
+            if name in quantized:
+                view = self.quantize(tensor)
+                yield name, view["weight"]
+                yield scale_name(name), view["weight_scale"]
+            else:
+                yield name, tensor
 
     # ------------------------------------------------------------------ row shards
 
@@ -271,6 +285,13 @@ class ViewScheme:
         state = {"weight": weight, "weight_scale": scale.to(weight.dtype), "weight_zero_point": zero_point}
         done = compressor.compress(state, preset)
         return {"weight": done["weight"], "weight_scale": done["weight_scale"]}
+
+
+def scale_name(name: str) -> str:
+    """The checkpoint name of the scale of quantized weight ``name`` (``x.weight`` -> ``x.weight_scale``)."""
+    if not name.endswith("weight"):
+        raise ConfigError(f"{name!r} is no weight name; quantized weights are named '<module>.weight'")
+    return name + "_scale"
 
 
 def get_scheme(name: str) -> ViewScheme:

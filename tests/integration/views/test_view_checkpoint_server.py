@@ -28,18 +28,10 @@ def test_fp8_dynamic_checkpoint_loads_in_vllm_and_transformers(tiny_model_dir, t
     names = quantized_names(model, source)
     assert len(names) == 14  # 2 layers x (q, k, v, o, gate, up, down); lm_head is tied and ignored
 
-    def tensors():
-        for name, tensor in source.items():
-            if name in names:
-                view = scheme.quantize(tensor)
-                yield name, view["weight"]
-                yield name.removesuffix("weight") + "weight_scale", view["weight_scale"]
-            else:
-                yield name, tensor
-
     out = tmp_path / "fp8"
     cfg = scheme.quantization_config(ignore_list(model))
-    write_checkpoint(out, tensors(), quantization_config=cfg, like=tiny_model_dir)
+    tensors = scheme.checkpoint_tensors(source.items(), names)
+    write_checkpoint(out, tensors, quantization_config=cfg, like=tiny_model_dir)
 
     config = AutoConfig.from_pretrained(out)  # transformers reads it as a compressed-tensors config
     assert config.quantization_config["quant_method"] == "compressed-tensors"

@@ -38,15 +38,9 @@ def test_views_equal_llm_compressor_checkpoints(model_name: str, preset: str) ->
     scheme = get_scheme(preset)
     names = quantized_names(_model(model_name), source)
     assert names == {k for k, v in want.items() if v.dtype == scheme.code_dtype}
-    got: dict[str, torch.Tensor] = {}
-    for name, tensor in source.items():
-        if name in names:
-            view = scheme.quantize(tensor)
-            got[name] = view["weight"]
-            got[name.removesuffix("weight") + "weight_scale"] = view["weight_scale"]
-        else:
-            got[name] = tensor
-    assert sorted(got) == sorted(want)
+    streamed = list(scheme.checkpoint_tensors(source.items(), names))
+    got = dict(streamed)
+    assert sorted(got) == sorted(want) and len(streamed) == len(got)
     for name, tensor in want.items():
         width = {1: torch.uint8, 2: torch.int16}[tensor.element_size()]
         assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name

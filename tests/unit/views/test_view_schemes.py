@@ -196,3 +196,14 @@ def test_bad_scales_are_refused(value: float) -> None:
     scale[1, 0] = value
     with pytest.raises(FormatError, match=r"layers.0.q_proj.weight_scale: scale at flat index 1 is"):
         check_scale("layers.0.q_proj.weight_scale", scale)
+
+
+def test_scale_names() -> None:
+    from deltasync.views import scale_name
+
+    assert (
+        scale_name("model.layers.0.mlp.experts.3.down_proj.weight")
+        == "model.layers.0.mlp.experts.3.down_proj.weight_scale"
+    )
+    with pytest.raises(ConfigError, match="'model.norm.bias' is no weight name"):
+        scale_name("model.norm.bias")
