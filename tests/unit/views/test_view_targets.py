@@ -65,3 +65,20 @@ def test_moe_experts_are_ignored_by_their_checkpoint_names(moe) -> None:
     listed = ignore_list(model, ["lm_head", "model.layers.1.mlp.experts.3.down_proj"])
     assert listed == ["model.layers.0.mlp.gate", "model.layers.1.mlp.experts.3.down_proj", "model.layers.1.mlp.gate",
                       "lm_head"]  # fmt: skip
+
+
+def test_mixtral_experts_and_router_by_checkpoint_names(tmp_path) -> None:
+    from moe_helpers import moe_model, saved_state
+
+    from deltasync.examples.tiny import build_tiny_moe_model
+
+    model = moe_model(build_tiny_moe_model(tmp_path, architecture="mixtral", num_experts=2))
+    names = list(saved_state(model))
+    got = quantized_names(model, names, ["lm_head", "model.layers.1.block_sparse_moe.experts.0.w2"])
+    experts = {f"model.layers.{i}.block_sparse_moe.experts.{e}.w{k}.weight" for i in range(2) for e in range(2)
+               for k in (1, 2, 3)}  # fmt: skip
+    attention = {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qkvo"}
+    assert got == (experts | attention) - {"model.layers.1.block_sparse_moe.experts.0.w2.weight"}
+    assert ignore_list(model, ["lm_head", "model.layers.1.block_sparse_moe.experts.0.w2"]) == [
+        "model.layers.0.block_sparse_moe.gate", "model.layers.1.block_sparse_moe.experts.0.w2",
+        "model.layers.1.block_sparse_moe.gate", "lm_head"]  # fmt: skip
