@@ -80,5 +80,5 @@ def test_mixtral_experts_and_router_by_checkpoint_names(tmp_path) -> None:
     attention = {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qkvo"}
     assert got == (experts | attention) - {"model.layers.1.block_sparse_moe.experts.0.w2.weight"}
     assert ignore_list(model, ["lm_head", "model.layers.1.block_sparse_moe.experts.0.w2"]) == [
-        "model.layers.0.block_sparse_moe.gate", "model.layers.1.block_sparse_moe.experts.0.w2",
-        "model.layers.1.block_sparse_moe.gate", "lm_head"]  # fmt: skip
+        "model.layers.0.block_sparse_moe.gate", "model.layers.1.block_sparse_moe.gate",  # module order: the
+        "model.layers.1.block_sparse_moe.experts.0.w2", "lm_head"]  # fmt: skip  (router is built first)
