@@ -137,14 +137,15 @@ class ViewScheme:
 
     def block_absmax_rows(self, rows: torch.Tensor, row0: int, full_shape: Sequence[int]) -> torch.Tensor:
         """This shard's contribution to the per-block abs-max of the full weight (block strategy):
-        a ``scale_shape(full_shape)`` tensor holding the abs-max of the shard's elements of each block
-        and zero for blocks it has no row of. All-reduce it with MAX over the ranks, then pass it to
+        a float32 ``scale_shape(full_shape)`` tensor holding the abs-max of the shard's elements of each
+        block (exactly: a float32 holds every bf16 value) and zero for blocks it has no row of. All-reduce it with MAX over the ranks, then pass it to
         :meth:`quantize_rows` as ``block_amax``."""
         if self.block is None:
             raise ConfigError(f"view {self.name}: block_absmax_rows is for block schemes; {self.name} scales rows")
         self._check_rows(rows, row0, full_shape)
         bh = self.block[0]
-        amax = torch.zeros(self.scale_shape(full_shape), dtype=rows.dtype, device=rows.device)
+        # float32 holds every bf16/fp16 value exactly, and every backend all-reduces it
+        amax = torch.zeros(self.scale_shape(full_shape), dtype=torch.float32, device=rows.device)
         if rows.shape[0] == 0:
             return amax
         first, last = row0 // bh, (row0 + rows.shape[0] - 1) // bh
