@@ -31,12 +31,15 @@ from ._lora import (
 from .format import Change, Pointer
 from ._publisher import DeltaPublisher, PublishOptions, PublishResult
 from ._receiver import DeltaReceiver, StagedUpdate
+from ._view_export import export_checkpoint, write_view_checkpoint
 from ._sources import ModelWeights, SourceWeight, WeightSource
 from .stores import Store, open_store
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "export_checkpoint",
+    "write_view_checkpoint",
     "AdapterError",
     "AdapterRolloutClient",
     "AdapterWeights",

@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -253,33 +252,16 @@ def _plot(records: list[dict], path: str) -> None:
 
 @_command("export")
 def _export(args: argparse.Namespace) -> int:
-    from ._receiver import DeltaReceiver
-    from ._view_chain import read_view_config
-    from .views import write_checkpoint
+    from ._view_export import export_checkpoint
 
-    receiver = DeltaReceiver(args.bucket, view=args.view)
     what = f"view {args.view}" if args.view else "the bf16 chain"
-    staged = receiver.stage(args.version)
-    receiver.apply(staged)
-    config = read_view_config(staged.anchor_metadata)
-    if args.view and config is None:
-        raise DeltaSyncError(f"{receiver.store.url}: the anchor of view {args.view} carries no quantization_config")
+    receiver = export_checkpoint(args.bucket, args.out, view=args.view, version=args.version, like=args.like,
+                                 max_shard_bytes=args.max_shard_gb << 30)  # fmt: skip
     state = receiver.state_dict()
     total = sum(t.numel() * t.element_size() for t in state.values())
     print(f"{receiver.store.url}: {what} at version {receiver.version} (fingerprint {receiver.fingerprint}), "
-          f"{len(state)} tensors, {_human(total)}")
-
-    def progress(done: int, total: int) -> None:
-        print(f"  written {_human(done)} of {_human(total)} ({100 * done / max(total, 1):.0f}%)", file=sys.stderr)
-
-    with warnings.catch_warnings():  # "tensors only" is said below, once
-        warnings.simplefilter("ignore", UserWarning)
-        paths = write_checkpoint(
-            args.out, sorted(state.items()), quantization_config=config, like=args.like,
-            max_shard_bytes=args.max_shard_gb << 30, progress=progress, total_bytes=total,
-        )
-    print(f"{args.out}: {len(paths)} files written" + ("" if args.like else " (tensors only: pass --like MODEL_DIR "
-                                                        "for config.json and the tokenizer)"))
+          f"{len(state)} tensors, {_human(total)} written to {args.out}"
+          + ("" if args.like else " (tensors only: pass --like MODEL_DIR for config.json and the tokenizer)"))
     return 0
 
 

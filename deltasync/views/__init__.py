@@ -8,7 +8,7 @@ compressed-tensors is imported only when a view is computed (``pip install 'delt
 from __future__ import annotations
 
 from .checkpoint import write_checkpoint
-from .schemes import SCHEMES, ViewScheme, check_codes, check_scale, from_quantization_config, get_scheme
+from .schemes import SCHEMES, ViewScheme, check_codes, check_scale, from_quantization_config, get_scheme, scale_name
 from .serving import check_bucket_has_view, checkpoint_view, resolve_view
 from .targets import ignore_list, quantized_names
 
@@ -21,6 +21,7 @@ __all__ = [
     "get_scheme",
     "ignore_list",
     "quantized_names",
+    "scale_name",
     "write_checkpoint",
     "check_bucket_has_view",
     "checkpoint_view",

@@ -21,7 +21,7 @@ import torch
 
 from .._errors import ConfigError
 
-__all__ = ["write_checkpoint", "COPIED_FILES"]
+__all__ = ["COPIED_FILES", "write_checkpoint"]
 
 #: Files copied from ``like`` (glob patterns): tokenizer, chat template and generation settings.
 COPIED_FILES: tuple[str, ...] = (
@@ -62,8 +62,9 @@ def write_checkpoint(
       (:data:`COPIED_FILES`) are copied. Without ``like`` only the tensors are written, and a
       ``UserWarning`` says so: the folder then needs a config.json before anything loads it.
     - ``progress(done_bytes, total_bytes)`` is called after each shard. ``total_bytes`` is the sum of
-      the tensors' bytes: taken from ``total_bytes`` if given, else ``tensors`` is listed first
-      (references only) to add it up.
+      the tensors' bytes: taken from ``total_bytes`` if given, else (with ``progress`` only)
+      ``tensors`` is listed first to add it up, which holds every tensor it yields at once; pass
+      ``total_bytes`` to stream tensors made on the fly.
 
     Raises :class:`ConfigError` if ``out_dir`` already holds safetensors files (stale shards
     would be loaded beside the new ones), a name repeats, or ``like`` has no config.json.
@@ -80,7 +81,7 @@ def write_checkpoint(
             f"{out} already holds {', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''}; "
             "write the checkpoint to an empty folder (old shards would be loaded beside the new ones)"
         )
-    if total_bytes is None:
+    if total_bytes is None and progress is not None:
         tensors = list(tensors)
         total_bytes = sum(_nbytes(t) for _, t in tensors)
 
@@ -98,13 +99,13 @@ def write_checkpoint(
             nbytes = _nbytes(tensor)
             if batch and size + nbytes > max_shard_bytes:
                 done += _flush(out, batch, temps, shards)
-                _report(progress, done, total_bytes)
+                _report(progress, done, total_bytes or 0)
                 batch, size = {}, 0
             batch[name] = tensor
             size += nbytes
         if batch or not shards:
             done += _flush(out, batch, temps, shards)
-            _report(progress, done, total_bytes)
+            _report(progress, done, total_bytes or 0)
         written = _finish(out, shards, total=done)
         if like is None:
             warnings.warn(

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,7 +43,7 @@ import torch
 
 from .._errors import ConfigError, FormatError
 
-__all__ = ["SCHEMES", "ViewScheme", "get_scheme", "from_quantization_config", "check_codes", "check_scale"]
+__all__ = ["SCHEMES", "ViewScheme", "check_codes", "check_scale", "from_quantization_config", "get_scheme"]
 
 #: The compressed-tensors preset schemes deltasync publishes views of.
 SCHEMES: tuple[str, ...] = ("FP8_DYNAMIC", "FP8_BLOCK", "W8A8")
@@ -57,7 +57,7 @@ _SHAPES: dict[str, tuple[torch.dtype, Literal["channel", "block"], tuple[int, in
 
 def _ct() -> Any:
     try:
-        import compressed_tensors  # noqa: F401
+        import compressed_tensors
     except ImportError as exc:  # pragma: no cover - compressed-tensors comes with vLLM and the extra
         raise ConfigError(
             "quantized views need compressed-tensors: pip install 'deltasync[views]' (vLLM installs it too)"
@@ -119,18 +119,33 @@ class ViewScheme:
         low, high = self._observe(weight)
         return self._compress(weight, low, high)
 
+    def checkpoint_tensors(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], quantized: Container[str]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The view's checkpoint, streamed: each (name, tensor) of ``tensors`` (a bf16 checkpoint) as
+        it is, except names in ``quantized`` (see :func:`deltasync.views.quantized_names`), which
+        become ``name`` (the codes) followed by its :func:`scale_name` (the scale)."""
+        for name, tensor in tensors:
+            if name in quantized:
+                view = self.quantize(tensor)
+                yield name, view["weight"]
+                yield scale_name(name), view["weight_scale"]
+            else:
+                yield name, tensor
+
     # ------------------------------------------------------------------ row shards
 
     def block_absmax_rows(self, rows: torch.Tensor, row0: int, full_shape: Sequence[int]) -> torch.Tensor:
         """This shard's contribution to the per-block abs-max of the full weight (block strategy):
-        a ``scale_shape(full_shape)`` tensor holding the abs-max of the shard's elements of each block
-        and zero for blocks it has no row of. All-reduce it with MAX over the ranks, then pass it to
+        a float32 ``scale_shape(full_shape)`` tensor holding the abs-max of the shard's elements of each
+        block (exactly: a float32 holds every bf16 value) and zero for blocks it has no row of. All-reduce it with MAX over the ranks, then pass it to
         :meth:`quantize_rows` as ``block_amax``."""
         if self.block is None:
             raise ConfigError(f"view {self.name}: block_absmax_rows is for block schemes; {self.name} scales rows")
-        out, cols = self._check_rows(rows, row0, full_shape)
+        self._check_rows(rows, row0, full_shape)
         bh = self.block[0]
-        amax = torch.zeros(self.scale_shape(full_shape), dtype=rows.dtype, device=rows.device)
+        # float32 holds every bf16/fp16 value exactly, and every backend all-reduces it
+        amax = torch.zeros(self.scale_shape(full_shape), dtype=torch.float32, device=rows.device)
         if rows.shape[0] == 0:
             return amax
         first, last = row0 // bh, (row0 + rows.shape[0] - 1) // bh
@@ -149,7 +164,7 @@ class ViewScheme:
         those rows' codes; ``weight_scale`` holds the scale rows this shard owns (channel: its rows;
         block: the blocks whose first row is in the shard). ``block_amax`` (block strategy only, and
         required there) is the MAX-reduced :meth:`block_absmax_rows` of every rank."""
-        out, cols = self._check_rows(rows, row0, full_shape)
+        _, cols = self._check_rows(rows, row0, full_shape)
         if self.block is None:
             if block_amax is not None:
                 raise ConfigError(f"view {self.name}: block_amax is for block schemes; {self.name} scales rows")
@@ -227,7 +242,10 @@ class ViewScheme:
 
     def _empty(self, cols: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         width = 1 if self.block is None else math.ceil(cols / self.block[1])
-        return {"weight": torch.empty(0, cols, dtype=self.code_dtype), "weight_scale": torch.empty(0, width, dtype=dtype)}
+        return {
+            "weight": torch.empty(0, cols, dtype=self.code_dtype),
+            "weight_scale": torch.empty(0, width, dtype=dtype),
+        }
 
     def _span(self, rows: torch.Tensor, row0: int) -> torch.Tensor:
         """``rows`` placed in the whole blocks of rows they touch, zeros elsewhere (the tail block
@@ -268,6 +286,13 @@ class ViewScheme:
         state = {"weight": weight, "weight_scale": scale.to(weight.dtype), "weight_zero_point": zero_point}
         done = compressor.compress(state, preset)
         return {"weight": done["weight"], "weight_scale": done["weight_scale"]}
+
+
+def scale_name(name: str) -> str:
+    """The checkpoint name of the scale of quantized weight ``name`` (``x.weight`` -> ``x.weight_scale``)."""
+    if not name.endswith("weight"):
+        raise ConfigError(f"{name!r} is no weight name; quantized weights are named '<module>.weight'")
+    return name + "_scale"
 
 
 def get_scheme(name: str) -> ViewScheme:
@@ -318,11 +343,13 @@ def from_quantization_config(cfg: Mapping[str, Any]) -> ViewScheme:
     _ct()
     from compressed_tensors.quantization import QuantizationScheme
 
-    (group_name, group), = groups.items()
+    ((group_name, group),) = groups.items()
     try:
         found = QuantizationScheme.model_validate(dict(group))
     except Exception as exc:  # pydantic's ValidationError: say which group
-        raise ConfigError(f"quantization_config group {group_name!r} is not a compressed-tensors scheme: {exc}") from exc
+        raise ConfigError(
+            f"quantization_config group {group_name!r} is not a compressed-tensors scheme: {exc}"
+        ) from exc
     for name in SCHEMES:
         preset = _preset(name)
         if _same_args(found.weights, preset.weights) and _same_args(found.input_activations, preset.input_activations):

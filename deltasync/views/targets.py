@@ -29,12 +29,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
 import torch
 
 from .._checkpoint_layout import checkpoint_layout, find_pretrained
 from .schemes import _ct
 
-__all__ = ["quantized_names", "ignore_list"]
+__all__ = ["ignore_list", "quantized_names"]
 
 _ROUTER = re.compile(r"Router|Gate|Gating")
 
@@ -98,7 +99,9 @@ def _targets(model: torch.nn.Module, ignore: Sequence[str]) -> list[_Target]:
         if _ROUTER.search(type_name):
             type_name = "Linear"
         # A tied weight (lm_head sharing the embedding) is no parameter of its own: its module's name.
-        pieces = [(p.name, p.shape) for p in layout.of(weight)] if weight in sources else [(weight, module.weight.shape)]
+        pieces = (
+            [(p.name, p.shape) for p in layout.of(weight)] if weight in sources else [(weight, module.weight.shape)]
+        )
         for checkpoint_name, shape in pieces:
             name = checkpoint_name.removesuffix(".weight")
             quantized = len(shape) == 2 and is_match(name, module, "Linear", ignore)

@@ -40,7 +40,7 @@ LAYERS = (
     ("deltasync._chain",),
     ("deltasync._detector", "deltasync._receiver", "deltasync._view_chain"),
     ("deltasync._publisher",),
-    ("deltasync._lora",),
+    ("deltasync._lora", "deltasync._view_export"),
     ("deltasync",),
     # The integrations: each uses the core, neither the other.
     ("deltasync.trl", "vllm_ext"),
