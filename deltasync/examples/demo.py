@@ -78,6 +78,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "as RL steps on real models do, and the reward still rises within the run)",
     )
     p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
+    p.add_argument("--view", default=None, metavar="SCHEME",
+                   help="serve a quantized view (e.g. FP8_DYNAMIC): the server starts from the model quantized as "
+                   "SCHEME and follows that view of the bucket; the trainer publishes it beside the bf16 chain")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -157,9 +160,13 @@ def run(args: argparse.Namespace) -> int:
          f"fitting it to answer with one word ({FIT_STEPS} supervised steps, no syncing)")
     model_dir = build_tiny_model(out / "base-model", seed=args.seed, initializer_range=INIT_STD)
     fit_tiny_model(model_dir, _fit_texts(model_dir), steps=FIT_STEPS, seed=args.seed)
+    served_dir = model_dir
+    if args.view is not None:
+        served_dir = _view_checkpoint(model_dir, out / f"base-model-{args.view}", args.view)
+        _say(f"      quantized it as {args.view} for the server: {served_dir}")
     _say("[2/5] starting a vLLM server with the deltasync extension (about 30-60 s on a CPU)")
     server = VLLMServer(
-        model_dir,
+        served_dir,
         port=args.port,
         # Plain CPU linear weights: deltas are written in place and the server's fingerprint
         # is hashed from the weights it serves, so the EXACT check below is about the model.
@@ -182,6 +189,22 @@ def run(args: argparse.Namespace) -> int:
         else:
             server.stop()
     return code
+
+
+def _view_checkpoint(model_dir: Path, out: Path, view: str) -> Path:
+    """The fitted model quantized as ``view`` (the view's version 0), for the server to start from."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .. import write_view_checkpoint
+
+    if out.exists():
+        shutil.rmtree(out)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # as the trainer loads it
+    write_view_checkpoint(model, out, view, like=model_dir)
+    return out
 
 
 def _prompt(subject: str) -> list[dict[str, str]]:
@@ -262,7 +285,8 @@ def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, ur
         train_dataset=dataset,
         callbacks=[Progress()],
         delta_sync=DeltaSyncConfig(
-            bucket=bucket, server_urls=[url], publish=PublishOptions(anchor_every=ANCHOR_EVERY, anchor_bytes_ratio=1.0)
+            bucket=bucket, server_urls=[url], publish=PublishOptions(anchor_every=ANCHOR_EVERY, anchor_bytes_ratio=1.0),
+            view=args.view,
         ),
     )
     # Our per-step line replaces the Trainer's progress bar and printed log dicts.
@@ -276,14 +300,25 @@ def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, ur
     trainer.save_model(str(out / "model"))
     model = trainer.accelerator.unwrap_model(trainer.model)
     want = fingerprint(bf16_state_dict(model))
-    status = RolloutClient([url]).status()[url]
+    served = RolloutClient([url]).served()[url]
     history = trainer.delta_history
+    publisher = trainer.delta_publisher
+    what = "trainer bf16 fingerprint"
+    if args.view is not None:
+        assert publisher is not None
+        want, what = publisher.view_fingerprint(args.view) or "", f"trainer's {args.view} view fingerprint"
     # In-place mode hashes the fingerprint from the weights being served; only then is it proof.
-    exact = status.ok and status.mode == "in-place" and status.fingerprint == want
+    exact = served.ok and served.mode == "in-place" and served.view == args.view and served.fingerprint == want
+    status = served
     _say("[5/5] summary")
     _say(_summary(rows, history, _anchor_sizes(bucket)))
-    _say(f"  served weights ({status.mode} mode): version {status.version}, fingerprint {status.fingerprint}; "
-         f"trainer bf16 fingerprint {want}: " + ("EXACT" if exact else "MISMATCH"))
+    if args.view is not None:
+        view_bytes = sum(h.get("view_nbytes") or 0 for h in history)
+        bf16_bytes = sum(h["nbytes"] for h in history)
+        _say(f"  {args.view} view: {view_bytes / 1e6:.2f} MB shipped beside the bf16 chain's {bf16_bytes / 1e6:.2f} MB "
+             f"({view_bytes / max(bf16_bytes, 1):.2f}x)")
+    _say(f"  served weights ({status.mode} mode{', view ' + str(status.view) if status.view else ''}): version "
+         f"{status.version}, fingerprint {status.fingerprint}; {what} {want}: " + ("EXACT" if exact else "MISMATCH"))
     _say(_plot_line(rows, history, out / "demo.png"))
     (out / "history.json").write_text(json.dumps({"steps": rows, "syncs": history}, indent=1))
     _say(f"done in {time.perf_counter() - started:.0f} s; outputs in {out}")

@@ -1,0 +1,96 @@
+"""The bytes of a quantized view's files (docs/protocol.md section 20): golden files and fingerprints.
+
+A view's chain uses the bf16 chain's format; what is new is its element dtypes (F8_E4M3 and I8
+codes beside BF16 scales) and how one-byte values move (as zero-extended 16-bit lanes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltasync import format as F
+from deltasync._fingerprint import fingerprint, fingerprint_update
+from deltasync.format import Change
+from deltasync.format.dtypes import from_lanes, lanes
+
+# The example of docs/protocol.md section 20 (bit patterns in hex).
+FP0, FP1 = "6a229d99e01e5ae6", "1e7ce601b9e06485"
+ANCHOR_SHA256 = "3199f7300603b489f210a20445fbf7180910f3fa3015fd6970ab475063533d43"
+RAW_SHA256 = "5d3ac6038d800ded1188cc37a4927d75ce204bacdb82db8766143a7a7a39d691"
+ANCHOR_DATA = "803f803f803f803f003c803b38b000807efe"
+RAW_DATA = "010000000400000001000000813bb17d"
+
+
+def _fp8(bits: list[int]) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.uint8).view(torch.float8_e4m3fn)
+
+
+def _bf16(bits: list[int]) -> torch.Tensor:
+    return torch.tensor([b - 0x10000 if b >= 0x8000 else b for b in bits], dtype=torch.int16).view(torch.bfloat16)
+
+
+def example() -> tuple[dict[str, torch.Tensor], dict[str, Change], bytes, bytes]:
+    state = {
+        "model.norm.weight": _bf16([0x3F80] * 4),
+        "model.proj.weight": _fp8([0x38, 0xB0, 0x00, 0x80, 0x7E, 0xFE]).view(2, 3),
+        "model.proj.weight_scale": _bf16([0x3C00, 0x3B80]).view(2, 1),
+    }
+    codes, scales = state["model.proj.weight"].view(-1), state["model.proj.weight_scale"].view(-1)
+    changes = {
+        "model.proj.weight": Change(torch.tensor([1, 4]), _fp8([0xB1, 0x7D]), codes[torch.tensor([1, 4])]),
+        "model.proj.weight_scale": Change(torch.tensor([1]), _bf16([0x3B81]), scales[torch.tensor([1])]),
+    }
+    metadata = {"x-view": "FP8_DYNAMIC", "x-quantization-config": "{}"}
+    anchor = F.encode_anchor(state, version=0, fingerprint=FP0, extra_metadata=metadata)
+    raw = F.encode_delta(changes, version=1, anchor=0, codec="raw", total=12, fingerprint=FP1, base_fingerprint=FP0)
+    return state, changes, anchor, raw
+
+
+def test_view_fingerprints_hash_one_byte_codes_by_their_bits() -> None:
+    state, changes, _, _ = example()
+    assert fingerprint(state) == FP0
+    fp = FP0
+    for name, change in changes.items():
+        fp = fingerprint_update(fp, name, change.index, change.old, change.new)
+    assert fp == FP1
+    # A code hashes as its byte zero-extended to 16 bits: the bf16 pattern with those bits.
+    code = _fp8([0xB0])
+    assert fingerprint({"c": code}) == fingerprint({"c": _bf16([0x00B0])})
+
+
+def test_view_anchor_and_raw_delta_golden_bytes() -> None:
+    _, _, anchor, raw = example()
+    assert len(anchor) == 514 and F.sha256_hex(anchor) == ANCHOR_SHA256
+    assert anchor[-18:].hex() == ANCHOR_DATA
+    assert len(raw) == 592 and F.sha256_hex(raw) == RAW_SHA256
+    assert raw[-16:].hex() == RAW_DATA
+    assert b'"dtype":"F8_E4M3"' in anchor and b'"dtype":"F8_E4M3"' in raw
+
+
+def test_view_files_decode_back_exactly_with_both_codecs() -> None:
+    state, changes, anchor, raw = example()
+    header, tensors = F.decode_anchor(anchor, where="anchor")
+    assert header.kind == "anchor" and tensors["model.proj.weight"].dtype == torch.float8_e4m3fn
+    dtypes = {n: t.dtype for n, t in state.items()}
+    numels = {n: t.numel() for n, t in state.items()}
+
+    def base(name: str, index: torch.Tensor) -> torch.Tensor:
+        return state[name].reshape(-1)[index]
+
+    zstd = F.encode_delta(changes, version=1, anchor=0, codec="zstd", total=12, fingerprint=FP1, base_fingerprint=FP0)
+    for data in (raw, zstd):
+        _, decoded = F.decode_delta(data, where="delta", numels=numels, base_values=base, dtypes=dtypes)
+        for name, change in changes.items():
+            assert decoded[name].new.dtype == change.new.dtype
+            assert torch.equal(lanes(decoded[name].new), lanes(change.new))
+
+
+def test_one_byte_lanes_refuse_bits_above_their_byte() -> None:
+    import pytest
+
+    from deltasync import FormatError
+
+    assert torch.equal(from_lanes(torch.tensor([0x7D], dtype=torch.int16), torch.float8_e4m3fn).view(torch.uint8),
+                       torch.tensor([0x7D], dtype=torch.uint8))  # fmt: skip
+    with pytest.raises(FormatError, match="0x017d do not fit the 8 bits of F8_E4M3"):
+        from_lanes(torch.tensor([0x17D], dtype=torch.int16), torch.float8_e4m3fn, what="x")
