@@ -34,7 +34,7 @@ LAYERS = (
      "deltasync.format.codecs"),
     ("deltasync.format", "deltasync._auth", "deltasync._messages", "deltasync.stores"),
     ("deltasync._sharded", "deltasync._parts", "deltasync._client", "deltasync._checkpoint_layout", "deltasync._sources"),
-    ("deltasync._chain",),
+    ("deltasync._chain", "deltasync._poll"),
     ("deltasync._detector", "deltasync._receiver"),
     ("deltasync._publisher",),
     ("deltasync._lora",),
