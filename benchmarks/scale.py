@@ -34,6 +34,7 @@ import contextlib
 import gc
 import json
 import multiprocessing as mp
+import queue as queue_module
 import random
 import resource
 import statistics
@@ -295,7 +296,13 @@ def in_process(fn: Any, *args: Any, spawn: bool = True) -> Any:
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(fn, args, queue))
     proc.start()
-    status, value = queue.get()
+    while True:
+        try:
+            status, value = queue.get(timeout=5)
+            break
+        except queue_module.Empty:
+            if not proc.is_alive():  # killed (out of memory?) before it could answer
+                raise SystemExit(f"FAIL: {fn.__name__}: its process ended with status {proc.exitcode}") from None
     proc.join()
     if status != "ok":
         raise SystemExit(f"FAIL: {fn.__name__}: {value}")
