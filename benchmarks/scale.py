@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
+import math
 import multiprocessing as mp
 import queue as queue_module
 import random
@@ -373,8 +375,15 @@ def density_sweep(shape: ModelShape, densities: tuple[float, ...], seed: int, sp
     # An anchor costs 2 bytes a weight; a delta costs bytes_per_changed at density p: they meet
     # at p = 2 / bytes_per_changed (bytes_per_changed taken at the densest point measured).
     crossover = min(1.0, 2.0 / rows[-1]["bytes_per_changed"])
+    # In time: where publishing a delta takes as long as writing an anchor (interpolated on log
+    # density between the two points measured around it; None if it is not crossed).
+    faster = None
+    for a, b in itertools.pairwise(rows):
+        if a["time_vs_anchor"] < 1 <= b["time_vs_anchor"]:
+            t = math.log(1 / a["time_vs_anchor"]) / math.log(b["time_vs_anchor"] / a["time_vs_anchor"])
+            faster = math.exp(math.log(a["density"]) + t * math.log(b["density"] / a["density"]))
     return {"params": pub["params"], "anchor_bytes": anchor["bytes"], "anchor_write_s": anchor["seconds"],
-            "rows": rows, "anchor_cheaper_from_density": crossover}  # fmt: skip
+            "rows": rows, "anchor_cheaper_from_density": crossover, "anchor_faster_from_density": faster}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- followers
@@ -486,7 +495,7 @@ def simulate_polling(step_s: float, jitter: float, *, interval: float = 2.0, hou
     out: dict[str, Any] = {"step_s": step_s, "jitter": jitter}
     for kind in ("fixed", "policy"):
         now = [0.0]
-        policy = PollPolicy(PollOptions(interval=interval), clock=lambda: now[0])
+        policy = PollPolicy(PollOptions(interval=interval), clock=lambda now=now: now[0])
         reads, lags, seen, k = 0, [], 0, 0
         while now[0] < hours * 3600:
             while k < len(commits) and commits[k] <= now[0]:
@@ -633,7 +642,9 @@ def report(results: dict[str, Any]) -> None:
     for r in results["density"]["rows"]:
         print(f"| {100 * r['density']:.2f}% | {r['bytes_per_changed']:.2f} | {r['bytes_vs_anchor']:.4f} | "
               f"{r['time_vs_anchor']:.3f} | {r['receiver_stage_s']:.2f}+{r['receiver_apply_s']:.3f} |")
-    print(f"anchor cheaper in bytes from ~{100 * results['density']['anchor_cheaper_from_density']:.0f}% changed")
+    d = results["density"]
+    faster = "beyond the densest point" if d["anchor_faster_from_density"] is None else f"~{100 * d['anchor_faster_from_density']:.0f}%"
+    print(f"anchor cheaper in bytes from ~{100 * d['anchor_cheaper_from_density']:.0f}% changed; faster to write from {faster}")
     print()
     print("| followers | poll | p50 s | p99 s | requests/version | KiB/version | requests/hour |")
     print("|---|---|---|---|---|---|---|")

@@ -36,7 +36,7 @@ from ._errors import ConfigError, NotFoundError
 from .format import POINTER_PATH, Pointer
 from .stores import Store
 
-__all__ = ["PollOptions", "PollPolicy", "PointerWatch", "pointer_tag"]
+__all__ = ["PointerWatch", "PollOptions", "PollPolicy", "pointer_tag"]
 
 
 @dataclass(frozen=True, kw_only=True)
