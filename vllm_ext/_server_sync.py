@@ -139,7 +139,10 @@ class ServerSync:
         self._task: asyncio.Task[None] | None = None
         self._receiver = DeltaReceiver(follow.bucket) if follow.bucket else None
         self._watch = PointerWatch(self._receiver.store) if self._receiver is not None else None
-        self.poll = PollPolicy(PollOptions(interval=follow.interval, max_interval=max(MAX_BACKOFF, follow.interval)))
+        # The longest quiet wait and the idle time before backing off scale with the interval
+        # (60 s and 120 s at the default 2 s): a short interval asks for quick updates.
+        i = follow.interval
+        self.poll = PollPolicy(PollOptions(interval=i, max_interval=max(i, min(MAX_BACKOFF, 30 * i)), idle_after=60 * i))
         """When follow mode reads the pointer next."""
         from . import _metrics
 
