@@ -60,13 +60,24 @@ class Patch:
         if self.index.numel() == 0:
             self.index, self.bits = index, bits
             return
-        all_index = torch.cat([self.index, index])
-        all_bits = torch.cat([self.bits, bits])
-        order = torch.sort(all_index, stable=True).indices
-        all_index, all_bits = all_index[order], all_bits[order]
-        keep = torch.ones_like(all_index, dtype=torch.bool)
-        keep[:-1] = all_index[1:] != all_index[:-1]  # the last of each run came last
-        self.index, self.bits = all_index[keep], all_bits[keep]
+        # Both are sorted and unique: merge them in O(n + m log n), never sorting what the
+        # patch already holds (a late joiner replays many deltas into one patch). New arrays:
+        # the old ones may be the tensors a caller still holds (a Move's values).
+        n = self.index.numel()
+        pos = torch.searchsorted(self.index, index)
+        hit = self.index[pos.clamp(max=n - 1)] == index
+        fresh = ~hit
+        fresh_index = index[fresh]
+        dest = pos[fresh] + torch.arange(fresh_index.numel())
+        is_fresh = torch.zeros(n + fresh_index.numel(), dtype=torch.bool)
+        is_fresh[dest] = True
+        kept = (~is_fresh).nonzero().squeeze(1)
+        out_index = torch.empty(n + fresh_index.numel(), dtype=self.index.dtype)
+        out_bits = torch.empty(n + fresh_index.numel(), dtype=self.bits.dtype)
+        out_index[kept], out_bits[kept] = self.index, self.bits
+        out_index[dest], out_bits[dest] = fresh_index, bits[fresh]
+        out_bits[kept[pos[hit]]] = bits[hit]  # where both touch an element, the later value wins
+        self.index, self.bits = out_index, out_bits
 
     def overlay(self, index: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
         """``bits`` (the base's, at ``index``) with this patch's values where it has some."""

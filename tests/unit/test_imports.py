@@ -37,7 +37,7 @@ LAYERS = (
     ("deltasync._sharded", "deltasync._parts", "deltasync._client", "deltasync._checkpoint_layout", "deltasync._sources"),
     # Quantized views: schemes (compressed-tensors, imported lazily), targets, checkpoint writer.
     ("deltasync.views",),
-    ("deltasync._chain",),
+    ("deltasync._chain", "deltasync._poll"),
     ("deltasync._detector", "deltasync._receiver", "deltasync._view_chain"),
     ("deltasync._publisher",),
     ("deltasync._lora", "deltasync._view_export"),

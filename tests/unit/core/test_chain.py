@@ -133,3 +133,28 @@ def test_an_anchor_of_another_state_is_refused_by_the_pointers_fingerprint(tmp_p
     reader = ChainReader(store, read_pointer(store))
     with pytest.raises(IntegrityError, match=r"anchors/00000000.safetensors \(version 0\): fingerprint \w+ in the file"):
         reader.anchor(reader.pointer.anchors[0])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_patch_merges_later_changes_as_a_dense_replay_would(seed) -> None:
+    """Merging sorted changes into a patch gives exactly the last value written at each element,
+    on random overlapping sets (empty ones, disjoint ones, full overlaps), and leaves the merged
+    tensors as they were."""
+    from deltasync._chain import Patch
+
+    g = torch.Generator().manual_seed(seed)
+    size = 200
+    dense = torch.zeros(size, dtype=torch.int16)
+    written = torch.zeros(size, dtype=torch.bool)
+    patch = Patch()
+    for step in range(6):
+        k = [0, size, 1, 50, 120, 7][(step + seed) % 6]
+        index = torch.randperm(size, generator=g)[:k].sort().values
+        values = torch.randint(-(1 << 15), 1 << 15, (k,), generator=g, dtype=torch.int16)
+        held = (index.clone(), values.clone())
+        patch.merge(index, values)
+        assert torch.equal(index, held[0]) and torch.equal(values, held[1])
+        dense[index], written[index] = values, True
+        want = written.nonzero().squeeze(1)
+        assert torch.equal(patch.index, want), step
+        assert torch.equal(patch.bits, dense[want]), step
