@@ -32,11 +32,23 @@ from .format import Change, Pointer
 from ._publisher import DeltaPublisher, PublishOptions, PublishResult
 from ._receiver import DeltaReceiver, StagedUpdate
 from ._sources import ModelWeights, SourceWeight, WeightSource
+from ._token_versions import (
+    TOKEN_VERSIONS_HEADER,
+    TokenVersions,
+    VersionedCompletion,
+    parse_token_versions,
+    version_of_token,
+)
 from .stores import Store, open_store
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "TOKEN_VERSIONS_HEADER",
+    "TokenVersions",
+    "VersionedCompletion",
+    "parse_token_versions",
+    "version_of_token",
     "AdapterError",
     "AdapterRolloutClient",
     "AdapterWeights",
