@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +39,9 @@ class Answer:
     """Per choice: ``[(version, first_token), ...]`` as the server reported it."""
 
 
-def ask(url: str, kind: str, prompt: list[int], max_tokens: int) -> Answer:
-    """One request of ``kind`` (see :data:`KINDS`), greedy (``n2``: sampled), with token ids and logprobs."""
+def ask(url: str, kind: str, prompt: list[int], max_tokens: int, progress: list[int] | None = None) -> Answer:
+    """One request of ``kind`` (see :data:`KINDS`), greedy (``n2``: sampled), with token ids and
+    logprobs; a streamed one appends its token count so far to ``progress`` as chunks arrive."""
     answer = Answer(kind)
     chat = kind.startswith("chat")
     stream = kind.endswith("stream")
@@ -68,7 +70,8 @@ def ask(url: str, kind: str, prompt: list[int], max_tokens: int) -> Answer:
     answer.tokens, answer.logprobs = [[]], [[]]
     comment = None
     # SSE lines end at "\n" only (a generated U+2028 must not cut a data line).
-    for line in response.text.split("\n"):
+    for raw in response.iter_lines(delimiter=b"\n"):
+        line = raw.decode()
         if line.startswith(": x-deltasync-token-versions "):
             comment = line
         if not line.startswith("data: {"):
@@ -79,7 +82,9 @@ def ask(url: str, kind: str, prompt: list[int], max_tokens: int) -> Answer:
         for choice in chunk["choices"]:
             answer.tokens[0] += choice.get("token_ids") or []
             answer.logprobs[0] += _logprobs(choice, chat)
-    assert comment is not None, response.text[-300:]
+        if progress is not None:
+            progress.append(len(answer.tokens[0]))
+    assert comment is not None, answer.kind
     answer.starts = parse_token_versions(comment)
     return answer
 
@@ -111,15 +116,24 @@ class Requests:
     def __init__(self, url: str, prompt: list[int], max_tokens: int, kinds: tuple[str, ...] = KINDS) -> None:
         self.answers: list[Answer] = []
         self.errors: list[str] = []
+        self.progress: list[int] = []
+        """Token counts of the streamed requests, as their chunks arrive."""
         self.threads = [threading.Thread(target=self._run, args=(url, kind, prompt, max_tokens), daemon=True) for kind in kinds]
         for thread in self.threads:
             thread.start()
 
     def _run(self, url: str, kind: str, prompt: list[int], max_tokens: int) -> None:
         try:
-            self.answers.append(ask(url, kind, prompt, max_tokens))
+            self.answers.append(ask(url, kind, prompt, max_tokens, self.progress))
         except Exception as exc:  # noqa: BLE001  (recorded: the test asserts there are none)
             self.errors.append(f"{kind}: {type(exc).__name__}: {exc}")
+
+    def wait_tokens(self, count: int, timeout: float = 300.0) -> None:
+        """Wait until a streamed request has ``count`` tokens."""
+        deadline = time.monotonic() + timeout
+        while not self.progress or self.progress[-1] < count:
+            assert time.monotonic() < deadline and not self.errors, (self.progress[-1:], self.errors)
+            time.sleep(0.01)
 
     def join(self) -> list[Answer]:
         for thread in self.threads:
