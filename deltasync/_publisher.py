@@ -312,7 +312,7 @@ class DeltaPublisher:
                 f"quantized views ({', '.join(self.options.views)}) are published by a single trainer process "
                 f"for now; this one is {layout.description}"
             )
-        from .views import get_scheme, quantized_names
+        from .views import get_scheme, ignore_list, quantized_names
 
         shapes = {name: owned.shape for name, owned in layout.slices.items()}
         module = source.checkpoint_model if isinstance(source.checkpoint_model, torch.nn.Module) else None
@@ -320,9 +320,11 @@ class DeltaPublisher:
             raise ConfigError("quantized views need the model (an nn.Module) to tell its Linear layers")
         ignore = tuple(self.options.view_ignore)
         targets = {n for n in quantized_names(module, list(shapes), ignore) if len(shapes[n]) == 2}
+        # The config names every Linear left in bf16 (an MoE's routers too), as llm-compressor writes it.
+        listed = tuple(ignore_list(module, ignore))
         return [
             ViewChain(
-                self.store, get_scheme(name), targets=targets, shapes=shapes, ignore=ignore, codec=self.options.codec,
+                self.store, get_scheme(name), targets=targets, shapes=shapes, ignore=listed, codec=self.options.codec,
                 level=self.options.zstd_level if get_codec(self.options.codec).levels else None,
                 keep_anchors=self.options.keep_anchors,
             )

@@ -277,3 +277,29 @@ def test_export_writes_loadable_checkpoints_of_the_bf16_chain_and_of_a_view(tmp_
     assert all(torch.equal(_bits(saved[n]), _bits(t)) for n, t in bf16.state_dict().items())
     with pytest.raises(VersionError, match="views/FP8_BLOCK/latest.json: no version is committed"):
         DeltaReceiver(tmp_path / "bucket", view="FP8_BLOCK").sync()
+
+
+def test_moe_views_quantize_each_expert_as_the_checkpoint_holds_it(tmp_path):
+    from moe_helpers import moe_model, routed_step, saved_state
+
+    from deltasync.examples.tiny import build_tiny_moe_model
+    from deltasync.views import ignore_list
+
+    model = moe_model(build_tiny_moe_model(tmp_path / "moe", num_experts=4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with DeltaPublisher(tmp_path / "bucket", model, optimizer, views=(FP8,)) as publisher:
+        publisher.publish()
+        routed_step(model, optimizer, 0)
+        publisher.publish()
+        config = publisher._views[0].config  # noqa: SLF001 - what the view's anchors carry
+    state = saved_state(model)  # save_pretrained's per-expert tensors, in bf16
+    want = expected_view(model, state, FP8)
+    assert any(".experts.3.down_proj.weight_scale" in name for name in want)
+    quant = DeltaReceiver(tmp_path / "bucket", view=FP8)
+    quant.sync()
+    got = quant.state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(_bits(got[n]), _bits(want[n])) for n in want)
+    # The routers stay bf16 and the config names them, as llm-compressor writes it.
+    assert config["ignore"] == ignore_list(model, ("lm_head",))
+    assert any(name.endswith("mlp.gate") for name in config["ignore"])
