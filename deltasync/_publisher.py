@@ -32,7 +32,6 @@ from .format import (
     anchor_path,
     anchor_stream,
     check_int,
-    data_path_version,
     delta_path,
     encode_delta,
     get_codec,
@@ -821,13 +820,7 @@ class DeltaPublisher:
         with self._commit_lock:
             pointer = self._pointer
         assert pointer is not None
-        oldest = pointer.anchors[0].version
-        stale = [
-            path
-            for path in (*self.store.list("anchors/"), *self.store.list("deltas/"))
-            if (found := data_path_version(path)) is not None
-            and (found < oldest if path.startswith("anchors/") else found <= pointer.base)
-        ]
+        stale = pointer.stale([*self.store.list("anchors/"), *self.store.list("deltas/")])
         if stale:
             self.store.delete(stale)
 

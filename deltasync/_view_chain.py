@@ -40,7 +40,6 @@ from .format import (
     Pointer,
     anchor_path,
     anchor_stream,
-    data_path_version,
     delta_path,
     encode_delta,
     sha256_hex,
@@ -263,15 +262,8 @@ class ViewChain:
         head = self.head
         if head is None:
             return
-        pointer = head.pointer
-        oldest = pointer.anchors[0].version
         try:
-            stale = [
-                path
-                for path in (*self.store.list("anchors/"), *self.store.list("deltas/"))
-                if (found := data_path_version(path)) is not None
-                and (found < oldest if path.startswith("anchors/") else found <= pointer.base)
-            ]
+            stale = head.pointer.stale([*self.store.list("anchors/"), *self.store.list("deltas/")])
             if stale:
                 self.store.delete(stale)
         except Exception as exc:  # noqa: BLE001 - housekeeping never fails a publish

@@ -266,6 +266,18 @@ class Pointer:
             base=anchor.version, base_fingerprint=anchor.fingerprint, anchors=(anchor,),
         )
 
+    def stale(self, paths: Sequence[str]) -> list[str]:
+        """Of ``paths`` (a listing of ``anchors/`` and ``deltas/``), the data files this pointer
+        no longer needs: anchors older than its oldest anchor, deltas at or below its base.
+        Nothing but a data file (:data:`DATA_PATH_RE`) is ever among them."""
+        oldest = self.anchors[0].version
+        return [
+            path
+            for path in paths
+            if (found := data_path_version(path)) is not None
+            and (found < oldest if path.startswith("anchors/") else found <= self.base)
+        ]
+
     def with_anchor(self, entry: ChainEntry, keep_anchors: int) -> Pointer:
         """This pointer with a newly complete anchor ``entry``, keeping the newest
         ``keep_anchors`` anchors and the deltas from the anchor before the kept ones: a
