@@ -272,3 +272,34 @@ def test_w8a8_server_reloads_its_packed_layers_and_serves_exactly_the_exported_v
         prompts = [PROMPTS]
         served = [greedy(server.url, p) for p in prompts]
     assert served == world.reference(W8A8, prompts)
+
+
+# --------------------------------------------------------------------------- FP8_BLOCK
+
+
+def _has_amx_or_gpu() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        flags = ""
+    return "amx_tile" in flags or torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _has_amx_or_gpu(), reason="needs AMX or a GPU")
+def test_fp8_block_server_follows_its_view(world, tmp_path):
+    block = "FP8_BLOCK"
+    publisher = DeltaPublisher(tmp_path / "bucket", world.model, None, anchor_every=1000, anchor_bytes_ratio=0,
+                               views=(block,))  # fmt: skip
+    with publisher:
+        publisher.publish()
+        out = tmp_path / "block-v0"
+        assert cli(["export", str(tmp_path / "bucket"), str(out), "--view", block, "--like", str(world.model_dir)]) == 0
+        env = {**PLAIN, "DELTASYNC_BUCKET": str(tmp_path / "bucket")}
+        with running_server(out, env=env, extra_args=[*EAGER, *extension_args()], log_file=tmp_path / "block.log") as server:
+            client = RolloutClient(server.url)
+            with torch.no_grad():
+                world.model.get_parameter(EDITS[2][0])[EDITS[2][1]] += 0.05
+            version = publisher.publish().version
+            _update(client, version)
+            status = _status(client)
+            assert (status.view, status.version, status.fingerprint) == (block, version, publisher.view_fingerprint(block))
