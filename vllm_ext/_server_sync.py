@@ -333,9 +333,15 @@ class ServerSync:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="deltasync-follow")
 
-    def _follow_view(self, view: str | None) -> None:
+    _view_known = False
+
+    def _follow_view(self, workers: list[WorkerStatus]) -> None:
         """Read the pointer of the view the workers serve (their checkpoint's), when the
         environment did not name it: a view commits each version after the bf16 chain does."""
+        if not workers:
+            return
+        self._view_known = True
+        view = workers[0].view
         if view is not None and view != self.config.view and self.config.bucket:
             logger.info("deltasync: following view %s of %s (the served checkpoint's)", view, self.config.bucket)
             self.config = replace(self.config, view=view)
@@ -356,7 +362,7 @@ class ServerSync:
             workers = await self.workers()
             self.served = _served(workers)
             self.metrics.served.set(-1 if self.served is None else self.served)
-            self._follow_view(workers[0].view if workers else None)
+            self._follow_view(workers)
         except Exception as exc:  # noqa: BLE001  (the engine may still be warming up; updates set it)
             logger.warning("deltasync: cannot read the served version at start-up: %s", exc)
         if not self.config.enabled:
@@ -372,6 +378,8 @@ class ServerSync:
         seconds to wait before the next read (longer while the bucket keeps failing)."""
         assert self._watch is not None
         try:
+            if not self._view_known:  # the workers were not ready at start-up: ask them now
+                self._follow_view(await self.workers())
             pointer = await asyncio.to_thread(self._watch.read)
             self.poll.observe(pointer.version)
             self.latest_seen = pointer.version

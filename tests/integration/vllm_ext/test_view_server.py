@@ -248,7 +248,7 @@ def test_fp8_tp2_follower_writes_every_version_in_place(world):
             deadline = time.monotonic() + 120
             while (status := _status(client)).version != version and time.monotonic() < deadline:
                 time.sleep(0.2)
-            detail = (status.follow, [(w["last_error"], w["last_update"]) for w in status.workers])
+            detail = json.dumps([status.follow, [(w["last_error"], w["last_update"], w["prefetch"]) for w in status.workers]])
             assert (status.version, status.fingerprint) == (version, world.publisher.view_fingerprint(FP8)), detail
         assert server.is_running()
 
