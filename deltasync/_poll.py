@@ -4,7 +4,7 @@ A follower (a rollout server in follow mode, or any reader that waits for new ve
 the bucket's small pointer file again and again. A fixed interval costs the bucket the same
 whether or not the trainer publishes: 2 s is 1,800 reads an hour per follower, while an RL
 trainer commits a version every minute or so. Two things here cut that down, with no engine in
-sight (the vLLM follower uses them; another engine's would too):
+sight (meant for the server's follower, which does not use them yet; another engine's could):
 
 - :class:`PollPolicy` times the reads from the trainer's own rhythm. It learns the interval
   between commits from the versions it sees, waits quietly until the next one is due, polls at
