@@ -4,7 +4,7 @@ A follower (a rollout server in follow mode, or any reader that waits for new ve
 the bucket's small pointer file again and again. A fixed interval costs the bucket the same
 whether or not the trainer publishes: 2 s is 1,800 reads an hour per follower, while an RL
 trainer commits a version every minute or so. Two things here cut that down, with no engine in
-sight (the vLLM follower uses them; another engine's would too):
+sight (meant for the server's follower, which does not use them yet; another engine's could):
 
 - :class:`PollPolicy` times the reads from the trainer's own rhythm. It learns the interval
   between commits from the versions it sees, waits quietly until the next one is due, polls at
@@ -80,10 +80,12 @@ class PollPolicy:
 
     Call :meth:`observe` with the committed version after every successful read; it returns the
     seconds to wait before the next one. The rhythm is the median of the recent intervals
-    between changes (a jump of k versions counts as k intervals of a k-th of the time); the
-    reads wait until ``interval + 2 * MAD`` (at most half the rhythm) before the next commit is
-    due, then poll every ``interval``. Commits that come on time are seen at most ``interval``
-    late, as with a fixed poll; a trainer on a 60 s step costs about 2 to 3 reads a version.
+    between changes (a jump of k versions counts as k intervals of a k-th of the time; a change
+    is dated to the middle of the gap between the two reads around it when that gap was short).
+    The reads wait until ``interval / 2 + 2 * MAD`` (at most half the rhythm) before the next
+    commit is due, then poll every ``interval``. Commits that come on time are seen at most
+    ``interval`` late, as with a fixed poll; a trainer on a regular 60 s step costs about 2 reads
+    a version (120 an hour).
     """
 
     def __init__(self, options: PollOptions | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
