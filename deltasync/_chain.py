@@ -150,6 +150,11 @@ class Overlay:
         for name, change in changes.items():
             seen = read.get(name)
             pos, old = seen[1:] if seen is not None and seen[0] is change.index else self.read(name, change.index)
+            if change.invalid is not None:
+                held = change.invalid if pos is None else change.invalid[torch.isin(change.invalid, pos)]
+                if held.numel():
+                    at = int(change.index[held[0]])
+                    raise FormatError(f"parameter {name!r}: the coded difference of element {at} leaves the 8 bits of its code")
             index, new = change.index, lanes(change.new)
             if pos is not None:
                 index, new = index[pos], new[pos]
@@ -304,5 +309,8 @@ class ChainReader:
             self.check_header(header, entry)
             if overlay.dtypes is not None:
                 check_view_values(((name, c.new) for name, c in changes.items()), self.where(entry))  # type: ignore[union-attr]
-            moves = overlay.advance(changes)  # type: ignore[arg-type]  (a delta decodes to changes)
+            try:
+                moves = overlay.advance(changes)  # type: ignore[arg-type]  (a delta decodes to changes)
+            except FormatError as exc:
+                raise FormatError(f"{self.where(entry)}: {exc}") from None
             yield DeltaStep(entry, header, self.where(entry), sum(map(len, files)), moves)

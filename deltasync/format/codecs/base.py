@@ -25,6 +25,11 @@ class Change:
     :mod:`deltasync.format.dtypes`)."""
     old: torch.Tensor | None = None
     """1-D, the values they replace, same dtype (needed to encode with the zstd codec)."""
+    invalid: torch.Tensor | None = None
+    """Positions (into ``index``) whose value did not decode to an element of the dtype (a
+    one-byte code whose coded difference leaves its byte); a reader that holds one of those
+    elements refuses the delta. A reader that holds only some elements decodes the others
+    against zeros, so only it can tell (see :meth:`deltasync._chain.Overlay.advance`)."""
 
 
 BaseLookup = Callable[[str, torch.Tensor], torch.Tensor]

@@ -270,8 +270,10 @@ def _decode(tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[st
             base = delta.base_values(name, index).to(torch.bfloat16).cpu().contiguous().view(torch.int16)
             new = _flip16(_flip16(base) + diff_t[start : start + count])  # int16 arithmetic wraps modulo 2**16
             changes[name] = Change(index=index, new=new.view(torch.bfloat16))
-        else:  # one-byte codes: lanes, which must stay within their byte
+        else:  # one-byte codes: lanes, which must stay within their byte where the reader holds them
             new = lanes(delta.base_values(name, index).cpu()) + diff_t[start : start + count]
-            changes[name] = Change(index=index, new=from_lanes(new, dtype, what=f"{where}: parameter {name!r}"))
+            bad = (new & ~0xFF) != 0
+            invalid = torch.nonzero(bad).reshape(-1) if bool(bad.any()) else None
+            changes[name] = Change(index=index, new=from_lanes(new & 0xFF, dtype), invalid=invalid)
         start += count
     return changes

@@ -94,3 +94,43 @@ def test_one_byte_lanes_refuse_bits_above_their_byte() -> None:
                        torch.tensor([0x7D], dtype=torch.uint8))  # fmt: skip
     with pytest.raises(FormatError, match="0x017d do not fit the 8 bits of F8_E4M3"):
         from_lanes(torch.tensor([0x17D], dtype=torch.int16), torch.float8_e4m3fn, what="x")
+
+
+def test_a_reader_of_some_elements_refuses_only_codes_it_holds_that_leave_their_byte() -> None:
+    """A tensor-parallel rank decodes the elements it does not hold against zeros: their lanes may
+    leave the byte (meaningless there); only a held element's overflow is refused."""
+    import pytest
+
+    from deltasync import FormatError
+    from deltasync._chain import Overlay
+
+    state, changes, _, _ = example()
+    dtypes = {n: t.dtype for n, t in state.items()}
+    numels = {n: t.numel() for n, t in state.items()}
+    zstd = F.encode_delta(changes, version=1, anchor=0, codec="zstd", total=12, fingerprint=FP1, base_fingerprint=FP0)
+    codes = state["model.proj.weight"].reshape(-1)
+
+    def holding(held: set[int]):
+        def read(name: str, index: torch.Tensor):
+            if name != "model.proj.weight":
+                return None, lanes(state[name].reshape(-1)[index])
+            pos = torch.tensor([k for k, i in enumerate(index.tolist()) if i in held], dtype=torch.int64)
+            return pos, lanes(codes[index[pos]])
+
+        return Overlay(read, dtypes)
+
+    # Code 1 goes b0 -> b1 (+1); read against zero where not held, 0 + 1 stays in the byte. Code 4
+    # goes 7e -> 7d (-1): against zero it is -1, outside the byte.
+    overlay = holding({1})
+    _, decoded = F.decode_delta(zstd, where="d", numels=numels, base_values=overlay.values, dtypes=dtypes)
+    assert decoded["model.proj.weight"].invalid is not None
+    moves = overlay.advance(decoded)
+    assert moves["model.proj.weight"].index.tolist() == [1]
+    assert moves["model.proj.weight"].new.tolist() == [0xB1]
+    # A tampered difference that takes a held code out of its byte is refused.
+    tampered = {"model.proj.weight": Change(torch.tensor([1, 4]), _fp8([0xB1, 0x7D]), _fp8([0xB0, 0xFF]))}
+    bad = F.encode_delta(tampered, version=1, anchor=0, codec="zstd", total=12, fingerprint=FP1, base_fingerprint=FP0)
+    full = holding({0, 1, 2, 3, 4, 5})
+    _, decoded = F.decode_delta(bad, where="d", numels=numels, base_values=full.values, dtypes=dtypes)
+    with pytest.raises(FormatError, match="element 4 leaves the 8 bits"):
+        full.advance(decoded)
