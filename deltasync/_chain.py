@@ -307,10 +307,14 @@ class ChainReader:
                 files, entry, url=self.store.url, numels=numels, base_values=overlay.values, dtypes=overlay.dtypes
             )
             self.check_header(header, entry)
-            if overlay.dtypes is not None:
-                check_view_values(((name, c.new) for name, c in changes.items()), self.where(entry))  # type: ignore[union-attr]
             try:
                 moves = overlay.advance(changes)  # type: ignore[arg-type]  (a delta decodes to changes)
             except FormatError as exc:
                 raise FormatError(f"{self.where(entry)}: {exc}") from None
+            if overlay.dtypes is not None:
+                # The values of the elements this reader holds (a rank decodes the others against
+                # zeros: they mean nothing here).
+                dtypes = overlay.dtypes
+                held = ((name, from_lanes(move.new, dtypes[name])) for name, move in moves.items())
+                check_view_values(held, self.where(entry))
             yield DeltaStep(entry, header, self.where(entry), sum(map(len, files)), moves)
