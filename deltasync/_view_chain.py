@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from .stores import Store
     from .views import ViewScheme
 
-__all__ = ["ViewChain", "view_tensor_names"]
+__all__ = ["ViewChain", "view_tensor_names", "read_view_config", "CONFIG_KEY", "VIEW_KEY"]
 
 logger = logging.getLogger("deltasync")
 
@@ -287,5 +287,3 @@ def read_view_config(metadata: Mapping[str, str]) -> dict[str, Any] | None:
     raw = metadata.get(CONFIG_KEY)
     return None if raw is None else json.loads(raw)
 
-
-__all__ += ["read_view_config", "CONFIG_KEY", "VIEW_KEY"]

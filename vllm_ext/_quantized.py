@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LiveFlat", "load_time_params", "storage_flat"]
+__all__ = ["LiveFlat", "load_time_params", "storage_flat", "is_widening"]
 
 _ONE_BYTE = (torch.float8_e4m3fn, torch.int8)
 
@@ -140,5 +140,3 @@ def is_widening(src: Any, dst: Any) -> bool:
     writer keeps such a parameter as bf16 lanes)."""
     return src.dtype == torch.bfloat16 and dst.dtype == torch.float32
 
-
-__all__ += ["is_widening"]

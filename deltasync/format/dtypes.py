@@ -27,6 +27,7 @@ __all__ = [
     "from_lanes",
     "write_lanes",
     "check_lanes",
+    "read_lanes",
 ]
 
 ELEMENT_DTYPES: dict[torch.dtype, str] = {
@@ -101,5 +102,3 @@ def read_lanes(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return flat.view(torch.int16)[index]
     return flat.view(torch.uint8)[index].to(torch.int16)
 
-
-__all__ += ["read_lanes"]

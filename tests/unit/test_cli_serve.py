@@ -79,3 +79,43 @@ def test_other_commands_still_refuse_unknown_arguments(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["stats", "bucket", "--nope"])
     assert exc.value.code == 2 and "unrecognized arguments: --nope" in capsys.readouterr().err
+
+
+def _quantized_checkpoint(path, view_config):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2", "quantization_config": view_config}))
+    return str(path)
+
+
+def test_a_quantized_checkpoint_follows_its_view_and_contradictions_are_refused(tmp_path):
+    from helpers import small_transformer
+
+    from deltasync import DeltaPublisher
+    from deltasync._env import VIEW_ENV
+    from deltasync.views import get_scheme
+
+    fp8 = _quantized_checkpoint(tmp_path / "fp8", get_scheme("FP8_DYNAMIC").quantization_config(["lm_head"]))
+    bucket = tmp_path / "bucket"
+    _, env = serve_command(fp8, str(bucket), environ={})  # an empty bucket: its trainer may start later
+    assert env[VIEW_ENV] == "FP8_DYNAMIC"
+    with pytest.raises(ConfigError, match=r"quantized as FP8_DYNAMIC, but the bucket .* holds no view FP8_DYNAMIC \(it holds the bf16 chain only\)"):
+        with DeltaPublisher(bucket, small_transformer(), None) as publisher:
+            publisher.publish()
+        serve_command(fp8, str(bucket), environ={})
+    with pytest.raises(ConfigError, match="asked to follow view W8A8, but its checkpoint .* is quantized as FP8_DYNAMIC"):
+        serve_command(fp8, str(tmp_path / "other"), view="W8A8", environ={})
+    plain = tmp_path / "bf16"
+    plain.mkdir()
+    (plain / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="asked to follow view FP8_DYNAMIC, but its checkpoint .* is not quantized"):
+        serve_command(str(plain), str(tmp_path / "other"), view="FP8_DYNAMIC", environ={})
+    _, env = serve_command(str(plain), str(tmp_path / "other"), environ={VIEW_ENV: "stale"})
+    assert VIEW_ENV not in env  # a bf16 checkpoint follows the bf16 chain
+
+
+def test_a_server_refuses_a_malformed_view_setting():
+    from vllm_ext._config import ServerConfig
+
+    assert ServerConfig.from_env({"DELTASYNC_VIEW": "FP8_DYNAMIC"}).view == "FP8_DYNAMIC"
+    with pytest.raises(ConfigError, match="DELTASYNC_VIEW must be a scheme name such as FP8_DYNAMIC, got 'fp8'"):
+        ServerConfig.from_env({"DELTASYNC_VIEW": "fp8"})
