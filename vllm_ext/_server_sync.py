@@ -10,13 +10,16 @@ Both run in the API-server process, where vLLM's pause and resume live:
   (``inflight``), or with the scheduler paused in ``keep`` mode, caches emptied, and resumed
   whatever happened (``pause``). Then it labels the served weight version. A version already served is a no-op (no pause); an older one is
   refused by the workers. Updates never overlap: push requests and the follower take turns.
-- :meth:`ServerSync.follow` reads the bucket's committed pointer every ``interval`` seconds and
-  brings the server to the newest version (several versions behind: straight to the newest, in
-  one staged update; started late or restarted: from the newest anchor, as the workers decide).
-  A bucket that cannot be read, or a pointer or file that is corrupt, hostile or truncated,
-  changes nothing served: the error is kept in :attr:`ServerSync.last_error` (see
-  ``GET /deltasync/status``) and the reads back off (doubling up to :data:`MAX_BACKOFF`) until
-  the bucket is sound again.
+- Follow mode reads the bucket's committed pointer and brings the server to the newest version
+  (several versions behind: straight to the newest, in one staged update; started late or
+  restarted: from the newest anchor, as the workers decide). A bucket that cannot be read, or a
+  pointer or file that is corrupt, hostile or truncated, changes nothing served: the error is
+  kept in :attr:`ServerSync.last_error` (see ``GET /deltasync/status``) and the reads back off
+  (doubling up to :data:`MAX_BACKOFF`) until the bucket is sound again. The reads are timed by
+  :class:`deltasync._poll.PollPolicy`: every ``interval`` seconds until the trainer's commit
+  rhythm is known, then quiet until the next commit is due and every ``interval`` while it is,
+  backing off while the trainer is late or idle. :class:`deltasync._poll.PointerWatch` reads the
+  pointer conditionally (a metadata read while it is unchanged) where the store can tell.
 
 The push route (``POST /deltasync/update``), the follower and the status route are wired in by
 :class:`vllm_ext.UpdateMiddleware`. vLLM's own five weight-update routes (the ``"delta"``
