@@ -272,6 +272,86 @@ def _fsdp_runs(rank: int, world: int, root: Path) -> dict[str, object]:
     return report
 
 
+VIEWS = ("FP8_DYNAMIC", "FP8_BLOCK")
+
+
+def expected_view(view: str, bf16: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The view of a full bf16 state, by the definition: compressed-tensors' quantization of every
+    target (each Linear's weight but ``lm_head``) of the whole tensor, the rest in bf16."""
+    from deltasync.views import get_scheme, quantized_names
+
+    scheme, targets = get_scheme(view), quantized_names(Net(), list(bf16), ("lm_head",))
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in bf16.items():
+        if name in targets and tensor.ndim == 2:
+            for suffix, t in scheme.quantize(tensor).items():
+                out[name[: -len("weight")] + suffix] = t
+        else:
+            out[name] = tensor
+    return out
+
+
+def assert_view_exact(receiver: DeltaReceiver, want: dict[str, torch.Tensor], where: str) -> None:
+    got = receiver.state_dict()
+    assert set(got) == set(want), (where, sorted(set(got) ^ set(want)))
+    for name, tensor in want.items():
+        assert (got[name].dtype, got[name].shape) == (tensor.dtype, tensor.shape), (where, name)
+        width = torch.uint8 if tensor.element_size() == 1 else torch.int16
+        assert torch.equal(got[name].view(width), tensor.view(width)), (where, name)
+    assert receiver.verify(), where
+
+
+def _view_runs(rank: int, world: int, root: Path) -> dict[str, object]:
+    """FSDP2 with views: each rank writes its rows' codes and scales as part ``rank`` of each view
+    version (block scales after an all-reduce of the blocks' abs-max), rank 0 commits. Rank 0's
+    view receivers (deltas only) and late receivers (split anchors) hold compressed-tensors'
+    quantization of the gathered bf16 weights, bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    net = _fsdp(Net(), mesh)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)  # big steps: codes and scales move
+    pub = DeltaPublisher(root / "views", net, opt, views=VIEWS, anchor_every=3, anchor_bytes_ratio=0)
+    receivers = {v: DeltaReceiver(root / "views", view=v) for v in VIEWS} if rank == 0 else {}
+    states, fingerprints, changed = [], [], dict.fromkeys(VIEWS, 0)
+    for i in range(5):
+        if i:
+            step(net, opt, seed=4000 * i + rank)
+        result = pub.publish()
+        pub.flush()
+        assert not result.warnings, result.warnings
+        assert set(result.view_nbytes) == set(VIEWS), result.view_nbytes
+        full = gathered(net)
+        fps = {v: pub.view_fingerprint(v) for v in VIEWS}
+        assert all(f == fps for f in pub.detector.layout.all_gather(fps)), "ranks disagree on a view's fingerprint"
+        if rank != 0:
+            continue
+        states.append(full)
+        fingerprints.append(fps)
+        for view, receiver in receivers.items():
+            if i:
+                follow(receiver, result.version)
+            else:
+                receiver.sync()
+            assert_view_exact(receiver, expected_view(view, full), f"view {view} version {result.version}")
+            assert receiver.fingerprint == fps[view]
+            pointer = Pointer.from_bytes(open_store(root / "views" / "views" / view).read_bytes(POINTER_PATH))
+            entry = pointer.entry(result.version)
+            assert [p.path for p in entry.parts] == [part_path(entry.kind, result.version, r) for r in range(world)]
+            changed[view] += entry.changed if i else 0
+    if rank == 0:
+        assert all(changed.values()), changed  # the deltas moved codes or scales
+        for view in VIEWS:
+            late = DeltaReceiver(root / "views", view=view)  # from the split anchor beside version 3
+            staged = late.stage()
+            assert (staged.kind, staged.versions) == ("anchor", [3, 4]), staged.versions
+            late.apply(staged)
+            assert_view_exact(late, expected_view(view, states[-1]), f"view {view} late receiver")
+        torch.save({"states": states, "fingerprints": fingerprints}, root.parent / "views.pt")
+    pub.close()
+    return {"view_changed": changed}
+
+
 def _ddp_and_hsdp(rank: int, world: int, root: Path) -> None:
     """DDP: rank 0 alone writes, single files byte-identical to a single process's. HSDP with
     one shard per replica group: the first replica group (rank 0) alone writes."""
@@ -372,6 +452,7 @@ def run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
     with process_group(rank, world, init_file, root):
         _refusals(rank, world)
         report = _fsdp_runs(rank, world, Path(root))
+        report.update(_view_runs(rank, world, Path(root)))
         _ddp_and_hsdp(rank, world, Path(root))
         if rank == 0:
             import json
