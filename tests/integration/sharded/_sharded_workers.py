@@ -275,12 +275,46 @@ def _fsdp_runs(rank: int, world: int, root: Path) -> dict[str, object]:
 VIEWS = ("FP8_DYNAMIC", "FP8_BLOCK")
 
 
+def view_model() -> nn.Module:
+    """A small Qwen2 LM (tied embeddings) whose MLP weights have 320 rows or columns: their
+    128x128 blocks straddle every rank boundary at 2 and 3 ranks, as do all of the layer's other
+    weights (under 128 rows). ``extra``, a ``Linear(5, 1)``, leaves every rank but the first an
+    empty shard of a quantized weight."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=259, hidden_size=64, intermediate_size=320, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config).float()
+    model.extra = nn.Linear(5, 1)
+    return model
+
+
+def view_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 259, (2, 12), generator=gen)
+    side = torch.randn(2, 5, generator=gen)
+    loss = model(input_ids=ids, labels=ids).loss + 0.1 * model.extra(side).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+_VIEW_TARGETS: set[str] | None = None
+
+
 def expected_view(view: str, bf16: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The view of a full bf16 state, by the definition: compressed-tensors' quantization of every
     target (each Linear's weight but ``lm_head``) of the whole tensor, the rest in bf16."""
     from deltasync.views import get_scheme, quantized_names
 
-    scheme, targets = get_scheme(view), quantized_names(Net(), list(bf16), ("lm_head",))
+    global _VIEW_TARGETS
+    if _VIEW_TARGETS is None:
+        _VIEW_TARGETS = quantized_names(view_model(), list(bf16), ("lm_head",))
+        assert len(_VIEW_TARGETS) == 15, sorted(_VIEW_TARGETS)  # 7 per layer, and extra
+    scheme, targets = get_scheme(view), _VIEW_TARGETS
     out: dict[str, torch.Tensor] = {}
     for name, tensor in bf16.items():
         if name in targets and tensor.ndim == 2:
@@ -307,16 +341,20 @@ def _view_runs(rank: int, world: int, root: Path) -> dict[str, object]:
     view receivers (deltas only) and late receivers (split anchors) hold compressed-tensors'
     quantization of the gathered bf16 weights, bit for bit."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    net = _fsdp(Net(), mesh)
+    net = view_model()
+    for layer in net.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)  # big steps: codes and scales move
     pub = DeltaPublisher(root / "views", net, opt, views=VIEWS, anchor_every=3, anchor_bytes_ratio=0)
     receivers = {v: DeltaReceiver(root / "views", view=v) for v in VIEWS} if rank == 0 else {}
     states, fingerprints, changed = [], [], dict.fromkeys(VIEWS, 0)
     for i in range(5):
         if i:
-            step(net, opt, seed=4000 * i + rank)
+            view_step(net, opt, seed=4000 * i + rank)
         result = pub.publish()
         pub.flush()
         assert not result.warnings, result.warnings

@@ -54,7 +54,7 @@ def _same_views_as_one_process(tmp_path: Path) -> None:
     from deltasync import DeltaPublisher
 
     saved = torch.load(tmp_path / "views.pt")
-    net = _sharded_workers.Net()
+    net = _sharded_workers.view_model()
     params = dict(net.named_parameters())
     with DeltaPublisher(tmp_path / "solo", net, views=_sharded_workers.VIEWS) as solo:
         for state, fingerprints in zip(saved["states"], saved["fingerprints"], strict=True):
