@@ -296,7 +296,9 @@ def view_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 259, (2, 12), generator=gen)
     side = torch.randn(2, 5, generator=gen)
-    loss = model(input_ids=ids, labels=ids).loss + 0.1 * model.extra(side).square().mean()
+    loss = model(input_ids=ids, labels=ids).loss
+    if hasattr(model, "extra"):  # under DDP it stays as it is (an unused parameter)
+        loss = loss + 0.1 * model.extra(side).square().mean()
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -386,6 +388,32 @@ def _view_runs(rank: int, world: int, root: Path) -> dict[str, object]:
             late.apply(staged)
             assert_view_exact(late, expected_view(view, states[-1]), f"view {view} late receiver")
         torch.save({"states": states, "fingerprints": fingerprints}, root.parent / "views.pt")
+    pub.close()
+
+    # DDP: rank 0 alone keeps and writes the views, one file a version; the other ranks hold none.
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = view_model()
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    pub = DeltaPublisher(root / "ddp-views", ddp, opt, views=VIEWS, anchor_every=2, anchor_bytes_ratio=0)
+    receivers = {v: DeltaReceiver(root / "ddp-views", view=v) for v in VIEWS} if rank == 0 else {}
+    for i in range(3):
+        if i:
+            view_step(ddp, opt, seed=i)
+        result = pub.publish()
+        pub.flush()
+        assert not result.warnings, result.warnings
+        full = gathered(ddp)
+        assert (pub.view_fingerprint("FP8_BLOCK") is None) == (rank != 0)
+        for view, receiver in receivers.items():
+            receiver.sync()
+            assert_view_exact(receiver, expected_view(view, full), f"DDP view {view} version {result.version}")
+            assert receiver.fingerprint == pub.view_fingerprint(view)
+            assert not receiver.pointer().chain or not receiver.pointer().chain[-1].parts
+    if rank == 0:
+        files = open_store(root / "ddp-views").list("views/")
+        assert files and not any(".part" in f for f in files), files
     pub.close()
     return {"view_changed": changed}
 
@@ -540,5 +568,35 @@ def run_hsdp(rank: int, world: int, init_file: str, root: str, out: str) -> None
             assert (staged.kind, staged.versions) == ("anchor", [4, 5, 6]), staged.versions
             late.apply(staged)
             assert_exact(late, want, "HSDP 2x2 late receiver")
-            Path(out).write_text("ok")
         pub.close()
+        _hsdp_views(rank, mesh, Path(root) / "hv")
+        if rank == 0:
+            Path(out).write_text("ok")
+
+
+def _hsdp_views(rank: int, mesh: object, bucket: Path) -> None:
+    """HSDP 2 x 2 with views: replica 0's two ranks write a part each (block abs-max all-reduced
+    over all four ranks, replica 1 adding zeros), replica 1 writes nothing."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = view_model()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pub = DeltaPublisher(bucket, model, opt, views=VIEWS, anchor_every=2, anchor_bytes_ratio=0)
+    receivers = {v: DeltaReceiver(bucket, view=v) for v in VIEWS} if rank == 0 else {}
+    for i in range(3):
+        if i:
+            view_step(model, opt, seed=500 * i + rank % 2)  # replicas see the same data
+        result = pub.publish()
+        pub.flush()
+        assert not result.warnings, result.warnings
+        full = gathered(model)
+        for view, receiver in receivers.items():
+            receiver.sync()
+            assert_view_exact(receiver, expected_view(view, full), f"HSDP view {view} version {result.version}")
+            assert receiver.fingerprint == pub.view_fingerprint(view)
+            entry = receiver.pointer().entry(result.version)
+            assert [p.path for p in entry.parts] == [part_path(entry.kind, result.version, r) for r in range(2)]
+    pub.close()
