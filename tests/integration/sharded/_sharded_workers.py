@@ -337,6 +337,21 @@ def assert_view_exact(receiver: DeltaReceiver, want: dict[str, torch.Tensor], wh
     assert receiver.verify(), where
 
 
+def _exported_view_is_exact(bucket: Path, out: Path, view: str, bf16: dict[str, torch.Tensor]) -> None:
+    """``deltasync export --view`` of a view written in parts: the checkpoint's tensors are the view."""
+    from safetensors.torch import load_file
+
+    from deltasync.cli import main as cli
+
+    assert cli(["export", str(bucket), str(out), "--view", view]) == 0
+    (shard,) = out.glob("*.safetensors")
+    got, want = load_file(shard), expected_view(view, bf16)
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    for name, tensor in want.items():
+        width = torch.uint8 if tensor.element_size() == 1 else torch.int16
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name].view(width), tensor.view(width)), name
+
+
 def _view_runs(rank: int, world: int, root: Path) -> dict[str, object]:
     """FSDP2 with views: each rank writes its rows' codes and scales as part ``rank`` of each view
     version (block scales after an all-reduce of the blocks' abs-max), rank 0 commits. Rank 0's
@@ -387,6 +402,7 @@ def _view_runs(rank: int, world: int, root: Path) -> dict[str, object]:
             assert (staged.kind, staged.versions) == ("anchor", [3, 4]), staged.versions
             late.apply(staged)
             assert_view_exact(late, expected_view(view, states[-1]), f"view {view} late receiver")
+            _exported_view_is_exact(root / "views", root / f"export-{view}", view, states[-1])
         torch.save({"states": states, "fingerprints": fingerprints}, root.parent / "views.pt")
     pub.close()
 
