@@ -14,6 +14,10 @@ anchors. The publisher keeps the view's last published codes and scales to diff 
 byte per quantized weight element plus the scales); the view's bf16 parameters take their
 changes from the bf16 chain's detection, and their values from its snapshot.
 
+Under a sharded trainer (FSDP2, HSDP) each writing rank quantizes its own rows and writes one
+part of each view version, as it does for the bf16 chain, and rank 0 commits (:class:`ViewChain`
+says how block scales cross shard boundaries); under DDP rank 0 alone keeps and writes the view.
+
 The bf16 chain commits first. A view that fails to write a version never fails the trainer:
 the failure is reported with the next result, and the view starts a new chain (an anchor) at
 the next version, so its readers rebuild from there.
