@@ -307,16 +307,19 @@ def view_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
 _VIEW_TARGETS: set[str] | None = None
 
 
-def expected_view(view: str, bf16: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def expected_view(view: str, bf16: dict[str, torch.Tensor], targets: set[str] | None = None) -> dict[str, torch.Tensor]:
     """The view of a full bf16 state, by the definition: compressed-tensors' quantization of every
-    target (each Linear's weight but ``lm_head``) of the whole tensor, the rest in bf16."""
+    target (each Linear's weight but ``lm_head``; default: :func:`view_model`'s) of the whole
+    tensor, the rest in bf16."""
     from deltasync.views import get_scheme, quantized_names
 
     global _VIEW_TARGETS
-    if _VIEW_TARGETS is None:
-        _VIEW_TARGETS = quantized_names(view_model(), list(bf16), ("lm_head",))
-        assert len(_VIEW_TARGETS) == 15, sorted(_VIEW_TARGETS)  # 7 per layer, and extra
-    scheme, targets = get_scheme(view), _VIEW_TARGETS
+    if targets is None:
+        if _VIEW_TARGETS is None:
+            _VIEW_TARGETS = quantized_names(view_model(), list(bf16), ("lm_head",))
+            assert len(_VIEW_TARGETS) == 15, sorted(_VIEW_TARGETS)  # 7 per layer, and extra
+        targets = _VIEW_TARGETS
+    scheme = get_scheme(view)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in bf16.items():
         if name in targets and tensor.ndim == 2:
