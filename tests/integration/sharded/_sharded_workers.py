@@ -380,6 +380,17 @@ def _view_runs(rank: int, world: int, root: Path) -> dict[str, object]:
         assert not result.warnings, result.warnings
         assert set(result.view_nbytes) == set(VIEWS), result.view_nbytes
         full = gathered(net)
+        # Memory: each rank keeps 1 byte per quantized element it owns plus its scale rows; the
+        # ranks together hold each scale once.
+        layout = pub.detector.layout
+        for chain in pub._views:
+            owned = sum(s.end - s.begin for n, s in pub._layout.slices.items() if n in chain.targets)
+            codes = sum(layer["weight"].nbytes for layer in chain.quantized.values())
+            scales = sum(layer["weight_scale"].nbytes for layer in chain.quantized.values())
+            assert codes == owned, (chain.name, codes, owned)
+            held = sum(b for b in layout.all_gather(scales))
+            want_scales = expected_view(chain.name, full)
+            assert held == sum(want_scales[n[: -len("weight")] + "weight_scale"].nbytes for n in chain.targets), chain.name
         fps = {v: pub.view_fingerprint(v) for v in VIEWS}
         assert all(f == fps for f in pub.detector.layout.all_gather(fps)), "ranks disagree on a view's fingerprint"
         if rank != 0:
