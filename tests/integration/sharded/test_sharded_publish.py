@@ -62,7 +62,11 @@ def _same_views_as_one_process(tmp_path: Path) -> None:
                 for name, value in state.items():
                     params[name].copy_(value)
             solo.publish()
-            assert {v: solo.view_fingerprint(v) for v in _sharded_workers.VIEWS} == fingerprints
+            got = {v: solo.view_fingerprint(v) for v in _sharded_workers.VIEWS}
+            # (None: the sharded view failed that version on purpose.)
+            assert {v: f for v, f in got.items() if fingerprints[v] is not None} == {
+                v: f for v, f in fingerprints.items() if f is not None
+            }
 
 
 def test_hsdp_two_replica_groups_of_two_shards(tmp_path: Path) -> None:
