@@ -262,8 +262,9 @@ class ViewChain:
         return out
 
     def _entry(self, kind: str, version: int, fp: str, written: list[PartEntry | None]) -> ChainEntry:
-        files = sorted((w for w in written if w is not None), key=lambda item: int(item.path.rsplit(".part", 1)[1].split(".")[0]) if self.split else 0)
+        files = [w for w in written if w is not None]
         if self.split:
+            files.sort(key=lambda item: int(item.path.rsplit(".part", 1)[1].split(".")[0]))
             return ChainEntry(
                 version=version, kind=kind, path="", nbytes=sum(f.nbytes for f in files), sha256="", fingerprint=fp,
                 changed=sum(f.changed for f in files), parts=tuple(files),
