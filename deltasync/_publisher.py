@@ -309,11 +309,6 @@ class DeltaPublisher:
         if not self.options.views:
             return []
         layout = self._layout
-        if layout.world > 1 or layout.parts > 1:
-            raise ConfigError(
-                f"quantized views ({', '.join(self.options.views)}) are published by a single trainer process "
-                f"for now; this one is {layout.description}"
-            )
         from .views import get_scheme, ignore_list, quantized_names
 
         shapes = {name: owned.shape for name, owned in layout.slices.items()}
@@ -328,7 +323,8 @@ class DeltaPublisher:
             ViewChain(
                 self.store, get_scheme(name), targets=targets, shapes=shapes, ignore=listed, codec=self.options.codec,
                 level=self.options.zstd_level if get_codec(self.options.codec).levels else None,
-                keep_anchors=self.options.keep_anchors,
+                keep_anchors=self.options.keep_anchors, layout=layout if layout.world > 1 else None,
+                group=self._delta_group,
             )
             for name in self.options.views
         ]
@@ -346,10 +342,11 @@ class DeltaPublisher:
         raise ConfigError(f"this publisher writes no view {name!r} (it writes {', '.join(self.views) or 'none'})")
 
     def _checkpoint_values(self) -> Callable[[str], torch.Tensor]:
-        """Checkpoint tensor name -> its value at the newest committed version, in bf16 on the
-        CPU, from the snapshot (a parameter that is not trained: its live value). Each live
-        parameter is read once per call of this (a fused MoE tensor serves many names).
-        Single writer only."""
+        """Checkpoint tensor name -> the elements of it this rank owns (all of it in a single
+        process), flat, at the newest committed version, in bf16 on the CPU, from the snapshot (a
+        parameter that is not trained: its live value). Each live parameter is read once per
+        call of this (a fused MoE tensor serves many names). Ranks that own no element of
+        ``name`` never call it."""
         flats: dict[str, torch.Tensor] = {}
 
         def value(name: str) -> torch.Tensor:
@@ -369,7 +366,7 @@ class DeltaPublisher:
         owned = self._layout.slices[name]
         live = self._live_layout.slices[self._checkpoint.pieces[name].source]
         pieces = [c.detach().to("cpu", torch.bfloat16) for c in self._checkpoint.chunks(name, flat, live.begin, owned)]
-        return torch.cat(pieces).view(owned.shape) if pieces else torch.empty(owned.shape, dtype=torch.bfloat16)
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.bfloat16)
 
     def _publish_views(self, version: int, changes: dict[str, Change] | None, anchor: bool) -> dict[str, int]:
         """Bring every view to ``version`` (just committed in the bf16 chain): a delta from
@@ -377,6 +374,8 @@ class DeltaPublisher:
         a view that fails is reported and starts a new chain at the next version."""
         written: dict[str, int] = {}
         for view in self._views:
+            if not view.active:  # a rank of a one-file layout that does not write
+                continue
             try:
                 nbytes = 0
                 entry = None if changes is None else view.publish_delta(version, changes, self._checkpoint_values())

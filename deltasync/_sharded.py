@@ -182,7 +182,7 @@ def shard_layout(named: Sequence[tuple[str, torch.Tensor]]) -> ShardLayout | Non
             description=f"replicated (DDP), {world} ranks", slices=slices,
         )
 
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh = dtensors[0][1].device_mesh

@@ -14,6 +14,10 @@ anchors. The publisher keeps the view's last published codes and scales to diff 
 byte per quantized weight element plus the scales); the view's bf16 parameters take their
 changes from the bf16 chain's detection, and their values from its snapshot.
 
+Under a sharded trainer (FSDP2, HSDP) each writing rank quantizes its own rows and writes one
+part of each view version, as it does for the bf16 chain, and rank 0 commits (:class:`ViewChain`
+says how block scales cross shard boundaries); under DDP rank 0 alone keeps and writes the view.
+
 The bf16 chain commits first. A view that fails to write a version never fails the trainer:
 the failure is reported with the next result, and the view starts a new chain (an anchor) at
 the next version, so its readers rebuild from there.
@@ -31,18 +35,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._errors import ConfigError, IntegrityError
-from ._fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint
+from ._fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
 from .format import (
     POINTER_PATH,
     AnchorSource,
     ChainEntry,
     Change,
+    PartEntry,
     Pointer,
     anchor_path,
     anchor_stream,
     delta_path,
-    manifest_digest,
     encode_delta,
+    manifest_digest,
+    part_path,
     sha256_hex,
     view_prefix,
 )
@@ -50,6 +56,7 @@ from .stores import write_stream
 from .stores._sub import sub_store
 
 if TYPE_CHECKING:
+    from ._sharded import ShardLayout
     from .stores import Store
     from .views import ViewScheme
 
@@ -80,12 +87,25 @@ class _Head:
     total: int
 
 
+_SUFFIXES = ("weight", "weight_scale")
+
+
 class ViewChain:
     """One view's chain: quantizes the bf16 chain's versions and commits them in its folder.
 
-    Made by :class:`~deltasync.DeltaPublisher` for each name in ``PublishOptions.views``, on a
-    single writer (see :meth:`check_layout`); driven from the publisher's background thread,
-    one version at a time, after the bf16 chain committed it.
+    Made by :class:`~deltasync.DeltaPublisher` for each name in ``PublishOptions.views``;
+    driven from the publisher's background thread, one version at a time, after the bf16 chain
+    committed it.
+
+    Several trainer processes write a view as they write the bf16 chain (``layout``). With
+    one file per version (a single process, DDP, HSDP with one shard) the writing rank alone
+    keeps and writes the view, and the other ranks do nothing for it (:attr:`active` is False).
+    With one part per shard rank (FSDP2, HSDP) each writing rank quantizes the rows it owns
+    (``ViewScheme.quantize_rows``; for block scales the ranks first all-reduce the blocks'
+    abs-max), keeps their codes and the scale rows it owns, and writes part ``r`` of every
+    anchor and delta; rank 0 commits the view's pointer once every rank wrote. Every step runs
+    through :meth:`~deltasync._sharded.ShardLayout.agree` over ``group``, so a failure on one
+    rank fails the version on every rank alike.
 
     Args:
         parent: the bucket.
@@ -95,6 +115,8 @@ class ViewChain:
         ignore: the ignore list (written into the view's ``quantization_config``).
         codec, level: the delta codec (as the bf16 chain's).
         keep_anchors: complete anchors to keep (as the bf16 chain's).
+        layout: how the ranks write the bf16 chain, in checkpoint layout (None: one process).
+        group: the process group of the publisher's background thread (split layouts).
     """
 
     def __init__(
@@ -108,6 +130,8 @@ class ViewChain:
         codec: str,
         level: int | None,
         keep_anchors: int,
+        layout: ShardLayout | None = None,
+        group: Any = None,
     ) -> None:
         self.scheme = scheme
         self.name = scheme.name
@@ -116,8 +140,25 @@ class ViewChain:
         self.shapes = dict(shapes)
         self.config = scheme.quantization_config(list(ignore))
         self.codec, self.level, self.keep_anchors = codec, level, keep_anchors
+        self.layout, self.group = layout, group
+        self.split = layout is not None and layout.parts > 1
+        """One part file per shard rank (FSDP2, HSDP), committed by rank 0."""
+        self.active = layout is None or self.split or layout.writer
+        """This rank takes part in the view (False on the ranks of a one-file layout that do not write)."""
+        self._owned = {name: (0, math.prod(shape)) for name, shape in self.shapes.items()}
+        if self.split:
+            assert layout is not None
+            self._owned = {name: (s.begin, s.end) for name, s in layout.slices.items()}
+            for name in sorted(targets):
+                begin, end = self._owned[name]
+                cols = self.shapes[name][1]
+                if begin % cols or end % cols:
+                    raise ConfigError(
+                        f"view {self.name}: this rank holds elements {begin}..{end - 1} of {name!r} {list(self.shapes[name])}, "
+                        "not whole rows; a sharded trainer's views need row shards (Shard(0))"
+                    )
         self.quantized: dict[str, dict[str, torch.Tensor]] = {}
-        """Target name -> the last published tensors of its layer, by suffix."""
+        """Target name -> the last published tensors of its layer (this rank's rows), by suffix."""
         self.head: _Head | None = None
         self.broken = False
         """A version failed to commit: the next version starts a new chain (an anchor)."""
@@ -129,65 +170,200 @@ class ViewChain:
         """The ``x-`` metadata of every anchor of the view."""
         return {VIEW_KEY: self.name, CONFIG_KEY: json.dumps(self.config, sort_keys=True)}
 
-    def _quantize(self, name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = self.scheme.quantize(weight)
+    def _rows(self, name: str) -> tuple[int, int]:
+        """The first row of target ``name`` this rank owns, and how many."""
+        begin, end = self._owned[name]
+        cols = self.shapes[name][1]
+        return begin // cols, (end - begin) // cols
+
+    def _suffix_shapes(self, name: str) -> dict[str, tuple[int, ...]]:
+        shape = self.shapes[name]
+        return {"weight": tuple(shape), "weight_scale": self.scheme.scale_shape(shape)}
+
+    def _ranges(self, name: str) -> dict[str, tuple[int, int]]:
+        """The flat elements of target ``name``'s full view tensors this rank owns, by suffix:
+        its rows' codes, and the scale rows of its rows (block: of the blocks whose first row it holds)."""
+        begin, end = self._owned[name]
+        s0, s1 = self.scheme.scale_rows(*self._rows(name))
+        width = self.scheme.scale_shape(self.shapes[name])[1]
+        return {"weight": (begin, end), "weight_scale": (s0 * width, s1 * width)}
+
+    def _view_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in self.shapes.items():
+            if name in self.targets:
+                for suffix, key in view_tensor_names(name, list(_SUFFIXES)).items():
+                    shapes[key] = self._suffix_shapes(name)[suffix]
+            else:
+                shapes[name] = tuple(shape)
+        return shapes
+
+    def _local(self, name: str, value: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """This rank's elements of bf16 tensor ``name``, flat (``value`` gives them)."""
+        begin, end = self._owned[name]
+        if end == begin:
+            return torch.empty(0, dtype=torch.bfloat16)
+        return value(name).reshape(-1)
+
+    def _quantize(self, name: str, flat: torch.Tensor, amax: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        shape = self.shapes[name]
+        if self.split:
+            row0, nrows = self._rows(name)
+            out = self.scheme.quantize_rows(flat.view(nrows, shape[1]), row0, shape, block_amax=amax)
+        else:
+            out = self.scheme.quantize(flat.view(shape))
         if "weight" not in out:
             raise ConfigError(f"scheme {self.name} gave no codes for {name!r}")
         return out
 
-    def sources(self, value: Callable[[str], torch.Tensor]) -> list[AnchorSource]:
-        """The full view state as anchor sources: every target quantized now from
-        ``value(name)`` (the bf16 checkpoint tensor of a name, at the version) and kept in
-        :attr:`quantized`; every other parameter read from ``value`` when streamed."""
-        sources: list[AnchorSource] = []
-        for name, shape in self.shapes.items():
-            if name in self.targets:
-                layer = self._quantize(name, value(name))
-                self.quantized[name] = layer
-                for suffix, key in view_tensor_names(name, list(layer)).items():
-                    t = layer[suffix]
-                    sources.append(AnchorSource(key, tuple(t.shape), 0, t.numel(), lambda t=t: (t.reshape(-1),), t.dtype))
-            else:
-                chunks = lambda name=name: (value(name).reshape(-1),)  # noqa: E731
-                sources.append(AnchorSource(name, tuple(shape), 0, math.prod(shape), chunks, torch.bfloat16))
-        return sources
+    # ------------------------------------------------------------------ ranks
+
+    def _agree(self, what: str, step: Callable[[], tuple[Any, Any]]) -> tuple[Any, list[Any]]:
+        """Run ``step`` (returns ``(result, shared)``); split: on every rank, all failing if one does."""
+        if not self.split:
+            result, shared = step()
+            return result, [shared]
+        assert self.layout is not None
+        return self.layout.agree(f"view {self.name}: {what}", step, self.group)
+
+    @property
+    def _writer(self) -> bool:
+        return self.layout is None or self.layout.writer
+
+    def _path(self, kind: str, version: int) -> str:
+        if not self.split:
+            return anchor_path(version) if kind == "anchor" else delta_path(version)
+        assert self.layout is not None
+        return part_path(kind, version, self.layout.part)
+
+    def _block_amax(self, what: str, names: list[str], value: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Split layouts, block scales: every block's abs-max over all ranks (an all-reduce MAX
+        of each rank's :meth:`~deltasync.views.ViewScheme.block_absmax_rows`) for ``names``,
+        in the same order on every rank. Empty otherwise."""
+        if not self.split or self.scheme.block is None or not names:
+            return {}
+
+        def local() -> tuple[torch.Tensor, None]:
+            flats = []
+            for name in names:
+                row0, nrows = self._rows(name)
+                rows = self._local(name, value).view(nrows, self.shapes[name][1])
+                flats.append(self.scheme.block_absmax_rows(rows, row0, self.shapes[name]).reshape(-1))
+            return torch.cat(flats), None
+
+        amax, _ = self._agree(f"the block abs-max of {what}", local)
+        import torch.distributed as dist
+
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        out, at = {}, 0
+        for name in names:
+            shape = self.scheme.scale_shape(self.shapes[name])
+            out[name] = amax[at : at + math.prod(shape)].view(shape)
+            at += math.prod(shape)
+        return out
+
+    def _entry(self, kind: str, version: int, fp: str, written: list[PartEntry | None]) -> ChainEntry:
+        files = [w for w in written if w is not None]
+        if self.split:
+            files.sort(key=lambda item: int(item.path.rsplit(".part", 1)[1].split(".")[0]))
+            return ChainEntry(
+                version=version, kind=kind, path="", nbytes=sum(f.nbytes for f in files), sha256="", fingerprint=fp,
+                changed=sum(f.changed for f in files), parts=tuple(files),
+            )
+        (only,) = files
+        return ChainEntry(
+            version=version, kind=kind, path=only.path, nbytes=only.nbytes, sha256=only.sha256, fingerprint=fp,
+            changed=only.changed,
+        )
+
+    def _commit(self, what: str, pointer: Pointer) -> None:
+        """Write the view's pointer (the commit point: rank 0 of a split layout, once every rank wrote)."""
+
+        def commit() -> tuple[None, None]:
+            if not self.split or (self.layout is not None and self.layout.rank == 0):
+                self.store.write_bytes(POINTER_PATH, pointer.to_bytes())
+            return None, None
+
+        self._agree(f"committing {what}", commit)
 
     # ------------------------------------------------------------------ versions
 
+    def _anchor_sources(
+        self, value: Callable[[str], torch.Tensor], amax: Mapping[str, torch.Tensor]
+    ) -> tuple[list[AnchorSource], dict[str, dict[str, torch.Tensor]]]:
+        """This rank's view state as anchor sources (every target quantized now from ``value``,
+        every other parameter read from ``value`` when streamed), and the quantized layers."""
+        sources: list[AnchorSource] = []
+        quantized: dict[str, dict[str, torch.Tensor]] = {}
+        for name, shape in self.shapes.items():
+            if name in self.targets:
+                layer = self._quantize(name, self._local(name, value), amax.get(name))
+                quantized[name] = layer
+                shapes, ranges = self._suffix_shapes(name), self._ranges(name)
+                for suffix, key in view_tensor_names(name, list(layer)).items():
+                    t = layer[suffix]
+                    begin, end = ranges[suffix]
+                    if t.numel() != end - begin:
+                        raise AssertionError(f"view {self.name}: {key} has {t.numel()} local values, its slice {end - begin}")
+                    sources.append(AnchorSource(key, shapes[suffix], begin, end, lambda t=t: (t.reshape(-1),), t.dtype))
+            else:
+                begin, end = self._owned[name]
+                chunks = lambda name=name: (self._local(name, value),)  # noqa: E731
+                sources.append(AnchorSource(name, tuple(shape), begin, end, chunks, torch.bfloat16))
+        return sources, quantized
+
     def publish_anchor(self, version: int, value: Callable[[str], torch.Tensor], *, new_chain: bool) -> ChainEntry:
         """Write and commit an anchor of ``version`` (a new chain when ``new_chain`` or the view
-        has none yet, else beside the deltas). ``value`` as in :meth:`state`."""
+        has none yet, else beside the deltas). ``value(name)`` gives this rank's elements of the
+        bf16 checkpoint tensor ``name`` at the version (all of it in a single process)."""
         quantized_before = self.quantized
         self.quantized = {}
         try:
-            sources = self.sources(value)
-            share = 0
-            for source in sources:
-                for chunk in source.chunks():
-                    share += fingerprint_slice_share(source.name, chunk, 0)
-            fp = format_fingerprint(share)
+            amax = self._block_amax(f"the anchor of version {version}", sorted(self.targets), value)
+
+            def quantize() -> tuple[list[AnchorSource], int]:
+                sources, self.quantized = self._anchor_sources(value, amax)
+                share = 0
+                for source in sources:
+                    at = source.begin
+                    for chunk in source.chunks():
+                        share += fingerprint_slice_share(source.name, chunk, at)
+                        at += chunk.numel()
+                return sources, share
+
+            sources, shares = self._agree(f"quantizing the anchor of version {version}", quantize)
+            fp = format_fingerprint(sum(shares))
             if self.head is not None and not new_chain and not self.broken and fp != self.head.fingerprint:
                 raise IntegrityError(
                     f"view {self.name}: the anchor of version {version} hashes to {fp}, its chain says "
                     f"{self.head.fingerprint} (the snapshot is not the published state)"
                 )
-            total = sum(s.end for s in sources)
-            path = anchor_path(version)
+            total = sum(math.prod(shape) for shape in self._view_shapes().values())
+            path = self._path("anchor", version)
+            # Every rank lists every tensor (its own slice of each), under its full shape.
             manifest = manifest_digest((s.name, s.shape, s.dtype) for s in sources)
-            stream = anchor_stream(
-                sources, version=version, fingerprint=fp, total=total, extra_metadata=self.metadata, manifest=manifest
-            )
-            nbytes, digest = write_stream(self.store, path, stream)
-            entry = ChainEntry(
-                version=version, kind="anchor", path=path, nbytes=nbytes, sha256=digest, fingerprint=fp, changed=total
-            )
-            if self.head is None or new_chain or self.broken:
-                pointer = Pointer.start(entry, total=total, manifest=manifest)
-                self._commit(pointer)
+
+            def write() -> tuple[None, PartEntry | None]:
+                if not self._writer:
+                    return None, None
+                stream = anchor_stream(
+                    sources, version=version, fingerprint=fp, total=total, extra_metadata=self.metadata,
+                    part=self.layout.part if self.split and self.layout else None,
+                    parts=self.layout.parts if self.split and self.layout else None,
+                    manifest=manifest,
+                )
+                nbytes, digest = write_stream(self.store, path, stream)
+                return None, PartEntry(path=path, nbytes=nbytes, sha256=digest, changed=sum(s.end - s.begin for s in sources))
+
+            _, written = self._agree(f"writing the anchor of version {version}", write)
+            entry = self._entry("anchor", version, fp, written)
+            restart = self.head is None or new_chain or self.broken
+            pointer = Pointer.start(entry, total=total, manifest=manifest) if restart else self.head.pointer.with_anchor(entry, self.keep_anchors)  # type: ignore[union-attr]
+            self._commit(f"the anchor of version {version}", pointer)
+            if restart:
                 self.head = _Head(pointer, version, fp, total)
             else:
-                pointer = self.head.pointer.with_anchor(entry, self.keep_anchors)
-                self._commit(pointer)
+                assert self.head is not None
                 self.head.pointer = pointer
             self.broken = False
         except BaseException:
@@ -201,46 +377,71 @@ class ViewChain:
         self, version: int, changes: Mapping[str, Change], value: Callable[[str], torch.Tensor]
     ) -> ChainEntry | None:
         """Write and commit the delta to ``version`` from the bf16 chain's ``changes`` to it
-        (checkpoint layout, with old values); ``value(name)`` gives a changed target's bf16
-        tensor at ``version``. Returns None when the view needs a new chain (the caller then
-        writes an anchor)."""
+        (checkpoint layout, with old values; this rank's); ``value(name)`` gives this rank's
+        elements of a target's bf16 tensor at ``version``. Returns None when the view needs a
+        new chain (the caller then writes an anchor)."""
         head = self.head
         if head is None or self.broken or head.version != version - 1:
             return None
-        view_changes: dict[str, Change] = {}
-        new_layers: dict[str, dict[str, torch.Tensor]] = {}
-        for name, change in changes.items():
-            if not change.index.numel():
-                continue
-            if name not in self.targets:
-                view_changes[name] = change
-                continue
-            layer = self._quantize(name, value(name))
-            before = self.quantized[name]
-            new_layers[name] = layer
-            for suffix, key in view_tensor_names(name, list(layer)).items():
-                moved = _diff(before[suffix], layer[suffix])
-                if moved is not None:
-                    view_changes[key] = moved
-        fp = head.fingerprint
-        for key, change in view_changes.items():
-            assert change.old is not None
-            fp = fingerprint_update(fp, key, change.index, change.old, change.new)
-        numels = {key: math.prod(shape) for key, shape in self._view_shapes().items()}
-        data = encode_delta(
-            view_changes, version=version, anchor=head.pointer.root, codec=self.codec, total=head.total,
-            fingerprint=fp, base_fingerprint=head.fingerprint, level=self.level, numels=numels,
-            manifest=head.pointer.manifest,
-        )
-        path = delta_path(version)
         try:
-            self.store.write_bytes(path, data)
-            entry = ChainEntry(
-                version=version, kind="delta", path=path, nbytes=len(data), sha256=sha256_hex(data), fingerprint=fp,
-                changed=sum(c.index.numel() for c in view_changes.values()),
-            )
+            changed = [n for n, c in changes.items() if n in self.targets and c.index.numel()]
+            names = changed
+            if self.split and self.scheme.block is not None:
+                # A changed row moves the scale, hence the codes, of every row of its blocks,
+                # which other ranks may hold: every rank requantizes the layers any rank changed.
+                _, lists = self._agree(f"the layers changed by version {version}", lambda: (None, changed))
+                names = [*changed, *sorted(set().union(*lists) - set(changed))]
+            amax = self._block_amax(f"version {version}", sorted(names), value)
+
+            def diff() -> tuple[tuple[dict[str, Change], dict[str, dict[str, torch.Tensor]]], int]:
+                view_changes: dict[str, Change] = {}
+                new_layers: dict[str, dict[str, torch.Tensor]] = {}
+                requantize = set(names)
+                ordered = [n for n, c in changes.items() if c.index.numel()]
+                ordered += [n for n in names if n not in changes or not changes[n].index.numel()]
+                for name in ordered:
+                    if name not in self.targets:
+                        view_changes[name] = changes[name]
+                        continue
+                    if name not in requantize:
+                        continue
+                    layer = self._quantize(name, self._local(name, value), amax.get(name))
+                    before = self.quantized[name]
+                    new_layers[name] = layer
+                    ranges = self._ranges(name)
+                    for suffix, key in view_tensor_names(name, list(layer)).items():
+                        moved = _diff(before[suffix], layer[suffix], ranges[suffix][0])
+                        if moved is not None:
+                            view_changes[key] = moved
+                share = 0
+                for key, change in view_changes.items():
+                    assert change.old is not None
+                    moved_fp = fingerprint_update(format_fingerprint(0), key, change.index, change.old, change.new)
+                    share += parse_fingerprint(moved_fp)
+                return (view_changes, new_layers), share
+
+            (view_changes, new_layers), shares = self._agree(f"quantizing version {version}", diff)
+            fp = format_fingerprint(parse_fingerprint(head.fingerprint) + sum(shares))
+            numels = {key: math.prod(shape) for key, shape in self._view_shapes().items()}
+            path = self._path("delta", version)
+
+            def write() -> tuple[None, PartEntry | None]:
+                if not self._writer:
+                    return None, None
+                data = encode_delta(
+                    view_changes, version=version, anchor=head.pointer.root, codec=self.codec, total=head.total,
+                    fingerprint=fp, base_fingerprint=head.fingerprint, level=self.level, numels=numels,
+                    part=(self.layout.part, self.layout.parts) if self.split and self.layout else None,
+                    manifest=head.pointer.manifest,
+                )
+                self.store.write_bytes(path, data)
+                count = sum(c.index.numel() for c in view_changes.values())
+                return None, PartEntry(path=path, nbytes=len(data), sha256=sha256_hex(data), changed=count)
+
+            _, written = self._agree(f"writing delta {version}", write)
+            entry = self._entry("delta", version, fp, written)
             pointer = replace(head.pointer, version=version, fingerprint=fp, chain=(*head.pointer.chain, entry))
-            self._commit(pointer)
+            self._commit(f"version {version}", pointer)
         except BaseException:
             self.broken = True
             raise
@@ -248,24 +449,10 @@ class ViewChain:
         self.head = _Head(pointer, version, fp, head.total)
         return entry
 
-    def _view_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes: dict[str, tuple[int, ...]] = {}
-        for name, shape in self.shapes.items():
-            layer = self.quantized.get(name)
-            if layer is None:
-                shapes[name] = shape
-            else:
-                for suffix, key in view_tensor_names(name, list(layer)).items():
-                    shapes[key] = tuple(layer[suffix].shape)
-        return shapes
-
-    def _commit(self, pointer: Pointer) -> None:
-        self.store.write_bytes(POINTER_PATH, pointer.to_bytes())
-
     def _retain(self) -> None:
-        """Delete the view's data files its pointer no longer needs (never raises)."""
+        """Delete the view's data files its pointer no longer needs (rank 0; never raises)."""
         head = self.head
-        if head is None:
+        if head is None or (self.split and self.layout is not None and self.layout.rank != 0):
             return
         try:
             stale = head.pointer.stale([*self.store.list("anchors/"), *self.store.list("deltas/")])
@@ -275,8 +462,9 @@ class ViewChain:
             logger.warning("deltasync: view %s: retention failed, old files are left: %s", self.name, exc)
 
 
-def _diff(old: torch.Tensor, new: torch.Tensor) -> Change | None:
-    """The elements whose bits differ between two tensors of one element dtype, as a Change."""
+def _diff(old: torch.Tensor, new: torch.Tensor, offset: int = 0) -> Change | None:
+    """The elements whose bits differ between two tensors of one element dtype, as a Change
+    whose indices are ``offset`` plus the flat index (a shard's place in the full tensor)."""
     if old.shape != new.shape or old.dtype != new.dtype:
         raise AssertionError(f"a quantized tensor changed shape or dtype: {tuple(old.shape)} {old.dtype} -> {tuple(new.shape)} {new.dtype}")
     o, n = old.reshape(-1), new.reshape(-1)
@@ -284,7 +472,7 @@ def _diff(old: torch.Tensor, new: torch.Tensor) -> Change | None:
     index = torch.nonzero(o.view(width) != n.view(width)).reshape(-1)
     if not index.numel():
         return None
-    return Change(index=index, new=n[index], old=o[index])
+    return Change(index=index + offset if offset else index, new=n[index], old=o[index])
 
 
 def read_view_config(metadata: Mapping[str, str]) -> dict[str, Any] | None:

@@ -5,7 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from _sharded_workers import Net, _fsdp, assert_exact, gathered, process_group, step
+from _sharded_workers import (
+    VIEWS,
+    Net,
+    _fsdp,
+    assert_exact,
+    assert_view_exact,
+    expected_view,
+    gathered,
+    process_group,
+    step,
+    view_model,
+    view_step,
+)
 from helpers import GatedStore
 
 from deltasync import DeltaPublisher, DeltaReceiver, PublishError, StoreError
@@ -93,6 +105,7 @@ def run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
             late.apply(staged)
             assert_exact(late, states[9], "late joiner")
         overlap(net, opt, rank, Path(root) / "overlap")
+        overlap_views(mesh, rank, Path(root) / "overlap-views")
         if rank == 0:
             Path(out).write_text("ok")
 
@@ -115,3 +128,31 @@ def overlap(net, opt, rank: int, bucket: Path) -> None:  # type: ignore[no-untyp
         for version in range(5):
             receiver.sync(version)
             assert_exact(receiver, states[version], f"overlap version {version}")
+
+
+def overlap_views(mesh, rank: int, bucket: Path) -> None:  # type: ignore[no-untyped-def]
+    """capture="overlap" with views: each version's view parts are quantized and written in the
+    publisher's thread (block abs-max all-reduced over its own group) while the trainer runs the
+    next forward and backward; every view version is the quantization of the weights at its submit()."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = view_model()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pub = DeltaPublisher(bucket, model, opt, capture="overlap", views=VIEWS, anchor_every=10, anchor_bytes_ratio=0)
+    states, futures = {}, {}
+    for version in range(4):
+        states[version] = gathered(model)
+        futures[version] = pub.submit()
+        view_step(model, opt, seed=900 + 10 * version + rank)
+    results = {version: future.result() for version, future in futures.items()}
+    pub.close()
+    assert all(not r.warnings and set(r.view_nbytes) == set(VIEWS) for r in results.values()), results
+    if rank == 0:
+        for view in VIEWS:
+            receiver = DeltaReceiver(bucket, view=view)
+            for version in range(4):
+                receiver.sync(version)
+                assert_view_exact(receiver, expected_view(view, states[version]), f"overlap view {view} version {version}")

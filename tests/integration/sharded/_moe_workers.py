@@ -16,7 +16,13 @@ import torch
 from deltasync import DeltaPublisher, DeltaReceiver, fingerprint, merged_publisher
 from moe_helpers import assert_saved, moe_model, routed_step, saved_state
 
-from _sharded_workers import follow, process_group  # this folder is on sys.path (the test puts it there)
+from _sharded_workers import (  # this folder is on sys.path (the test puts it there)
+    VIEWS,
+    assert_view_exact,
+    expected_view,
+    follow,
+    process_group,
+)
 
 
 def gathered_into(model: torch.nn.Module, reference: torch.nn.Module) -> None:
@@ -61,8 +67,14 @@ def _run(rank: int, world: int, root: Path, model_dir: Path, parallel: str, step
         trained = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4, weight_decay=0.0)
     bucket = root / parallel
-    publisher = merged_publisher(bucket, model, opt, anchor_every=7) if merged else DeltaPublisher(bucket, trained, opt, anchor_every=7)
+    views = VIEWS if parallel == "fsdp2" else ()
+    publisher = (
+        merged_publisher(bucket, model, opt, anchor_every=7) if merged
+        else DeltaPublisher(bucket, trained, opt, anchor_every=7, views=views)
+    )
     receiver = DeltaReceiver(bucket) if rank == 0 else None
+    view_receivers = {v: DeltaReceiver(bucket, view=v) for v in views} if rank == 0 else {}
+    targets = None
     parts = []
     for i in range(steps + 1):
         if i:
@@ -78,6 +90,15 @@ def _run(rank: int, world: int, root: Path, model_dir: Path, parallel: str, step
             receiver.sync()
         assert_saved(receiver, want)
         assert result.fingerprint == fingerprint(want)
+        if view_receivers:  # per-expert checkpoint tensors, quantized by the rank holding the expert
+            from deltasync.views import quantized_names
+
+            targets = targets or quantized_names(reference, list(want), ("lm_head",))
+            assert any(".experts." in name for name in targets), sorted(targets)
+            for view, view_receiver in view_receivers.items():
+                view_receiver.sync()
+                assert_view_exact(view_receiver, expected_view(view, want, targets), f"MoE view {view} step {i}")
+                assert view_receiver.fingerprint == publisher.view_fingerprint(view)
         parts.append(len(receiver.pointer().chain[-1].parts) if i else 0)
     publisher.flush()
     if rank == 0:

@@ -281,6 +281,198 @@ def _fsdp_runs(rank: int, world: int, root: Path) -> dict[str, object]:
     return report
 
 
+VIEWS = ("FP8_DYNAMIC", "FP8_BLOCK")
+
+
+def view_model() -> nn.Module:
+    """A small Qwen2 LM (tied embeddings) whose MLP weights have 320 rows or columns: their
+    128x128 blocks straddle every rank boundary at 2 and 3 ranks, as do all of the layer's other
+    weights (under 128 rows). ``extra``, a ``Linear(5, 1)``, leaves every rank but the first an
+    empty shard of a quantized weight."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=259, hidden_size=64, intermediate_size=320, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config).float()
+    model.extra = nn.Linear(5, 1)
+    return model
+
+
+def view_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 259, (2, 12), generator=gen)
+    side = torch.randn(2, 5, generator=gen)
+    loss = model(input_ids=ids, labels=ids).loss
+    if hasattr(model, "extra"):  # under DDP it stays as it is (an unused parameter)
+        loss = loss + 0.1 * model.extra(side).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+_VIEW_TARGETS: set[str] | None = None
+
+
+def expected_view(view: str, bf16: dict[str, torch.Tensor], targets: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The view of a full bf16 state, by the definition: compressed-tensors' quantization of every
+    target (each Linear's weight but ``lm_head``; default: :func:`view_model`'s) of the whole
+    tensor, the rest in bf16."""
+    from deltasync.views import get_scheme, quantized_names
+
+    global _VIEW_TARGETS
+    if targets is None:
+        if _VIEW_TARGETS is None:
+            _VIEW_TARGETS = quantized_names(view_model(), list(bf16), ("lm_head",))
+            assert len(_VIEW_TARGETS) == 15, sorted(_VIEW_TARGETS)  # 7 per layer, and extra
+        targets = _VIEW_TARGETS
+    scheme = get_scheme(view)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in bf16.items():
+        if name in targets and tensor.ndim == 2:
+            for suffix, t in scheme.quantize(tensor).items():
+                out[name[: -len("weight")] + suffix] = t
+        else:
+            out[name] = tensor
+    return out
+
+
+def assert_view_exact(receiver: DeltaReceiver, want: dict[str, torch.Tensor], where: str) -> None:
+    got = receiver.state_dict()
+    assert set(got) == set(want), (where, sorted(set(got) ^ set(want)))
+    for name, tensor in want.items():
+        assert (got[name].dtype, got[name].shape) == (tensor.dtype, tensor.shape), (where, name)
+        width = torch.uint8 if tensor.element_size() == 1 else torch.int16
+        assert torch.equal(got[name].view(width), tensor.view(width)), (where, name)
+    assert receiver.verify(), where
+
+
+def _exported_view_is_exact(bucket: Path, out: Path, view: str, bf16: dict[str, torch.Tensor]) -> None:
+    """``deltasync export --view`` of a view written in parts: the checkpoint's tensors are the view."""
+    from safetensors.torch import load_file
+
+    from deltasync.cli import main as cli
+
+    assert cli(["export", str(bucket), str(out), "--view", view]) == 0
+    (shard,) = out.glob("*.safetensors")
+    got, want = load_file(shard), expected_view(view, bf16)
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    for name, tensor in want.items():
+        width = torch.uint8 if tensor.element_size() == 1 else torch.int16
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name].view(width), tensor.view(width)), name
+
+
+def _view_runs(rank: int, world: int, root: Path) -> dict[str, object]:
+    """FSDP2 with views: each rank writes its rows' codes and scales as part ``rank`` of each view
+    version (block scales after an all-reduce of the blocks' abs-max), rank 0 commits. Rank 0's
+    view receivers (deltas only) and late receivers (split anchors) hold compressed-tensors'
+    quantization of the gathered bf16 weights, bit for bit. A view part that fails on one rank
+    fails that view version on every rank; the view starts a new chain at the next version."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    net = view_model()
+    for layer in net.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)  # big steps: codes and scales move
+    store = FlakyStore(root / "views")
+    pub = DeltaPublisher(store, net, opt, views=VIEWS, anchor_every=3, anchor_bytes_ratio=0)
+    receivers = {v: DeltaReceiver(root / "views", view=v) for v in VIEWS} if rank == 0 else {}
+    states, fingerprints, changed = [], [], dict.fromkeys(VIEWS, 0)
+    for i in range(5):
+        if i:
+            view_step(net, opt, seed=4000 * i + rank)
+        if i == 2 and rank == world - 1:  # the last rank's FP8_BLOCK part of version 2 fails
+            store.fail = "views/FP8_BLOCK/deltas/"
+        result = pub.publish()
+        pub.flush()
+        if i == 2:  # on every rank: the bf16 chain and FP8_DYNAMIC have it, FP8_BLOCK does not
+            (lost,) = result.warnings
+            assert lost.startswith("view FP8_BLOCK: version 2 was not written") and f"failed on 1 of {world} ranks" in lost, lost
+            assert set(result.view_nbytes) == {"FP8_DYNAMIC"}, result.view_nbytes
+        else:
+            assert not result.warnings, result.warnings
+            assert set(result.view_nbytes) == set(VIEWS), result.view_nbytes
+        full = gathered(net)
+        # Memory: each rank keeps 1 byte per quantized element it owns plus its scale rows; the
+        # ranks together hold each scale once.
+        layout = pub.detector.layout
+        for chain in pub._views:
+            owned = sum(s.end - s.begin for n, s in pub._layout.slices.items() if n in chain.targets)
+            codes = sum(layer["weight"].nbytes for layer in chain.quantized.values())
+            scales = sum(layer["weight_scale"].nbytes for layer in chain.quantized.values())
+            assert codes == owned, (chain.name, codes, owned)
+            held = sum(b for b in layout.all_gather(scales))
+            want_scales = expected_view(chain.name, full)
+            assert held == sum(want_scales[n[: -len("weight")] + "weight_scale"].nbytes for n in chain.targets), chain.name
+        fps = {v: pub.view_fingerprint(v) for v in VIEWS}
+        assert all(f == fps for f in pub.detector.layout.all_gather(fps)), "ranks disagree on a view's fingerprint"
+        if rank != 0:
+            continue
+        states.append(full)
+        fingerprints.append({**fps, "FP8_BLOCK": None} if i == 2 else fps)
+        for view, receiver in receivers.items():
+            if view == "FP8_BLOCK" and i == 2:
+                assert receiver.latest() == 1  # no rank's part was committed
+                continue
+            if view == "FP8_BLOCK" and i == 3:  # the view starts a new chain: an anchor of 3
+                staged = receiver.stage()
+                assert (staged.kind, staged.versions) == ("anchor", [3]), staged
+                receiver.apply(staged)
+            elif i:
+                follow(receiver, result.version)
+            else:
+                receiver.sync()
+            assert_view_exact(receiver, expected_view(view, full), f"view {view} version {result.version}")
+            assert receiver.fingerprint == fps[view]
+            pointer = Pointer.from_bytes(open_store(root / "views" / "views" / view).read_bytes(POINTER_PATH))
+            entry = pointer.entry(result.version)
+            assert [p.path for p in entry.parts] == [part_path(entry.kind, result.version, r) for r in range(world)]
+            changed[view] += entry.changed if i else 0
+    if rank == 0:
+        assert all(changed.values()), changed  # the deltas moved codes or scales
+        for view in VIEWS:
+            late = DeltaReceiver(root / "views", view=view)  # from the split anchor beside version 3
+            staged = late.stage()
+            assert (staged.kind, staged.versions) == ("anchor", [3, 4]), staged.versions
+            late.apply(staged)
+            assert_view_exact(late, expected_view(view, states[-1]), f"view {view} late receiver")
+            _exported_view_is_exact(root / "views", root / f"export-{view}", view, states[-1])
+        torch.save({"states": states, "fingerprints": fingerprints}, root.parent / "views.pt")
+    pub.close()
+
+    # DDP: rank 0 alone keeps and writes the views, one file a version; the other ranks hold none.
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = view_model()
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    pub = DeltaPublisher(root / "ddp-views", ddp, opt, views=VIEWS, anchor_every=2, anchor_bytes_ratio=0)
+    receivers = {v: DeltaReceiver(root / "ddp-views", view=v) for v in VIEWS} if rank == 0 else {}
+    for i in range(3):
+        if i:
+            view_step(ddp, opt, seed=i)
+        result = pub.publish()
+        pub.flush()
+        assert not result.warnings, result.warnings
+        full = gathered(ddp)
+        assert (pub.view_fingerprint("FP8_BLOCK") is None) == (rank != 0)
+        for view, receiver in receivers.items():
+            receiver.sync()
+            assert_view_exact(receiver, expected_view(view, full), f"DDP view {view} version {result.version}")
+            assert receiver.fingerprint == pub.view_fingerprint(view)
+            assert not receiver.pointer().chain or not receiver.pointer().chain[-1].parts
+    if rank == 0:
+        files = open_store(root / "ddp-views").list("views/")
+        assert files and not any(".part" in f for f in files), files
+    pub.close()
+    return {"view_changed": changed}
+
+
 def _ddp_and_hsdp(rank: int, world: int, root: Path) -> None:
     """DDP: rank 0 alone writes, single files byte-identical to a single process's. HSDP with
     one shard per replica group: the first replica group (rank 0) alone writes."""
@@ -383,6 +575,7 @@ def run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
     with process_group(rank, world, init_file, root):
         _refusals(rank, world)
         report = _fsdp_runs(rank, world, Path(root))
+        report.update(_view_runs(rank, world, Path(root)))
         _ddp_and_hsdp(rank, world, Path(root))
         if rank == 0:
             import json
@@ -432,5 +625,35 @@ def run_hsdp(rank: int, world: int, init_file: str, root: str, out: str) -> None
             assert (staged.kind, staged.versions) == ("anchor", [4, 5, 6]), staged.versions
             late.apply(staged)
             assert_exact(late, want, "HSDP 2x2 late receiver")
-            Path(out).write_text("ok")
         pub.close()
+        _hsdp_views(rank, mesh, Path(root) / "hv")
+        if rank == 0:
+            Path(out).write_text("ok")
+
+
+def _hsdp_views(rank: int, mesh: object, bucket: Path) -> None:
+    """HSDP 2 x 2 with views: replica 0's two ranks write a part each (block abs-max all-reduced
+    over all four ranks, replica 1 adding zeros), replica 1 writes nothing."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = view_model()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pub = DeltaPublisher(bucket, model, opt, views=VIEWS, anchor_every=2, anchor_bytes_ratio=0)
+    receivers = {v: DeltaReceiver(bucket, view=v) for v in VIEWS} if rank == 0 else {}
+    for i in range(3):
+        if i:
+            view_step(model, opt, seed=500 * i + rank % 2)  # replicas see the same data
+        result = pub.publish()
+        pub.flush()
+        assert not result.warnings, result.warnings
+        full = gathered(model)
+        for view, receiver in receivers.items():
+            receiver.sync()
+            assert_view_exact(receiver, expected_view(view, full), f"HSDP view {view} version {result.version}")
+            assert receiver.fingerprint == pub.view_fingerprint(view)
+            entry = receiver.pointer().entry(result.version)
+            assert [p.path for p in entry.parts] == [part_path(entry.kind, result.version, r) for r in range(2)]
+    pub.close()

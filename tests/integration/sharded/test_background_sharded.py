@@ -1,6 +1,7 @@
 """Background publishing with FSDP2 on 1, 2 and 3 gloo processes: capture is collective, each
 rank writes its part in its own background thread, rank 0 commits; failures reach every rank;
-anchors are written beside deltas and followers never read them (see ``_background_workers.py``)."""
+anchors are written beside deltas and followers never read them; ``capture="overlap"``, also
+with FP8_DYNAMIC and FP8_BLOCK views (see ``_background_workers.py``)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,10 @@ the ranks hold 4 whole experts each, at 3 ranks with 4 experts 2, 2 and none (th
 router and the experts routed on each rank's 2 tokens step), a version after each: rank 0's
 receiver (reading deltas only) equals ``save_pretrained`` of the gathered model bit for bit
 and the version's fingerprint is that state's single-process fingerprint; a late receiver
-from the last anchor (split in one part per rank under FSDP2) equals it too.
+from the last anchor (split in one part per rank under FSDP2) equals it too. Under FSDP2 the
+publisher also writes FP8_DYNAMIC and FP8_BLOCK views: after every version they hold
+compressed-tensors' quantization of that state, per-expert tensors quantized by the rank that
+holds the expert.
 """
 
 from __future__ import annotations

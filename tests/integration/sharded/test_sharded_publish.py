@@ -5,7 +5,9 @@ refusals, 32 steps publishing after each (zstd, a split anchor beside every 10th
 failure injected on a delta part and on the pointer, which commit nothing, and on an anchor
 part, which loses only that anchor), 30 steps publishing every 3rd (raw codec, anchors by
 size), followers reading deltas only, late receivers catching up from split anchors, DDP (rank 0
-alone writes, deltas and anchors identical to a single process's) and HSDP with 2 replica groups.
+alone writes, deltas and anchors identical to a single process's) and HSDP with 2 replica groups;
+quantized views (FP8_DYNAMIC, FP8_BLOCK) written as one part per rank, equal to compressed-tensors'
+quantization of the gathered weights and to a single process's views of them.
 """
 
 from __future__ import annotations
@@ -41,6 +43,30 @@ def test_sharded_publish_is_exact(tmp_path: Path, world: int) -> None:
     assert (report["anchors_a"], report["base_a"]) == ([21], 11)
     assert report["chain_a"] == report["versions_a"] - 11
     assert report["versions_b"] == 10
+    _same_views_as_one_process(tmp_path)
+
+
+def _same_views_as_one_process(tmp_path: Path) -> None:
+    """A single process publishing the gathered weights of each version writes views whose
+    fingerprints are the sharded publisher's."""
+    import torch
+
+    from deltasync import DeltaPublisher
+
+    saved = torch.load(tmp_path / "views.pt")
+    net = _sharded_workers.view_model()
+    params = dict(net.named_parameters())
+    with DeltaPublisher(tmp_path / "solo", net, views=_sharded_workers.VIEWS) as solo:
+        for state, fingerprints in zip(saved["states"], saved["fingerprints"], strict=True):
+            with torch.no_grad():
+                for name, value in state.items():
+                    params[name].copy_(value)
+            solo.publish()
+            got = {v: solo.view_fingerprint(v) for v in _sharded_workers.VIEWS}
+            # (None: the sharded view failed that version on purpose.)
+            assert {v: f for v, f in got.items() if fingerprints[v] is not None} == {
+                v: f for v, f in fingerprints.items() if f is not None
+            }
 
 
 def test_hsdp_two_replica_groups_of_two_shards(tmp_path: Path) -> None:
