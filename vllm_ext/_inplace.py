@@ -35,6 +35,7 @@ import torch
 from deltasync import IntegrityError
 from deltasync._chain import ChainReader, Overlay
 from deltasync._fingerprint import fingerprint_add, fingerprint_move, fingerprint_share
+from deltasync._messages import Heal
 
 from ._cpus import enter_background
 from ._quantized import LiveFlat
@@ -126,6 +127,11 @@ class LiveStaged:
     seconds: float = 0.0
     dense: Any = None
     """For an anchor: the fully staged :class:`~deltasync.StagedUpdate` to load densely."""
+    broken: str | None = None
+    """Why this rank could not stage the deltas (a file corrupt or missing) where an anchor past
+    the served version can replace them: the ranks then agree to load the anchor instead."""
+    healed: Heal | None = None
+    """Set when the version is an anchor loaded instead of deltas that could not be used."""
 
 
 class InPlaceState:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from deltasync import DeltaReceiver
+from deltasync._messages import Heal
 
 from ._ranks import agree
 
@@ -37,6 +38,8 @@ class Staged(Protocol):
     kind: str
     nbytes: int
     seconds: float
+    healed: Heal | None
+    """Set when the version was built from an anchor because a delta file was corrupt or missing."""
 
 
 @dataclass
