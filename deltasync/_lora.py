@@ -514,7 +514,7 @@ def adapter_publisher(
     adapter = _active_adapter(model, adapter)
     config = adapter_config(model.peft_config[adapter])  # type: ignore[index]
     check_adapter_config(config)
-    publisher = DeltaPublisher(bucket, AdapterWeights(model, adapter), optimizer, **options)
+    publisher = DeltaPublisher(bucket, AdapterWeights(model, adapter), optimizer, **options)  # type: ignore[arg-type]
     publisher.anchor_metadata = {
         ADAPTER_CONFIG_KEY: json.dumps(config, sort_keys=True),
         BASE_FINGERPRINT_KEY: base_fingerprint(model),
@@ -531,7 +531,7 @@ def merged_publisher(
     **options: object,
 ) -> DeltaPublisher:
     """A :class:`DeltaPublisher` of the merged weights (merged mode), for a server without LoRA."""
-    return DeltaPublisher(bucket, MergedLoraWeights(model, adapter), optimizer, **options)
+    return DeltaPublisher(bucket, MergedLoraWeights(model, adapter), optimizer, **options)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- the client

@@ -36,7 +36,7 @@ def _take(data: Mapping[str, Any], name: str, kinds: tuple[type, ...], where: st
         raise FormatError(f"{where}: {name} is {value!r}, expected {' or '.join(k.__name__ for k in kinds)}")
     if not isinstance(value, kinds):
         raise FormatError(f"{where}: {name} is {type(value).__name__}, expected {' or '.join(k.__name__ for k in kinds)}")
-    return float(value) if kinds == (int, float) else value
+    return float(value) if kinds == (int, float) else value  # type: ignore[arg-type]
 
 
 def _mapping(data: object, where: str) -> Mapping[str, Any]:

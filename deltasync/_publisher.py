@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -495,7 +495,6 @@ class DeltaPublisher:
 
     def _capture(self, anchor: bool, start: float) -> _Capture:
         """The next version's changes, copied out of the live weights (collective)."""
-        layout = self._layout
         version = self._next if self._chain is None else self._chain.version + 1
         if self._chain is None:
             # A new chain: its first version has an anchor and no delta.
@@ -518,7 +517,7 @@ class DeltaPublisher:
             waited = capture.release() if capture.release is not None else time.perf_counter() - capture.started
         fp = format_fingerprint(parse_fingerprint(self._chain.fingerprint) + sum(shares))
         return replace(
-            capture, changes=changes, live=live, fingerprint=fp, blocked_s=capture.blocked_s + waited, release=None
+            capture, changes=changes, live=live, fingerprint=fp, blocked_s=capture.blocked_s + waited, release=None  # type: ignore[arg-type]
         )
 
     def _local_changes(self) -> tuple[tuple[dict[str, Change], dict[str, Change]], int]:

@@ -145,7 +145,7 @@ class ViewChain:
                 self.quantized[name] = layer
                 for suffix, key in view_tensor_names(name, list(layer)).items():
                     t = layer[suffix]
-                    sources.append(AnchorSource(key, tuple(t.shape), 0, t.numel(), lambda t=t: (t.reshape(-1),), t.dtype))
+                    sources.append(AnchorSource(key, tuple(t.shape), 0, t.numel(), lambda t=t: (t.reshape(-1),), t.dtype))  # type: ignore[misc]
             else:
                 chunks = lambda name=name: (value(name).reshape(-1),)  # noqa: E731
                 sources.append(AnchorSource(name, tuple(shape), 0, math.prod(shape), chunks, torch.bfloat16))

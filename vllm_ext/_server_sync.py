@@ -327,7 +327,7 @@ class ServerSync:
         if view is not None and view != self.config.view and self.config.bucket:
             logger.info("deltasync: following view %s of %s (the served checkpoint's)", view, self.config.bucket)
             self.config = replace(self.config, view=view)
-            self._receiver = DeltaReceiver(self.config.bucket, view=view)
+            self._receiver = DeltaReceiver(self.config.bucket, view=view)  # type: ignore[arg-type]
 
     async def stop(self) -> None:
         task, self._task = self._task, None

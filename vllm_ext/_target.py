@@ -115,7 +115,7 @@ class UpdateTarget(ABC):
     def commit(self, staged: Staged, applied: Applied) -> None:
         """Every rank applied ``staged``: it is what is served now."""
 
-    def settle(self) -> None:
+    def settle(self) -> None:  # noqa: B027  (an optional hook)
         """Finish any check of the served weights still running after the last update (a
         collective: every worker calls this first in every deltasync call)."""
 

@@ -67,12 +67,12 @@ from .pointer import (
     view_names,
 )
 from .versions import (
-    CHAIN_FORMAT_VERSION,
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    PARTS_FORMAT_VERSION,
-    READABLE_FILE_FORMAT_VERSIONS,
-    READABLE_FORMAT_VERSIONS,
+    CHAIN_FORMAT_VERSION,  # noqa: F401  (exported: versions.__all__ below)
+    FORMAT_NAME,  # noqa: F401  (exported: versions.__all__ below)
+    FORMAT_VERSION,  # noqa: F401  (exported: versions.__all__ below)
+    PARTS_FORMAT_VERSION,  # noqa: F401  (exported: versions.__all__ below)
+    READABLE_FILE_FORMAT_VERSIONS,  # noqa: F401  (exported: versions.__all__ below)
+    READABLE_FORMAT_VERSIONS,  # noqa: F401  (exported: versions.__all__ below)
 )
 
 __all__ = [
