@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
@@ -83,7 +83,7 @@ class PublishOptions:
     snapshot_device: str | None = "cpu"
     """Where the detector keeps the last published bf16 state: "cpu", or None for each
     parameter's own device."""
-    capture: str = "submit"
+    capture: CaptureMode = "submit"
     """When a version's changes are found: "submit" (in :meth:`DeltaPublisher.submit`, which
     returns once they are copied out) or "overlap" (in the background thread, while the
     trainer computes its next gradients; the optimizer's next step waits until the capture is
@@ -199,7 +199,8 @@ class _Chain:
     """The version of the newest anchor started (complete, or being written)."""
 
 
-_CAPTURES = ("submit", "overlap")
+CaptureMode = Literal["submit", "overlap"]
+_CAPTURES: tuple[CaptureMode, ...] = get_args(CaptureMode)
 
 
 @dataclass

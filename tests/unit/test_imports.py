@@ -44,15 +44,14 @@ LAYERS = (
     ("deltasync",),
     # The integrations: each uses the core, neither the other.
     ("deltasync.trl", "vllm_ext"),
-    # The commands, the examples (and the deprecated aliases of their old paths).
-    ("deltasync.cli", "deltasync._serve", "deltasync.examples", "deltasync._server", "deltasync.envs",
-     "deltasync.tiny"),
+    # The commands and the examples.
+    ("deltasync.cli", "deltasync._serve", "deltasync.examples"),
 )  # fmt: skip
 _CORE_CHECK = """
 import importlib, pkgutil, sys
 import deltasync, deltasync.stores, deltasync.cli
 # The core and the CLI module load no example (the CLI imports them when it builds its parser).
-loaded = sorted(m for m in sys.modules if m.startswith(("deltasync.examples", "deltasync.envs", "deltasync.tiny")))
+loaded = sorted(m for m in sys.modules if m.startswith("deltasync.examples"))
 assert not loaded, loaded
 needs = {}
 for info in pkgutil.walk_packages(deltasync.__path__, "deltasync."):
@@ -118,11 +117,9 @@ def test_the_core_imports_in_a_venv_of_only_its_dependencies(core_python) -> Non
     assert proc.returncode == 0, proc.stderr[-3000:]
     needs = dict(ast.literal_eval(proc.stdout.splitlines()[0]))
     assert ast.literal_eval(proc.stdout.splitlines()[1]) == []  # nothing optional was found anyway
-    # Only the integrations that are their extras refuse (the Wordle example, and the deprecated
-    # alias of its old path), and they say which extra.
-    assert sorted(needs) == ["deltasync.envs.wordle", "deltasync.examples.wordle", "deltasync.trl"], needs
-    assert all("pip install 'deltasync[wordle]'" in needs[name] for name in ("deltasync.examples.wordle",
-                                                                               "deltasync.envs.wordle"))
+    # Only the integrations that are their extras refuse (the Wordle example), and they say which extra.
+    assert sorted(needs) == ["deltasync.examples.wordle", "deltasync.trl"], needs
+    assert "pip install 'deltasync[wordle]'" in needs["deltasync.examples.wordle"]
     assert all(f"    {command} " in proc.stdout for command in ("inspect", "demo", "serve", "spaces"))  # the CLI's help
 
 
