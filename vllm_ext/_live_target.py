@@ -22,6 +22,7 @@ from deltasync._chain import ChainReader
 from deltasync._errors import UpdateError
 from deltasync._messages import Heal
 
+from ._config import ServerConfig
 from ._checkpoint import ServedCheckpoint
 from ._inplace import InPlaceState, LiveStaged, release_freed_memory, release_later
 from ._plain_gemm import PLAIN_GEMM_ENV, plain_gemm_enabled
@@ -203,6 +204,9 @@ def plan_in_place(
         reason = "the served checkpoint's parameter names and shapes are unknown"
     elif current_platform.is_cpu() and not plain_gemm_enabled():
         reason = f"vLLM's CPU build repacks linear weights for its kernels (set {PLAIN_GEMM_ENV}=1 to keep them plain)"
+        if ServerConfig.from_env().plain_gemm not in ("", "0"):
+            reason = (f"{PLAIN_GEMM_ENV} is set, but deltasync's vLLM plugin did not run before the model loaded "
+                      "(install the package, pip install deltasync, and leave 'deltasync' in VLLM_PLUGINS if set)")  # fmt: skip
     if reason is not None:
         logger.info("deltasync: reload mode: %s", reason)
         return None, {name: reason for name in expected or {"*": ()}}

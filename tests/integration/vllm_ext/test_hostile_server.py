@@ -11,7 +11,10 @@ Each update must fail
 with the refusal's message, leave the server healthy and unpaused, with the same greedy tokens
 and logprobs and the same reported version and fingerprint (in place: hashed again from the
 live weights); once the bucket is repaired, the next update is exact. Versions not committed
-or older than the served one, and requests without the token, are refused too. Only the
+or older than the served one, and requests without the token, are refused too. A delta file
+that is corrupt or deleted while an anchor of its version exists is healed from the anchor,
+exactly, and visibly (the answer, ``last_heal`` in the status route, ``deltasync_healed_total``
+on ``/metrics``). Only the
 public ``RolloutClient`` and the server's routes are used, so the test does not depend on the
 server's internals.
 """
@@ -311,6 +314,8 @@ def test_a_corrupt_or_missing_delta_beside_an_anchor_is_healed_visibly(bucket, s
     from deltasync._client import STATUS_ROUTE
     from deltasync._messages import ServedBody
 
+    # In place, the plain CPU GEMM was installed where the server started (the plugin entry point).
+    assert client.status()[server.url].mode == bucket.mode
     report = client.update(bucket.pointer().version)
     assert report.ok, report.failed
     healed = _healed_total(server)
