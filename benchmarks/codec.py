@@ -52,7 +52,7 @@ except ImportError:  # a checkout without an install: import the package next to
 from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 
-from _machine import machine  # noqa: E402  (benchmarks/ is the script's own folder)
+from _machine import machine
 
 from deltasync._checkpoint_layout import checkpoint_layout
 from deltasync._detector import BF16ChangeDetector, bf16_state_dict, named_parameters

@@ -52,13 +52,13 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import machine  # noqa: E402
-from server import SHAPE, Trainer, log, tree_rss  # noqa: E402  (also finds the package next to it)
+from _machine import machine
+from server import SHAPE, Trainer, log, tree_rss
 
-from deltasync import RolloutClient, bf16_state_dict, fingerprint  # noqa: E402
-from deltasync._serve import FOLLOW_ENV, FOLLOW_INTERVAL_ENV, PLAIN_GEMM_ENV, extension_args  # noqa: E402
-from deltasync.examples.launcher import VLLMServer  # noqa: E402
-from deltasync.examples.tiny import build_tiny_model  # noqa: E402
+from deltasync import RolloutClient, bf16_state_dict, fingerprint
+from deltasync._serve import FOLLOW_ENV, FOLLOW_INTERVAL_ENV, PLAIN_GEMM_ENV, extension_args
+from deltasync.examples.launcher import VLLMServer
+from deltasync.examples.tiny import build_tiny_model
 
 STATUS = "/deltasync/status"
 #: What one server needs here (server.py measured 3.5 GiB for the process tree of the 0.36B
@@ -208,7 +208,7 @@ def run_mode(mode: str, fleet: Fleet, trainer: Trainer, counts: list[int], args:
             committed = time.perf_counter()
             version = published["version"]
             pushed: dict[str, Any] = {}
-            pusher = threading.Thread(target=lambda: pushed.update(report=client.update(version)))
+            pusher = threading.Thread(target=lambda: pushed.update(report=client.update(version)))  # noqa: B023  (joined in this iteration)
             if mode == "push":
                 pusher.start()
             reached = fleet.wait_served(urls, version, committed, args.poll)

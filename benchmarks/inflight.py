@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -70,14 +69,14 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import machine  # noqa: E402
-from server import SHAPE, Trainer, log, server_env  # noqa: E402  (also finds the package next to it)
+from _machine import machine
+from server import SHAPE, Trainer, log, server_env
 
-from deltasync import RolloutClient  # noqa: E402
-from deltasync._client import MAX_POLL_S  # noqa: E402
-from deltasync._serve import extension_args  # noqa: E402
-from deltasync.examples.launcher import VLLMServer  # noqa: E402
-from deltasync.examples.tiny import build_tiny_model  # noqa: E402
+from deltasync import RolloutClient
+from deltasync._client import MAX_POLL_S
+from deltasync._serve import extension_args
+from deltasync.examples.launcher import VLLMServer
+from deltasync.examples.tiny import build_tiny_model
 
 PROMPT = "Once upon a time, in a land far away, there lived"
 TARGETS = {

@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from _machine import machine  # noqa: E402  (benchmarks/ is the script's own folder)
-from deltasync import DeltaPublisher, adapter_publisher, merged_publisher  # noqa: E402
+from _machine import machine
+from deltasync import DeltaPublisher, adapter_publisher, merged_publisher
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -55,9 +55,9 @@ try:
 except ImportError:  # a checkout without an install: import the package next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _counting_store import CountingStore  # noqa: E402  (benchmarks/ is the script's own folder)
-from _machine import machine  # noqa: E402
-from codec import ModelShape  # noqa: E402
+from _counting_store import CountingStore
+from _machine import machine
+from codec import ModelShape
 
 from deltasync import DeltaPublisher, DeltaReceiver
 from deltasync._poll import PointerWatch, PollOptions, PollPolicy

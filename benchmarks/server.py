@@ -50,7 +50,7 @@ try:
 except ImportError:  # a checkout without an install: import the package next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _machine import machine  # noqa: E402  (benchmarks/ is the script's own folder)
+from _machine import machine
 
 from deltasync import DeltaPublisher, RolloutClient
 from deltasync._serve import extension_args

@@ -41,8 +41,8 @@ try:
 except ImportError:  # a checkout without an install: import the package next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _machine import machine  # noqa: E402
-from codec import DEFAULT_LR, ModelShape, _normal, build_model  # noqa: E402
+from _machine import machine
+from codec import DEFAULT_LR, ModelShape, _normal, build_model
 
 TARGETS = {
     "snapshot_ratio": "per-rank snapshot bytes x W / single-process snapshot bytes == 1",

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -60,12 +59,12 @@ try:
 except ImportError:  # a checkout without an install: import the package next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import deltasync._publisher as publisher_module  # noqa: E402
-from _machine import machine  # noqa: E402
-from codec import DEFAULT_LR, ModelShape, SimulatedGradients, build_model, log, save_outputs  # noqa: E402
-from deltasync import DeltaPublisher, DeltaReceiver  # noqa: E402
-from deltasync._detector import named_parameters  # noqa: E402
-from deltasync.stores import LocalStore  # noqa: E402
+import deltasync._publisher as publisher_module
+from _machine import machine
+from codec import DEFAULT_LR, ModelShape, SimulatedGradients, build_model, log, save_outputs
+from deltasync import DeltaPublisher, DeltaReceiver
+from deltasync._detector import named_parameters
+from deltasync.stores import LocalStore
 
 TARGETS = {
     "delta_wait_vs_bucket": ("trainer wait / bucket time, delta versions", 0.25),

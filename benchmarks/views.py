@@ -219,7 +219,7 @@ def run_trace(kind: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     total = sum(p.numel() for _, p in named)
     optimizer, grads, lr = make_trace(kind, model, generator, args)
     log(f"[{kind}] {len(named)} tensors, {total / 1e6:.1f}M parameters, lr {lr:g}; {args.warmup} warm-up steps")
-    for w in range(args.warmup):
+    for _ in range(args.warmup):
         grads.step()
         optimizer.step()
     bucket = os.path.join(tmp, f"bucket-{kind}")

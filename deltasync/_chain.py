@@ -320,7 +320,7 @@ class ChainReader:
             )
             self.check_header(header, entry)
             try:
-                moves = overlay.advance(changes)  # type: ignore[arg-type]  (a delta decodes to changes)
+                moves = overlay.advance(changes)  # type: ignore[arg-type]  # a delta decodes to changes
             except FormatError as exc:
                 raise FormatError(f"{self.where(entry)}: {exc}") from None
             if overlay.dtypes is not None:

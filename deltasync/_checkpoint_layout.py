@@ -281,7 +281,7 @@ def _revert(pretrained: Any, state: dict[str, torch.Tensor], names: Sequence[str
 
     try:
         out = revert_weight_conversion(pretrained, state)
-    except Exception as exc:  # noqa: BLE001 - any failure of the conversion is a layout we cannot map
+    except Exception as exc:
         raise ConfigError(
             f"{names[0]!r}: transformers' reverse weight conversion (what save_pretrained runs) failed on the parameters "
             f"of its layer ({len(names)} of them): {type(exc).__name__}: {exc}"

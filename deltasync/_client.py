@@ -353,7 +353,7 @@ class RolloutClient(BaseRolloutClient):
     Args: as :class:`BaseRolloutClient`.
     """
 
-    @functools.wraps(BaseRolloutClient.__init__)
+    @functools.wraps(BaseRolloutClient.__init__)  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # url -> whether the server answers UPDATE_ROUTE (absent: not known yet).
@@ -403,8 +403,8 @@ class RolloutClient(BaseRolloutClient):
                 jobs = [w.get("prefetch") for w in state.workers] if state.ok else []
                 if not state.ok or any(j is None or j.get("version") != version for j in jobs):
                     done[url] = False  # nothing (more) to wait for
-                elif all(j.get("state") in ("ready", "failed") for j in jobs):
-                    done[url] = all(j.get("state") == "ready" for j in jobs)
+                elif all(j.get("state") in ("ready", "failed") for j in jobs):  # type: ignore[union-attr]
+                    done[url] = all(j.get("state") == "ready" for j in jobs)  # type: ignore[union-attr]
             if len(done) == len(self.urls) or time.monotonic() > deadline:
                 return {url: done.get(url, False) for url in self.urls}
             time.sleep(delay)

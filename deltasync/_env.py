@@ -8,6 +8,10 @@ default token of :class:`~deltasync.trl.DeltaSyncConfig`.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
+from ._errors import ConfigError
+
 __all__ = [
     "BUCKET_ENV",
     "DEFAULT_FOLLOW_INTERVAL",
@@ -22,6 +26,8 @@ __all__ = [
     "TOKEN_ENV",
     "UPDATE_MODES",
     "UPDATE_MODE_ENV",
+    "UpdateMode",
+    "check_update_mode",
     "VIEW_ENV",
 ]
 
@@ -40,7 +46,8 @@ FOLLOW_INTERVAL_ENV = "DELTASYNC_FOLLOW_INTERVAL"
 DEFAULT_FOLLOW_INTERVAL = 2.0
 #: How the server applies updates: "pause" (the default) or "inflight" (``--update-mode``).
 UPDATE_MODE_ENV = "DELTASYNC_UPDATE_MODE"
-UPDATE_MODES = ("pause", "inflight")
+UpdateMode = Literal["pause", "inflight"]
+UPDATE_MODES: tuple[UpdateMode, ...] = get_args(UpdateMode)
 #: Set to "1" in a vLLM-CPU server's environment to keep plain linear weights, so deltas are
 #: written in place there (a test, demo and benchmark setting; see ``vllm_ext._plain_gemm``).
 PLAIN_GEMM_ENV = "DELTASYNC_CPU_PLAIN_GEMM"
@@ -61,3 +68,11 @@ DEFAULT_STAGING_NICE = 19
 VIEW_ENV = "DELTASYNC_VIEW"
 #: "1" lets a server loaded with the test extension (``vllm_ext.testing``) run its test RPCs.
 TEST_HOOKS_ENV = "DELTASYNC_TEST_HOOKS"
+
+
+def check_update_mode(value: object, what: str) -> UpdateMode:
+    """``value`` as an update mode, or a :class:`~deltasync.ConfigError` naming ``what`` (the
+    flag, variable or argument it came from): the one check, where a mode enters."""
+    if value not in UPDATE_MODES:
+        raise ConfigError(f"{what} must be one of {', '.join(UPDATE_MODES)}, got {value!r}")
+    return value

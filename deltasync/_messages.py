@@ -15,7 +15,7 @@ from typing import Any
 
 from ._errors import FormatError, VersionError
 
-__all__ = ["PrefetchState", "ServedBody", "UpdateAnswer", "WorkerStatus", "check_version"]
+__all__ = ["Heal", "PrefetchState", "ServedBody", "UpdateAnswer", "WorkerStatus", "check_version"]
 
 
 def check_version(version: object, error: type[Exception] = VersionError) -> int:
@@ -36,13 +36,48 @@ def _take(data: Mapping[str, Any], name: str, kinds: tuple[type, ...], where: st
         raise FormatError(f"{where}: {name} is {value!r}, expected {' or '.join(k.__name__ for k in kinds)}")
     if not isinstance(value, kinds):
         raise FormatError(f"{where}: {name} is {type(value).__name__}, expected {' or '.join(k.__name__ for k in kinds)}")
-    return float(value) if kinds == (int, float) else value
+    return float(value) if kinds == (int, float) else value  # type: ignore[arg-type]
 
 
 def _mapping(data: object, where: str) -> Mapping[str, Any]:
     if not isinstance(data, Mapping):
         raise FormatError(f"{where}: expected an object, got {type(data).__name__}")
     return data
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heal:
+    """A version built from an anchor because its deltas could not be used: a delta file that is
+    corrupt (fails its size, SHA-256 or fingerprint check) or missing, while an anchor of the
+    chain could replace it. The result is exact (the anchor is checked like any file); the
+    record is there so that the bucket's bad file does not go unnoticed."""
+
+    version: int
+    """The version staged."""
+    anchor: int
+    """The anchor it was built from."""
+    error: str
+    """Why the deltas could not be used: the refusal, naming the file."""
+    time: float | None = None
+    """When it was staged (seconds since the epoch)."""
+
+    @classmethod
+    def from_answer(cls, data: object, where: str = "heal") -> Heal:
+        d = _mapping(data, where)
+        return cls(
+            version=_take(d, "version", (int,), where),
+            anchor=_take(d, "anchor", (int,), where),
+            error=_take(d, "error", (str,), where),
+            time=_take(d, "time", (int, float), where, None),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _heal(data: Mapping[str, Any], name: str, where: str) -> Heal | None:
+    value = _take(data, name, (Mapping,), where, None)
+    return None if value is None else Heal.from_answer(value, f"{where}: {name}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +138,8 @@ class UpdateAnswer:
     changed: int = 0
     sent: int = 0
     time: float | None = None
+    healed: Heal | None = None
+    """Set when the version was built from an anchor because a delta file was corrupt or missing."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Further timings a target reports (an anchor's load and hash seconds)."""
 
@@ -123,6 +160,7 @@ class UpdateAnswer:
             changed=_take(d, "changed", (int,), where, 0),
             sent=_take(d, "sent", (int,), where, 0),
             time=_take(d, "time", (int, float), where, None),
+            healed=_heal(d, "healed", where),
             extra={k: v for k, v in d.items() if k not in known},
         )
 
@@ -155,6 +193,9 @@ class WorkerStatus:
     view: str | None = None
     """The quantized view served and followed (None: the bf16 chain); ``fingerprint`` is then
     that of the view's state (codes, scales and bf16 parameters)."""
+    last_heal: Heal | None = None
+    """The last version this worker built from an anchor because a delta file was corrupt or
+    missing (None: none since it started)."""
 
     @classmethod
     def from_answer(cls, data: object, where: str = "worker status") -> WorkerStatus:
@@ -177,6 +218,7 @@ class WorkerStatus:
             last_error=None if _take(d, "last_error", (Mapping,), where, None) is None else dict(d["last_error"]),
             prefetch=None if prefetch is None else PrefetchState.from_answer(prefetch, f"{where}: prefetch"),
             view=_take(d, "view", (str,), where, None),
+            last_heal=_heal(d, "last_heal", where),
         )
 
     def to_json(self) -> dict[str, Any]:

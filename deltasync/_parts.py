@@ -18,7 +18,8 @@ import io
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, BinaryIO, ContextManager, NoReturn
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, BinaryIO, NoReturn
 
 import torch
 
@@ -111,7 +112,7 @@ def encode_anchor_part(
     for item in slices:
         if item.values.dtype not in ELEMENT_DTYPES or item.values.numel() != item.end - item.begin:
             raise FormatError(f"anchor {version} part {part}: slice of {item.name!r} is not {item.end - item.begin} bf16 values")
-    sources = [AnchorSource(s.name, s.shape, s.begin, s.end, lambda s=s: (s.values.reshape(-1),), s.values.dtype) for s in slices]
+    sources = [AnchorSource(s.name, s.shape, s.begin, s.end, lambda s=s: (s.values.reshape(-1),), s.values.dtype) for s in slices]  # type: ignore[misc]
     stream = anchor_stream(
         sources, version=version, fingerprint=fingerprint, total=total, part=part, parts=parts,
         extra_metadata=extra_metadata, manifest=manifest,
@@ -168,7 +169,7 @@ class _CheckedFile:
         """Fill ``view`` entirely; a file that ends first is truncated."""
         got = 0
         while got < view.nbytes:
-            n = self.f.readinto(view[got:])
+            n = self.f.readinto(view[got:])  # type: ignore[attr-defined]
             if not n:
                 _wrong_size(self.where, self.item, self.nbytes + got)
             got += n
@@ -273,7 +274,7 @@ class _AnchorChecks:
         return replace(self.first, part=None, parts=None, slices=None, params=len(self.shapes), changed=self.first.total)
 
 
-def read_anchor(open_file: Callable[[int], ContextManager[BinaryIO]], entry: ChainEntry, *, url: str) -> Anchor:
+def read_anchor(open_file: Callable[[int], AbstractContextManager[BinaryIO]], entry: ChainEntry, *, url: str) -> Anchor:
     """An anchor's full bf16 tensors, each file read straight into them.
 
     ``open_file(number)`` opens file ``number`` of ``entry`` (see :func:`fetch_anchor`). Each

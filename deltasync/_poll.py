@@ -184,7 +184,7 @@ def pointer_tag(store: Store, path: str = POINTER_PATH) -> Hashable | None:
         infos = [i for i in store.api.get_bucket_paths_info(store.bucket_id, [remote], token=store._token) if i.path == remote]
         if not infos:
             raise NotFoundError(f"{path!r} is not in bucket {store.url}")
-        found = tuple(str(getattr(infos[0], k, None)) for k in ("xet_hash", "size", "mtime"))
+        found = tuple(str(getattr(infos[0], k, None)) for k in ("xet_hash", "size", "mtime"))  # type: ignore[misc]
         return found if getattr(infos[0], "xet_hash", None) else None
     return None
 

@@ -8,8 +8,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
@@ -84,7 +84,7 @@ class PublishOptions:
     snapshot_device: str | None = "cpu"
     """Where the detector keeps the last published bf16 state: "cpu", or None for each
     parameter's own device."""
-    capture: str = "submit"
+    capture: CaptureMode = "submit"
     """When a version's changes are found: "submit" (in :meth:`DeltaPublisher.submit`, which
     returns once they are copied out) or "overlap" (in the background thread, while the
     trainer computes its next gradients; the optimizer's next step waits until the capture is
@@ -200,7 +200,8 @@ class _Chain:
     """The version of the newest anchor started (complete, or being written)."""
 
 
-_CAPTURES = ("submit", "overlap")
+CaptureMode = Literal["submit", "overlap"]
+_CAPTURES: tuple[CaptureMode, ...] = get_args(CaptureMode)
 
 
 @dataclass
@@ -497,7 +498,6 @@ class DeltaPublisher:
 
     def _capture(self, anchor: bool, start: float) -> _Capture:
         """The next version's changes, copied out of the live weights (collective)."""
-        layout = self._layout
         version = self._next if self._chain is None else self._chain.version + 1
         if self._chain is None:
             # A new chain: its first version has an anchor and no delta.
@@ -520,7 +520,7 @@ class DeltaPublisher:
             waited = capture.release() if capture.release is not None else time.perf_counter() - capture.started
         fp = format_fingerprint(parse_fingerprint(self._chain.fingerprint) + sum(shares))
         return replace(
-            capture, changes=changes, live=live, fingerprint=fp, blocked_s=capture.blocked_s + waited, release=None
+            capture, changes=changes, live=live, fingerprint=fp, blocked_s=capture.blocked_s + waited, release=None  # type: ignore[arg-type]
         )
 
     def _local_changes(self) -> tuple[tuple[dict[str, Change], dict[str, Change]], int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -13,6 +14,7 @@ import torch
 from ._chain import ChainReader, Overlay, Patch, read_pointer
 from ._errors import ConfigError, FormatError, IntegrityError, NotFoundError, VersionError
 from ._fingerprint import fingerprint, fingerprint_update
+from ._messages import Heal
 from .format import POINTER_PATH, Pointer, tensors_manifest, view_prefix
 from .format.dtypes import read_lanes
 from .stores import open_store
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     from .stores import Store
 
 __all__ = ["DeltaReceiver", "StagedUpdate"]
+
+logger = logging.getLogger(__name__)
 
 _MAX_ATTEMPTS = 8
 """Default bound on how often a sync starts over from a newer pointer."""
@@ -70,6 +74,9 @@ class StagedUpdate:
     """For an update that loaded an anchor: the anchor's ``x-`` metadata keys (as
     :attr:`DeltaPublisher.anchor_metadata <deltasync.DeltaPublisher.anchor_metadata>` wrote
     them), from the same checked read as its tensors; empty otherwise."""
+    healed: Heal | None = None
+    """Set when the deltas on the receiver's state could not be used (a delta file corrupt or
+    missing) and this update was built from an anchor instead (``kind`` is then "anchor")."""
     _base: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _patches: dict[str, Patch] = field(default_factory=dict, repr=False)
     _consumed: bool = field(default=False, repr=False)
@@ -201,7 +208,11 @@ class DeltaReceiver:
         return self._version
 
     def stage(self, version: int | None = None) -> StagedUpdate:
-        """Download, decode and validate the update to ``version``; change nothing."""
+        """Download, decode and validate the update to ``version``; change nothing.
+
+        When the deltas on the receiver's own state fail (a file corrupt or missing) and an
+        anchor can replace them, the update is built from the anchor instead: it is exact, and
+        :attr:`StagedUpdate.healed` (and a warning naming the file) says what was wrong."""
         pointer = self.pointer()
         try:
             for attempt in range(1, self.max_attempts + 1):
@@ -215,13 +226,22 @@ class DeltaReceiver:
                         raise
                     pointer = newer
             raise AssertionError("unreachable")
-        except IntegrityError:
+        except (IntegrityError, NotFoundError) as exc:
             target = pointer.version if version is None else version
-            if not pointer.replays_from(self._version, self._fingerprint) or pointer.anchor_for(target) is None:
+            anchor = pointer.anchor_for(target)
+            if not pointer.replays_from(self._version, self._fingerprint) or anchor is None:
                 raise  # no anchor at or below the target to rebuild from: the file's own error says why
-            # Replaying on our own state failed a fingerprint check: the file may be fine and
-            # our copy wrong. Rebuild from the anchor; if that fails too, the bucket is at fault.
-            return self._stage(pointer, version, from_anchor=True)
+            if isinstance(exc, NotFoundError) and (self._version is None or anchor.version <= self._version):
+                raise  # the anchor's route needs the same deltas: the missing file's own error says why
+            # Replaying on our own state failed: the file is corrupt or missing, or its check
+            # failed because our copy is wrong. Rebuild from the anchor; if that fails too, the
+            # bucket is at fault and that error is raised.
+            staged = self._stage(pointer, version, from_anchor=True)
+            staged.healed = Heal(version=staged.version, anchor=anchor.version, error=f"{type(exc).__name__}: {exc}",
+                                 time=time.time())  # fmt: skip
+            logger.warning("deltasync: version %d built from anchor %d instead of its deltas: %s",
+                           staged.version, anchor.version, staged.healed.error)  # fmt: skip
+            return staged
 
     def apply(self, staged: StagedUpdate) -> list[str]:
         """Swap a staged update in; returns the names of the parameters that changed."""

@@ -22,6 +22,7 @@ from ._env import (
     TOKEN_ENV,
     UPDATE_MODE_ENV,
     UPDATE_MODES,
+    check_update_mode,
     VIEW_ENV,
 )
 from ._errors import ConfigError
@@ -127,9 +128,7 @@ def serve_command(
     if follow:
         env[FOLLOW_ENV] = "1"
     if update_mode is not None:
-        if update_mode not in UPDATE_MODES:
-            raise ConfigError(f"--update-mode must be one of {', '.join(UPDATE_MODES)}, got {update_mode!r}")
-        env[UPDATE_MODE_ENV] = update_mode
+        env[UPDATE_MODE_ENV] = check_update_mode(update_mode, "--update-mode")
     served = checkpoint_view(model) if os.path.isdir(model) else None
     chosen = resolve_view(view, served, model) if os.path.isdir(model) else view
     if chosen is not None:

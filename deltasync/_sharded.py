@@ -98,7 +98,7 @@ class ShardLayout:
         """
         if self.world == 1:
             result, shared = step()  # type: ignore[misc]
-            return result, [shared]
+            return result, [shared]  # type: ignore[has-type]
         try:
             result, shared = step()  # type: ignore[misc]
             error = None

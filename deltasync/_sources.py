@@ -83,7 +83,7 @@ class WeightSource(ABC):
         run); None in a single process."""
         return shard_layout([(w.name, w.value) for w in self.weights()])
 
-    def prepare(self) -> None:
+    def prepare(self) -> None:  # noqa: B027  (an optional hook)
         """Called before values are read (by every rank, at the same points): a source whose
         values need a collective runs it here. Nothing by default."""
 

@@ -305,7 +305,7 @@ class ViewChain:
                     begin, end = ranges[suffix]
                     if t.numel() != end - begin:
                         raise AssertionError(f"view {self.name}: {key} has {t.numel()} local values, its slice {end - begin}")
-                    sources.append(AnchorSource(key, shapes[suffix], begin, end, lambda t=t: (t.reshape(-1),), t.dtype))
+                    sources.append(AnchorSource(key, shapes[suffix], begin, end, lambda t=t: (t.reshape(-1),), t.dtype))  # type: ignore[misc]
             else:
                 begin, end = self._owned[name]
                 chunks = lambda name=name: (self._local(name, value),)  # noqa: E731

@@ -190,7 +190,7 @@ def _history(bucket: str) -> tuple[Pointer, list[dict]]:
 
 @_command("stats")
 def _stats(args: argparse.Namespace) -> int:
-    pointer, records = _history(args.bucket)
+    _, records = _history(args.bucket)
     rows = []
     split = any(r.get("files", 1) > 1 for r in records)
     for r in records:

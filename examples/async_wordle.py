@@ -60,17 +60,17 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 # TRL's rollout loop is private API, pinned by deltasync's trl extra (trl>=1.16,<1.17). TRL's
 # own OpenEnv harness worker plugs into the same loop the same way (see play_wordle_in_rollouts).
-from trl.chat_template_utils import parse_response  # noqa: E402
-from trl.experimental.async_grpo.async_rollout_worker import (  # noqa: E402
+from trl.chat_template_utils import parse_response
+from trl.experimental.async_grpo.async_rollout_worker import (
     TurnRecord,
     _AsyncRolloutLoop,
     _chain_to_sequences,
 )
 
-from deltasync._auth import TOKEN_ENV  # noqa: E402
-from deltasync._serve import BUCKET_ENV, FOLLOW_ENV, PLAIN_GEMM_ENV, extension_args  # noqa: E402
-from deltasync.examples.launcher import stop_process_group, wait_healthy  # noqa: E402
-from deltasync.examples.wordle import WordleEnvClient, WordleObservation, episode_rewards  # noqa: E402
+from deltasync._auth import TOKEN_ENV
+from deltasync._serve import BUCKET_ENV, FOLLOW_ENV, PLAIN_GEMM_ENV, extension_args
+from deltasync.examples.launcher import stop_process_group, wait_healthy
+from deltasync.examples.wordle import WordleEnvClient, WordleObservation, episode_rewards
 
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
 

@@ -15,12 +15,15 @@ Start a server that follows a bucket (``deltasync serve`` fills all of this in):
 - :class:`UpdateMiddleware` adds ``/deltasync/update``: pause, apply and resume in one request.
 - :class:`TokenMiddleware` requires the token on vLLM's control routes.
 - :class:`LoraSyncMiddleware` loads adapter versions from the bucket (``--enable-lora``).
-- ``DELTASYNC_CPU_PLAIN_GEMM=1`` (read on import) keeps vLLM-CPU's linear weights plain, so
-  deltas are written in place there too (a test and benchmark setting; see
-  :mod:`vllm_ext._plain_gemm`). On CUDA, unquantized models are patched in place anyway.
-- :func:`register` registers the backend; it runs when this package is imported (the
-  worker extension imports it in every worker) and as the ``vllm.general_plugins`` entry
-  point ``deltasync``.
+- ``DELTASYNC_CPU_PLAIN_GEMM=1`` keeps vLLM-CPU's linear weights plain, so deltas are written
+  in place there too (a test and benchmark setting; see :mod:`vllm_ext._plain_gemm`). On CUDA,
+  unquantized models are patched in place anyway.
+- :func:`register` is the ``vllm.general_plugins`` entry point ``deltasync`` (pyproject.toml):
+  vLLM runs it in every process it starts (the API server, the engine core, and each worker
+  before it loads its model). It registers the backend and installs the plain GEMM dispatch
+  when the switch asks for it. Importing this package patches nothing: it only registers the
+  backend (the worker extension imports it in every worker), and it loads no trainer-side
+  module of deltasync (no publisher, detector or weight source).
 - :class:`vllm_ext._config.ServerConfig` reads the server's ``DELTASYNC_*`` environment once
   (the names are in :mod:`deltasync._env`); :mod:`vllm_ext.testing` holds the test-only worker
   extension, which only the test suite loads.
@@ -54,6 +57,14 @@ BACKEND = "delta"
 
 
 def register() -> None:
+    """Where a vLLM server starts (the ``vllm.general_plugins`` entry point, run in every process
+    vLLM starts, before a worker loads its model): register the backend and, when
+    ``DELTASYNC_CPU_PLAIN_GEMM`` asks for it, install the plain CPU GEMM dispatch. Safe to repeat."""
+    register_backend()
+    install_plain_gemm()
+
+
+def register_backend() -> None:
     """Register the ``"delta"`` backend with vLLM's weight-transfer factory; safe to repeat."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
@@ -64,6 +75,6 @@ def register() -> None:
             raise
 
 
-register()
-# Before any worker loads its model: the worker-extension module is imported first.
-install_plain_gemm()
+# The worker extension's module imports this package in every worker: the backend is known
+# there even where the entry point is not installed.
+register_backend()

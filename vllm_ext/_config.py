@@ -24,7 +24,8 @@ from deltasync._env import (
     TEST_HOOKS_ENV,
     TOKEN_ENV,
     UPDATE_MODE_ENV,
-    UPDATE_MODES,
+    UpdateMode,
+    check_update_mode,
     VIEW_ENV,
 )
 from deltasync._errors import ConfigError
@@ -49,7 +50,7 @@ class ServerConfig:
     """Follow the bucket by itself (``DELTASYNC_FOLLOW``)."""
     follow_interval: float = DEFAULT_FOLLOW_INTERVAL
     """Seconds between two reads of the pointer in follow mode (``DELTASYNC_FOLLOW_INTERVAL``)."""
-    update_mode: str = "pause"
+    update_mode: UpdateMode = "pause"
     """"pause" or "inflight" (``DELTASYNC_UPDATE_MODE``)."""
     public_routes: str | None = None
     """Routes the token middleware adds to its public ones, as written (``DELTASYNC_PUBLIC_ROUTES``;
@@ -76,9 +77,7 @@ class ServerConfig:
             interval = float(raw)
         except ValueError as exc:
             raise ConfigError(f"{FOLLOW_INTERVAL_ENV} must be a number of seconds, got {raw!r}") from exc
-        mode = environ.get(UPDATE_MODE_ENV) or "pause"
-        if mode not in UPDATE_MODES:
-            raise ConfigError(f"{UPDATE_MODE_ENV} must be one of {', '.join(UPDATE_MODES)}, got {mode!r}")
+        mode = check_update_mode(environ.get(UPDATE_MODE_ENV) or "pause", UPDATE_MODE_ENV)
         cpus = environ.get(STAGING_CPUS_ENV, "").strip() or "auto"
         if not STAGING_CPUS_PATTERN.fullmatch(cpus):
             raise ConfigError(f"{STAGING_CPUS_ENV} must be 'auto', 'inherit' or a CPU list such as 1,3-4, got {cpus!r}")

@@ -93,7 +93,7 @@ def engine_free_cpus() -> frozenset[int] | None:
     return frozenset(free) or None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _target(setting: str) -> frozenset[int] | None:
     if setting == "inherit":
         return None

@@ -24,6 +24,7 @@ summed over every rank, is the one the bucket committed.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +36,7 @@ import torch
 from deltasync import IntegrityError
 from deltasync._chain import ChainReader, Overlay
 from deltasync._fingerprint import fingerprint_add, fingerprint_move, fingerprint_share
+from deltasync._messages import Heal
 
 from ._cpus import enter_background
 from ._quantized import LiveFlat
@@ -126,6 +128,11 @@ class LiveStaged:
     seconds: float = 0.0
     dense: Any = None
     """For an anchor: the fully staged :class:`~deltasync.StagedUpdate` to load densely."""
+    broken: str | None = None
+    """Why this rank could not stage the deltas (a file corrupt or missing) where an anchor past
+    the served version can replace them: the ranks then agree to load the anchor instead."""
+    healed: Heal | None = None
+    """Set when the version is an anchor loaded instead of deltas that could not be used."""
 
 
 class InPlaceState:
@@ -187,7 +194,7 @@ class InPlaceState:
         for name, mine in self.map.pieces.items():
             earlier = [theirs.get(name, []) for theirs in everyone[:rank_index]]
             # Only boxes whose ranges meet can hold the same elements (replicated KV heads do).
-            self.before[name] = [[o for o in sum(earlier, []) + mine[:k] if _meet(o, piece)] for k, piece in enumerate(mine)]
+            self.before[name] = [[o for o in [*itertools.chain.from_iterable(earlier), *mine[:k]] if _meet(o, piece)] for k, piece in enumerate(mine)]
         self.version: int | None = None
         # With a host part, nothing is known before the first anchor fills it.
         self.fingerprint: str | None = None if self.host else self.full_fingerprint()
@@ -399,7 +406,7 @@ class InPlaceState:
                     f"version {version}: the served weights would have fingerprint {fp} after it, the bucket "
                     f"says {committed} (the served weights differ from the bucket's state, or the file is corrupt)"
                 )
-        return fp
+        return fp  # type: ignore[return-value]
 
     def write(self, staged: LiveStaged) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """Write the staged values (and rebuild the modules of host parameters they change);

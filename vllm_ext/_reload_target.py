@@ -105,7 +105,7 @@ class ReloadTarget(UpdateTarget):
                 loader = get_model_loader(self.vllm_config.load_config)
                 weights = iter(loader.get_all_weights(self.vllm_config.model_config, self.model))
             reload_weights(self.model, self.vllm_config, weights)
-        except Exception:  # noqa: BLE001
+        except Exception:
             logger.exception("deltasync: restoring the previous weights failed")
             return "restoring the previous weights failed too: restart this server"
         return f"the weights were restored: still serving {self.served_text()}"

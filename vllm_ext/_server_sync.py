@@ -47,7 +47,7 @@ from deltasync._auth import update_tag
 from deltasync._poll import PointerWatch, PollOptions, PollPolicy
 from deltasync._errors import ConfigError, UpdateError
 from deltasync._messages import UpdateAnswer, WorkerStatus
-from deltasync._env import DEFAULT_FOLLOW_INTERVAL, FOLLOW_ENV, FOLLOW_INTERVAL_ENV, UPDATE_MODE_ENV, UPDATE_MODES
+from deltasync._env import DEFAULT_FOLLOW_INTERVAL, FOLLOW_ENV, FOLLOW_INTERVAL_ENV, UPDATE_MODE_ENV, UPDATE_MODES, UpdateMode, check_update_mode
 
 from ._config import ServerConfig
 
@@ -112,7 +112,7 @@ class UpdateOutcome:
     error: str | None = None
     status: int = 200
     """The HTTP status the push route answers with."""
-    mode: str = "pause"
+    mode: UpdateMode = "pause"
     """How it was applied: "pause" or "inflight"."""
     note: str | None = None
     """Why an "inflight" update was applied with a pause instead."""
@@ -121,9 +121,8 @@ class UpdateOutcome:
 class ServerSync:
     """The update flow and the follower of one API-server process (see the module)."""
 
-    def __init__(self, engine: Any, *, token: str | None, follow: FollowConfig, update_mode: str = "pause") -> None:
-        if update_mode not in UPDATE_MODES:
-            raise ConfigError(f"update mode must be one of {', '.join(UPDATE_MODES)}, got {update_mode!r}")
+    def __init__(self, engine: Any, *, token: str | None, follow: FollowConfig, update_mode: UpdateMode = "pause") -> None:
+        update_mode = check_update_mode(update_mode, "update mode")
         self.engine = engine
         self.token = token
         self.config = follow
@@ -185,7 +184,7 @@ class ServerSync:
                 logger.warning("deltasync: %s update to version %s failed: %s", origin, version, outcome.error)
             return outcome
 
-    async def _stage_and_apply(self, version: object, auth: object, mode: str, workers: list[WorkerStatus]) -> UpdateOutcome:
+    async def _stage_and_apply(self, version: object, auth: object, mode: UpdateMode, workers: list[WorkerStatus]) -> UpdateOutcome:
         safe_version = version if isinstance(version, int) and not isinstance(version, bool) else -1
         note = None
         if mode == "inflight":

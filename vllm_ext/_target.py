@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from deltasync import DeltaReceiver
+from deltasync._messages import Heal
 
 from ._ranks import agree
 
@@ -37,6 +38,8 @@ class Staged(Protocol):
     kind: str
     nbytes: int
     seconds: float
+    healed: Heal | None
+    """Set when the version was built from an anchor because a delta file was corrupt or missing."""
 
 
 @dataclass
@@ -112,7 +115,7 @@ class UpdateTarget(ABC):
     def commit(self, staged: Staged, applied: Applied) -> None:
         """Every rank applied ``staged``: it is what is served now."""
 
-    def settle(self) -> None:
+    def settle(self) -> None:  # noqa: B027  (an optional hook)
         """Finish any check of the served weights still running after the last update (a
         collective: every worker calls this first in every deltasync call)."""
 

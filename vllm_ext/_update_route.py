@@ -33,6 +33,7 @@ from typing import Any
 
 from deltasync._auth import bearer_matches
 from deltasync._client import STATUS_ROUTE, UPDATE_ROUTE, VERSION_HEADER
+from deltasync._env import check_update_mode
 
 from ._asgi import answer, error_body, header, read_body, refused, unauthorized
 from ._config import ServerConfig
@@ -64,7 +65,7 @@ class UpdateMiddleware:
         config = ServerConfig.from_env()
         self.token = token if token is not None else config.token
         self.follow = follow or FollowConfig.of(config)
-        self.update_mode = update_mode or config.update_mode
+        self.update_mode = check_update_mode(update_mode or config.update_mode, "update mode")
         self.sync: ServerSync | None = None
 
     def _sync(self, scope: Any) -> ServerSync:

@@ -26,7 +26,7 @@ from deltasync._auth import check_update_tag
 from deltasync._env import BUCKET_ENV, TEST_HOOKS_ENV
 from deltasync._errors import UpdateError
 from deltasync.views.serving import resolve_view
-from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus, check_version
+from deltasync._messages import Heal, PrefetchState, UpdateAnswer, WorkerStatus, check_version
 
 from ._checkpoint import ServedCheckpoint
 from ._config import ServerConfig
@@ -85,6 +85,8 @@ class WorkerUpdater:
         self.last_rank = is_last_rank()
         self.last: UpdateAnswer | None = None
         self.last_error: dict[str, Any] | None = None
+        self.last_heal: Heal | None = None
+        """The last version built from an anchor because a delta file was corrupt or missing."""
         self._receiver: DeltaReceiver | None = None
         self._prefetch: _Prefetch | None = None
         live, self.fallback = plan_in_place(model, vllm_config, packed, self.checkpoint)
@@ -128,6 +130,7 @@ class WorkerUpdater:
             last_error=None if self.last_error is None else dict(self.last_error),
             prefetch=None if self._prefetch is None else self._prefetch.describe(),
             view=self.view,
+            last_heal=self.last_heal,
         ).to_json()
 
     def prefetch(self, version: object, auth: object = None) -> dict[str, Any]:
@@ -212,7 +215,8 @@ class WorkerUpdater:
                                        f"still serving {target.served_text()}")  # fmt: skip
         answer = UpdateAnswer(version=staged.version, fingerprint=staged.fingerprint, kind=staged.kind,
                               mode=target.answer_mode, nbytes=staged.nbytes, prefetched=prefetched,
-                              stage_s=staged.seconds if prefetched else time.perf_counter() - start)  # fmt: skip
+                              stage_s=staged.seconds if prefetched else time.perf_counter() - start,
+                              healed=staged.healed)  # fmt: skip
         if staged.kind != "none":
             start = time.perf_counter()
             applied = target.apply(staged)
@@ -221,6 +225,8 @@ class WorkerUpdater:
                 # Every worker puts the previous state back, those whose writes worked too.
                 return self._fail(staged.version, f"deltasync: {error}; {target.rollback(staged, applied, error)}")
             target.commit(staged, applied)
+            if staged.healed is not None:
+                self.last_heal = staged.healed
             answer = replace(answer, apply_s=time.perf_counter() - start, changed=applied.changed,
                              sent=applied.sent, extra=applied.extra)  # fmt: skip
         self.last = replace(answer, time=time.time())

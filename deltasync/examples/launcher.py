@@ -187,7 +187,7 @@ class VLLMServer:
             self.log_file = pathlib.Path(name)
         assert self.log_file is not None
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_file, "wb")
+        log = open(self.log_file, "wb")  # noqa: SIM115  (kept open for the server process's output)
         try:
             self._proc = subprocess.Popen(
                 self.command,

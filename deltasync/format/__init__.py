@@ -68,13 +68,13 @@ from .pointer import (
 )
 from .manifest import manifest_digest, tensors_manifest
 from .versions import (
-    CHAIN_FORMAT_VERSION,
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    MANIFEST_FORMAT_VERSION,
-    PARTS_FORMAT_VERSION,
-    READABLE_FILE_FORMAT_VERSIONS,
-    READABLE_FORMAT_VERSIONS,
+    CHAIN_FORMAT_VERSION,  # noqa: F401  (exported: versions.__all__ below)
+    FORMAT_NAME,  # noqa: F401  (exported: versions.__all__ below)
+    FORMAT_VERSION,  # noqa: F401  (exported: versions.__all__ below)
+    MANIFEST_FORMAT_VERSION,  # noqa: F401  (exported: versions.__all__ below)
+    PARTS_FORMAT_VERSION,  # noqa: F401  (exported: versions.__all__ below)
+    READABLE_FILE_FORMAT_VERSIONS,  # noqa: F401  (exported: versions.__all__ below)
+    READABLE_FORMAT_VERSIONS,  # noqa: F401  (exported: versions.__all__ below)
 )
 
 __all__ = [

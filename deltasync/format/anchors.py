@@ -38,7 +38,7 @@ def encode_anchor(
         if tensor.dtype not in ELEMENT_DTYPES:
             raise FormatError(f"anchor {version}: parameter {name!r} is {tensor.dtype}, {_HOLDS}")
     sources = [
-        AnchorSource(name, tuple(t.shape), 0, t.numel(), lambda t=t: (t.detach().reshape(-1),), t.dtype)
+        AnchorSource(name, tuple(t.shape), 0, t.numel(), lambda t=t: (t.detach().reshape(-1),), t.dtype)  # type: ignore[misc]
         for name, t in state.items()
     ]
     total = sum(t.numel() for t in state.values())
@@ -107,7 +107,7 @@ def anchor_stream(
 def decode_anchor(data: bytes | bytearray, *, where: str) -> tuple[FileHeader, dict[str, torch.Tensor]]:
     """An anchor's header and tensors. From a ``bytearray`` (what stores' ``read_buffer``
     gives) the tensors are views of it: the file and its tensors are never both in memory."""
-    header = read_header(data, where=where)
+    header = read_header(data, where=where)  # type: ignore[arg-type]
     if header.kind != "anchor":
         raise FormatError(f"{where}: expected an anchor, found a {header.kind}")
     tensors = load_tensors(data, where=where)

@@ -87,7 +87,7 @@ _DTYPES = {
 def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
     """Serialize like ``safetensors.torch.save``, with metadata keys sorted (deterministic)."""
     items = [
-        TensorChunks(name, t.dtype, tuple(t.shape), lambda t=t: (t.detach().reshape(-1),)) for name, t in tensors.items()
+        TensorChunks(name, t.dtype, tuple(t.shape), lambda t=t: (t.detach().reshape(-1),)) for name, t in tensors.items()  # type: ignore[misc]
     ]
     return b"".join(safetensors_stream(items, metadata))
 

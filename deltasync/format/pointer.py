@@ -52,6 +52,14 @@ MAX_POINTER_BYTES = 32 << 20
 MAX_HISTORY_BYTES = 64 << 20
 """The largest history a publisher reads back; a longer one is ignored (it is informative only)."""
 
+#: The fewest bytes a pointer spends per JSON object or array, and per comma (checked before
+#: parsing, so that a pointer filled with ``{}`` or ``0`` costs a reader no more than a few
+#: times its size): an entry takes about 180 bytes (a part 140) with one object and 6 commas,
+#: so a real pointer has one object per 140 bytes and one comma per 25.
+BYTES_PER_CONTAINER = 96
+BYTES_PER_COMMA = 16
+_SLACK = 64
+
 #: At most this many anchors in a pointer (``keep_anchors`` is bounded by it).
 MAX_ANCHORS = 1024
 
@@ -321,6 +329,7 @@ class Pointer:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str = POINTER_PATH) -> Pointer:
+        _check_density(data, where)
         try:
             body = parse_json(data, where=where, what="the pointer", max_bytes=MAX_POINTER_BYTES)
         except FormatError as exc:
@@ -395,6 +404,24 @@ class Pointer:
                 raise FormatError(f"{where}: the anchor of version {item.version} disagrees with the chain's fingerprint")
         if self.fingerprint_at(self.version) != self.fingerprint:
             raise FormatError(f"{where}: the pointer's fingerprint disagrees with its last chain entry")
+
+
+def _check_density(data: bytes, where: str) -> None:
+    """Refuse a pointer with more JSON objects, arrays or commas than its size allows a real one,
+    before any of them is parsed into an object (counted over the raw bytes: a real pointer has
+    none of these characters inside its strings)."""
+    size = len(data)
+    if size > MAX_POINTER_BYTES:
+        return  # parse_json refuses it, naming the size
+    for chars, per, what in (((b"{", b"["), BYTES_PER_CONTAINER, "objects and arrays ('{' and '[')"),
+                             ((b",",), BYTES_PER_COMMA, "commas")):  # fmt: skip
+        count = sum(data.count(c) for c in chars)
+        limit = _SLACK + size // per
+        if count > limit:
+            raise FormatError(
+                f"{where}: not a deltasync pointer ({count} {what} in {size} bytes, more than the {limit} "
+                f"a pointer of that size can hold: one per {per} bytes)"
+            )
 
 
 def _chain_entry(item: dict[str, Any]) -> ChainEntry:

@@ -13,7 +13,8 @@ import hashlib
 import io
 import os
 from collections.abc import Iterable, Iterator
-from typing import BinaryIO, ContextManager, Protocol, runtime_checkable
+from contextlib import AbstractContextManager
+from typing import BinaryIO, Protocol, runtime_checkable
 
 from .._errors import ConfigError, DeltaSyncError, StoreError
 
@@ -118,7 +119,7 @@ class StreamingStore(Protocol):
         one chunk at a time. If the iteration raises, the file is left as it was."""
         ...
 
-    def open_read(self, path: str) -> ContextManager[BinaryIO]:
+    def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
         """The file, open for reading (``read`` and ``readinto``), so that a reader can take it
         in pieces of its choosing, straight into its own buffers. ``NotFoundError`` if it is
         missing, ``StoreError`` if opening or a read fails."""
@@ -130,7 +131,7 @@ def read_into_buffer(f: BinaryIO, size: int) -> bytearray:
     buffer = bytearray(size)
     view, got = memoryview(buffer), 0
     while got < size:
-        n = f.readinto(view[got:])
+        n = f.readinto(view[got:])  # type: ignore[attr-defined]
         if not n:
             break
         got += n
@@ -157,7 +158,7 @@ def write_stream(store: Store, path: str, chunks: Iterable[bytes | memoryview]) 
     return size, digest.hexdigest()
 
 
-def open_read(store: Store, path: str, limit: int) -> ContextManager[BinaryIO]:
+def open_read(store: Store, path: str, limit: int) -> AbstractContextManager[BinaryIO]:
     """:meth:`StreamingStore.open_read` where the store has it; else the file's first
     ``limit + 1`` bytes at most, read whole (:func:`read_limited`) and opened in memory."""
     if isinstance(store, StreamingStore):

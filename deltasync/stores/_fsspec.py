@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Iterable
-from typing import Any, BinaryIO, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any, BinaryIO
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -120,7 +121,7 @@ class FsspecStore(LimitedReads):
                     "your credentials may write there"
                 ) from e
 
-    def open_read(self, path: str) -> ContextManager[BinaryIO]:
+    def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
         full = self._full(path)
         try:
             f = self.fs.open(full, "rb")

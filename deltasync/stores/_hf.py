@@ -17,7 +17,8 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, ContextManager
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, BinaryIO
 
 from huggingface_hub.errors import BucketBatchError, BucketNotFoundError, EntryNotFoundError
 
@@ -90,7 +91,7 @@ class HfBucketStore(LimitedReads):
             # read(n) allocates n bytes up front: never more than the file holds.
             return f.read(min(limit, os.fstat(f.fileno()).st_size) + 1)
 
-    def open_read(self, path: str) -> ContextManager[BinaryIO]:
+    def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
         return self._download(path)
 
     @contextlib.contextmanager
@@ -113,7 +114,7 @@ class HfBucketStore(LimitedReads):
             except Exception as e:
                 raise self._error("read", repr(path), e) from e
             try:
-                f = open(local, "rb")
+                f = open(local, "rb")  # noqa: SIM115  (returned to the caller, who closes it)
             except FileNotFoundError as e:
                 raise StoreError(
                     f"cannot read {path!r} from bucket {self.url}: the download reported "
@@ -200,7 +201,7 @@ class HfBucketStore(LimitedReads):
                         self.bucket_id, failed, token=self._token
                     )
                 ]
-            except Exception as e2:
+            except Exception as e2:  # noqa: BLE001  (reported with the first error)
                 raise self._error("delete", f"{len(remotes)} file(s)", e2) from e
             if still_there:
                 raise StoreError(f"cannot delete {still_there} from bucket {self.url}: {e}") from e

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 import re
 import secrets
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO, ContextManager
+from contextlib import AbstractContextManager
+from typing import BinaryIO
 
 from .._errors import NotFoundError, StoreError
 from ._base import LimitedReads, check_path, check_prefix, reading
@@ -56,10 +58,10 @@ class LocalStore(LimitedReads):
         except OSError as e:
             raise StoreError(f"cannot read {path!r} from bucket {self.url}: {e}") from e
 
-    def open_read(self, path: str) -> ContextManager[BinaryIO]:
+    def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
         target = self._file(path)
         try:
-            f = open(target, "rb")
+            f = open(target, "rb")  # noqa: SIM115  (returned to the caller, who closes it)
         except FileNotFoundError as e:
             raise NotFoundError(f"{path!r} is not in bucket {self.url} (no file {target})") from e
         except IsADirectoryError as e:
@@ -118,7 +120,7 @@ class LocalStore(LimitedReads):
             raise StoreError(f"cannot list {prefix!r} in bucket {self.url}: {e}") from e
         return sorted(found)
 
-    def clean_temp(self, older_than: float) -> list[str]:
+    def clean_temp(self, older_than: float) -> builtins.list[str]:  # the method list shadows the type here
         """Delete temporary files of writes last modified more than ``older_than`` seconds ago.
 
         A writer killed between creating its temporary file and renaming it leaves the file

@@ -1,9 +1,14 @@
-"""``open_store``: the URL dispatcher that picks a backend (the backends import only ``_base``)."""
+"""``open_store``: the URL dispatcher that picks a backend (the backends import only ``_base``).
+
+A URL's scheme picks its backend in :data:`OPENERS`, the one registry of the built-in backends;
+a path without a scheme is a local directory, and any other scheme goes to fsspec."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from urllib.parse import unquote, urlsplit
 
 from .._errors import ConfigError
@@ -47,14 +52,25 @@ def open_store(bucket: str | os.PathLike[str] | Store) -> Store:
         return LocalStore(bucket)
 
     scheme = match.group("scheme").lower()
-    if scheme == "file":
-        return LocalStore(_file_url_to_path(bucket))
-    if scheme == "hf":
-        bucket_id, prefix = _parse_hf_bucket_url(bucket)
-        return HfBucketStore(bucket_id, prefix)
-
+    opener = OPENERS.get(scheme)
+    if opener is not None:
+        return opener(bucket)
     check_protocol(scheme, bucket, supported=_SUPPORTED)
     return FsspecStore(bucket)
+
+
+def _open_local(url: str) -> Store:
+    return LocalStore(_file_url_to_path(url))
+
+
+def _open_hf(url: str) -> Store:
+    bucket_id, prefix = _parse_hf_bucket_url(url)
+    return HfBucketStore(bucket_id, prefix)
+
+
+OPENERS: Mapping[str, Callable[[str], Store]] = MappingProxyType({"file": _open_local, "hf": _open_hf})
+"""URL scheme -> the function that opens a bucket URL of that scheme (read-only; other schemes
+go to fsspec)."""
 
 
 def _file_url_to_path(url: str) -> str:

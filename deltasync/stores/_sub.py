@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import BinaryIO, ContextManager
+from contextlib import AbstractContextManager
+from typing import BinaryIO
 
 from ._base import Store, StreamingStore, check_path, open_read, read_limited, write_stream
 
@@ -58,7 +59,7 @@ class _StreamingSubStore(SubStore):
     def write_stream(self, path: str, chunks: Iterable[bytes | memoryview]) -> None:
         write_stream(self.parent, self.prefix + check_path(path), chunks)
 
-    def open_read(self, path: str) -> ContextManager[BinaryIO]:
+    def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
         return open_read(self.parent, self.prefix + check_path(path), 0)
 
 

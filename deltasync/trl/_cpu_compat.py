@@ -82,9 +82,9 @@ def async_grpo_cpu_patches() -> Iterator[None]:
 
     module = importlib.import_module(_TRAINER_MODULE)
     original = module.get_peak_flops_per_device
-    module.get_peak_flops_per_device = _peak_flops_unless_cpu(original)
+    module.get_peak_flops_per_device = _peak_flops_unless_cpu(original)  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        module.get_peak_flops_per_device = original
+        module.get_peak_flops_per_device = original  # type: ignore[attr-defined]
     register_cpu_tree_attention()

@@ -41,7 +41,7 @@ class AsyncGRPOConfig(_TRLAsyncGRPOConfig):
     bf16 is available, CUDA, XPU or MPS alike, ``bf16`` is left as given."""
 
     def __post_init__(self) -> None:
-        wants_bf16 = self.bf16 is True or (self.bf16 is None and not self.fp16)  # None: TRL's default, True
+        wants_bf16 = self.bf16 is True or (self.bf16 is None and not self.fp16)  # type: ignore[has-type]  # None: TRL's default, True
         if wants_bf16 and not self.use_cpu and not bf16_training_available():
             warnings.warn(
                 "AsyncGRPOConfig: bf16=True needs a bf16-capable accelerator and none is available here; "
@@ -117,7 +117,7 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
             drain_on_stop(self.rollout_worker)  # so the run ends when training does, not 15 s later
         self._peft_sync: str | None = None
         if delta_sync is not None:
-            self._peft_sync = choose_peft_sync(self, delta_sync)  # None unless a PEFT model
+            self._peft_sync = choose_peft_sync(self, delta_sync)  # type: ignore[arg-type]  # None unless a PEFT model
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checkpoint_layout import checkpoint_layout, find_pretrained
 from .schemes import _ct
 
 __all__ = ["ignore_list", "quantized_names"]
@@ -73,6 +72,9 @@ def ignore_list(model: torch.nn.Module, ignore: Sequence[str] = ("lm_head",)) ->
 def _targets(model: torch.nn.Module, ignore: Sequence[str]) -> list[_Target]:
     _ct()
     from compressed_tensors.utils.match import is_match
+
+    # The trainer's model: imported here, so that a server reading views loads no trainer-side code.
+    from .._checkpoint_layout import checkpoint_layout, find_pretrained
 
     if isinstance(ignore, str):
         ignore = [ignore]

@@ -153,7 +153,7 @@ def test_update_is_one_request_where_the_server_has_the_update_route():
     server.delay = 0.05
     report = _client([server], token="s3cret").update(3)
     assert server.routes() == ["/deltasync/update", "/collective_rpc"]
-    (route, params, body, auth) = server.requests[0]
+    (_route, params, body, auth) = server.requests[0]
     assert body == {"version": 3, "auth": update_tag("s3cret", 3)} and auth == "Bearer s3cret" and params == {}
     (result,) = report.results
     assert report.ok and result.version == 3 and result.fingerprint == "fp3" and result.kind == "delta"

@@ -62,8 +62,8 @@ def test_silence_noise_drops_the_known_noise_only(monkeypatch) -> None:
             warnings.simplefilter("always")
             silence_noise(environ)
             silence_noise(environ)  # twice: the environment lists each option once
-            warnings.warn("TRL currently supports vLLM versions from 0.22.0 to 0.31.0. You have 0.32.0", UserWarning)
-            warnings.warn("another warning", UserWarning)
+            warnings.warn("TRL currently supports vLLM versions from 0.22.0 to 0.31.0. You have 0.32.0", UserWarning, stacklevel=1)
+            warnings.warn("another warning", UserWarning, stacklevel=1)
         assert [str(w.message) for w in caught] == ["another warning"]
         records = []
         handler = logging.Handler()

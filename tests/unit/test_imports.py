@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata as metadata
+import os
 import re
 import subprocess
+import sys
 import tomllib
 import venv
 from pathlib import Path
@@ -33,7 +35,7 @@ LAYERS = (
     # The format's foundations: the codecs know no file header, no pointer.
     ("deltasync.format.versions", "deltasync.format.limited_json", "deltasync.format.container",
      "deltasync.format.dtypes", "deltasync.format.codecs"),
-    ("deltasync.format", "deltasync._auth", "deltasync._messages", "deltasync.stores"),
+    ("deltasync.format", "deltasync._auth", "deltasync._messages", "deltasync._lora_rules", "deltasync.stores"),
     ("deltasync._sharded", "deltasync._parts", "deltasync._client", "deltasync._checkpoint_layout", "deltasync._sources"),
     # Quantized views: schemes (compressed-tensors, imported lazily), targets, checkpoint writer.
     ("deltasync.views",),
@@ -44,15 +46,14 @@ LAYERS = (
     ("deltasync",),
     # The integrations: each uses the core, neither the other.
     ("deltasync.trl", "vllm_ext"),
-    # The commands, the examples (and the deprecated aliases of their old paths).
-    ("deltasync.cli", "deltasync._serve", "deltasync.examples", "deltasync._server", "deltasync.envs",
-     "deltasync.tiny"),
+    # The commands and the examples.
+    ("deltasync.cli", "deltasync._serve", "deltasync.examples"),
 )  # fmt: skip
 _CORE_CHECK = """
 import importlib, pkgutil, sys
 import deltasync, deltasync.stores, deltasync.cli
 # The core and the CLI module load no example (the CLI imports them when it builds its parser).
-loaded = sorted(m for m in sys.modules if m.startswith(("deltasync.examples", "deltasync.envs", "deltasync.tiny")))
+loaded = sorted(m for m in sys.modules if m.startswith("deltasync.examples"))
 assert not loaded, loaded
 needs = {}
 for info in pkgutil.walk_packages(deltasync.__path__, "deltasync."):
@@ -118,11 +119,9 @@ def test_the_core_imports_in_a_venv_of_only_its_dependencies(core_python) -> Non
     assert proc.returncode == 0, proc.stderr[-3000:]
     needs = dict(ast.literal_eval(proc.stdout.splitlines()[0]))
     assert ast.literal_eval(proc.stdout.splitlines()[1]) == []  # nothing optional was found anyway
-    # Only the integrations that are their extras refuse (the Wordle example, and the deprecated
-    # alias of its old path), and they say which extra.
-    assert sorted(needs) == ["deltasync.envs.wordle", "deltasync.examples.wordle", "deltasync.trl"], needs
-    assert all("pip install 'deltasync[wordle]'" in needs[name] for name in ("deltasync.examples.wordle",
-                                                                               "deltasync.envs.wordle"))
+    # Only the integrations that are their extras refuse (the Wordle example), and they say which extra.
+    assert sorted(needs) == ["deltasync.examples.wordle", "deltasync.trl"], needs
+    assert "pip install 'deltasync[wordle]'" in needs["deltasync.examples.wordle"]
     assert all(f"    {command} " in proc.stdout for command in ("inspect", "demo", "serve", "spaces"))  # the CLI's help
 
 
@@ -216,3 +215,29 @@ def test_no_import_runs_from_a_lower_layer_to_a_higher_one() -> None:
         if {_integration(name), _integration(target)} == {"vllm_ext", "deltasync.trl"}
     ]
     assert not upward and not crossed, upward + crossed
+
+
+# Trainer-side modules of deltasync: a vLLM worker must not load them.
+TRAINER_SIDE = ("deltasync._publisher", "deltasync._detector", "deltasync._sources", "deltasync._sharded",
+                "deltasync._checkpoint_layout", "deltasync._lora", "deltasync.trl")  # fmt: skip
+
+
+def test_import_vllm_ext_loads_no_trainer_side_module_and_patches_nothing() -> None:
+    """``import vllm_ext`` (what a worker does through the worker extension) loads deltasync's
+    reader, format and protocol, never its publisher, detector or LoRA sources; and it leaves
+    vLLM's CPU GEMM dispatch alone even with the switch on (the plugin entry point installs it)."""
+    pytest.importorskip("vllm")
+    probe = (
+        "import sys, vllm_ext\n"
+        "from vllm.model_executor.layers import utils\n"
+        f"print(sorted(m for m in sys.modules for t in {TRAINER_SIDE!r} if m == t or m.startswith(t + '.')))\n"
+        "print(utils.dispatch_cpu_unquantized_gemm.__name__)\n"
+        "vllm_ext.register()\n"
+        "print(utils.dispatch_cpu_unquantized_gemm.__name__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "DELTASYNC_CPU_PLAIN_GEMM": "1"}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded, before, after = proc.stdout.splitlines()[-3:]
+    assert loaded == "[]", loaded
+    assert (before, after) == ("dispatch_cpu_unquantized_gemm", "dispatch_plain_gemm")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import inflight  # noqa: E402
+import inflight
 
 
 class _Chunks:

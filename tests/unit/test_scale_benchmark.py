@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import scale  # noqa: E402
-from _counting_store import CountingStore  # noqa: E402
+import scale
+from _counting_store import CountingStore
 
-from deltasync import DeltaReceiver, NotFoundError  # noqa: E402
-from deltasync.stores import LocalStore  # noqa: E402
+from deltasync import DeltaReceiver, NotFoundError
+from deltasync.stores import LocalStore
 
 
 def test_the_store_wrapper_counts_requests_and_bytes_and_adds_its_latency(tmp_path):

@@ -84,7 +84,8 @@ def _child_pid(server: VLLMServer) -> int:
 
 def _pid_alive(pid: int) -> bool:
     try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return False
     return state not in ("Z", "X")

@@ -107,7 +107,7 @@ def test_chat_template_is_the_one_trl_recognises(tiny_model_dir):
     chat_template_utils = pytest.importorskip("trl.chat_template_utils")
     from transformers import AutoTokenizer
 
-    assert QWEN2_5_CHAT_TEMPLATE == chat_template_utils.qwen2_5_chat_template
+    assert chat_template_utils.qwen2_5_chat_template == QWEN2_5_CHAT_TEMPLATE
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     chat_template_utils.add_response_schema(tokenizer)  # raises on a template TRL does not know
 

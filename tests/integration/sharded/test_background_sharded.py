@@ -12,7 +12,7 @@ import pytest
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _background_workers  # noqa: E402
+import _background_workers
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

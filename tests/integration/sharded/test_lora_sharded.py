@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 pytest.importorskip("peft")
 sys.path.insert(0, str(Path(__file__).parent))
-import _lora_workers  # noqa: E402
+import _lora_workers
 
 
 def test_peft_fsdp2_and_ddp_publish_exactly_in_both_modes(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from deltasync.examples.tiny import build_tiny_moe_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _moe_workers  # noqa: E402
+import _moe_workers
 
 
 @pytest.mark.parametrize(

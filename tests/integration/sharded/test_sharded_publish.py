@@ -20,7 +20,7 @@ import pytest
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _sharded_workers  # noqa: E402
+import _sharded_workers
 
 
 @pytest.mark.parametrize("world", [2, 3])

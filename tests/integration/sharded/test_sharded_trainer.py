@@ -92,7 +92,7 @@ def test_fsdp2_trainer_two_processes_and_the_server_is_exact(setup) -> None:
     report = run_trainer(setup, "fsdp2", steps=3)
     assert report["sharded"] and report["layout"] == "FSDP2, 2 shards"
     assert set(report["parts"]) == set(report["anchor_parts"]) == {2}  # every version in 2 part files
-    model_dir, bucket, server, root = setup
+    model_dir, _bucket, server, root = setup
     served = [greedy(server.url), greedy(server.url, [list(range(3, 300))])]
     reference = root / "reference"
     reference.mkdir()

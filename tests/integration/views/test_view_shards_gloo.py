@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _view_shard_workers  # noqa: E402
+import _view_shard_workers
 
 pytest.importorskip("compressed_tensors")
 

@@ -11,7 +11,10 @@ Each update must fail
 with the refusal's message, leave the server healthy and unpaused, with the same greedy tokens
 and logprobs and the same reported version and fingerprint (in place: hashed again from the
 live weights); once the bucket is repaired, the next update is exact. Versions not committed
-or older than the served one, and requests without the token, are refused too. Only the
+or older than the served one, and requests without the token, are refused too. A delta file
+that is corrupt or deleted while an anchor of its version exists is healed from the anchor,
+exactly, and visibly (the answer, ``last_heal`` in the status route, ``deltasync_healed_total``
+on ``/metrics``). Only the
 public ``RolloutClient`` and the server's routes are used, so the test does not depend on the
 server's internals.
 """
@@ -300,3 +303,47 @@ def test_wrong_versions_and_requests_without_the_token_are_refused(bucket, serve
     report = client.update(newer)
     assert report.ok, report.failed
     assert _served(server, client) == (newer, fingerprint(bf16_state_dict(bucket.model)))
+
+
+def _healed_total(server) -> float:
+    (line,) = [x for x in requests.get(server.url + "/metrics", timeout=10).text.splitlines()
+               if x.startswith("deltasync_healed_total ")]  # fmt: skip
+    return float(line.split()[1])
+
+
+def test_a_corrupt_or_missing_delta_beside_an_anchor_is_healed_visibly(bucket, server, client):
+    """A delta file that is corrupt (then one that is deleted) with an anchor of its version
+    beside it: the update loads the anchor and is exact, and the heal is seen: in the update's
+    answer, in the status route (``last_heal``, typed, naming the file) and on ``/metrics``."""
+    from deltasync._client import STATUS_ROUTE
+    from deltasync._messages import ServedBody
+
+    # In place, the plain CPU GEMM was installed where the server started (the plugin entry point).
+    assert client.status()[server.url].mode == bucket.mode
+    report = client.update(bucket.pointer().version)
+    assert report.ok, report.failed
+    healed = _healed_total(server)
+    for damage in ("corrupt", "missing"):
+        version = bucket.step(anchor=True)
+        path = bucket.pointer().entry(version).path
+        if damage == "corrupt":
+            _flip_a_bit(bucket, version)
+        else:
+            (bucket.root / path).unlink()
+        report = client.update(version)
+        assert report.ok, report.failed
+        (result,) = report.results
+        assert result.fingerprint == fingerprint(bf16_state_dict(bucket.model)), damage
+        assert _served(server, client) == (version, result.fingerprint), damage
+        body = requests.get(server.url + STATUS_ROUTE, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+        (worker,) = ServedBody.from_answer(body.json()).workers
+        heal = worker.last_heal
+        assert heal is not None and (heal.version, heal.anchor) == (version, version), damage
+        assert path in heal.error and heal.error.startswith("IntegrityError" if damage == "corrupt" else "NotFoundError")
+        assert worker.last_update is not None and worker.last_update.healed == heal
+        healed += 1
+        assert _healed_total(server) == healed, damage
+    # A sound delta after it is not counted.
+    report = client.update(bucket.step())
+    assert report.ok, report.failed
+    assert _healed_total(server) == healed

@@ -834,7 +834,7 @@ def test_zstd_streams_are_the_same_when_transformed_in_chunks(case: str, chunk: 
 
 
 def test_gap_big_is_used_from_255_times_256() -> None:
-    state, changes = CASES["gaps of 255*256 and more use gap_big"]()
+    _state, changes = CASES["gaps of 255*256 and more use gap_big"]()
     streams, _ = Z.zstd_streams(list(changes.items()))
     # gaps 65280 (high part 255: escaped), 65279 (high part 254), 69438 (high part 271: escaped)
     assert streams["gap_hi_mask"] == bytes([0b111])
@@ -864,7 +864,7 @@ def test_zstd_streams_follow_the_documented_definitions(seed: int) -> None:
     index = {
         name: sorted(set(rng.integers(0, n, size=int(rng.integers(1, 40))).tolist())) for name, n in numels.items()
     }
-    state, changes = make_case(numels, index, seed=seed)
+    _state, changes = make_case(numels, index, seed=seed)
     streams, counts = Z.zstd_streams(list(changes.items()))
     items = [(c.index.tolist(), bits_of(c.old), bits_of(c.new)) for c in changes.values()]
     assert streams == ref_streams(items)
@@ -1433,7 +1433,7 @@ def test_malformed_pointer_is_refused(case: str) -> None:
 
 
 def test_encoder_refuses_what_it_cannot_write() -> None:
-    state, changes = make_case({"w": 4}, {"w": [1]})
+    _state, changes = make_case({"w": 4}, {"w": [1]})
     with pytest.raises(FormatError, match="unknown codec 'lz4' \\(known: raw, zstd\\)"):
         F.encode_delta(changes, version=1, anchor=0, codec="lz4", total=4, fingerprint=FP1, base_fingerprint=FP0)
     no_old = {"w": F.Change(index=torch.tensor([1]), new=bf16([5]))}

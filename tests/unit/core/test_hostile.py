@@ -248,7 +248,8 @@ POINTER_VALUES = {
     "root after base": ("root", "1", r"root 1, base 0 and version 2 are out of order"),
     "anchors of ints": ("anchors", "[1]", r"anchors\[0\] must be an object, got int"),
     "anchors not a list": ("anchors", '"anchors/00000000.safetensors"', r"anchors must be a list of 1 to 1024 entries, got str"),
-    "anchors too many": ("anchors", "[" + ", ".join(["{}"] * 1025) + "]", r"anchors must be a list of 1 to 1024 entries, got a list of 1025"),
+    # Objects of real entries' size: a pointer of empty ones is refused before parsing (below).
+    "anchors too many": ("anchors", "[" + ", ".join(['{"x": "' + "0" * 160 + '"}'] * 1025) + "]", r"anchors must be a list of 1 to 1024 entries, got a list of 1025"),
     "bad base fingerprint": ("base_fingerprint", '"0123456789ABCDEF"', r"base_fingerprint must be 16 lower-case hex digits"),
     "bad fingerprint": ("fingerprint", '"ABCDEF0123456789"', r"fingerprint must be 16 lower-case hex digits"),
 }
@@ -271,8 +272,10 @@ def test_a_huge_version_allocates_nothing(zchain) -> None:
 
 
 POINTER_TEXTS = {
-    "deep arrays": (b"[" * 100_000, r"the pointer nests more than 8 levels deep"),
-    "deep objects": (b'{"a":' * 50_000 + b"1" + b"}" * 50_000, r"nests more than 8 levels deep"),
+    # Padded: without the spaces, so many brackets in so few bytes are refused by counting first.
+    "deep arrays": (b"[" * 1000 + b" " * 100_000, r"the pointer nests more than 8 levels deep"),
+    "deep objects": (b'{"a":' * 500 + b"1" + b"}" * 500 + b" " * 50_000, r"nests more than 8 levels deep"),
+    "dense deep arrays": (b"[" * 100_000, r"not a deltasync pointer \(100000 objects and arrays .* in 100000 bytes"),
     "not UTF-8": (b'{"format": "\xff"}', r"invalid JSON: .*can't decode"),
     "duplicate key": (b'{"format": "deltasync", "format": "deltasync"}', r"the key 'format' appears twice"),
     "too large": (b" " * (F.MAX_POINTER_BYTES + 1), r"more than the 33554432 a reader accepts"),
@@ -468,6 +471,50 @@ def test_an_oversized_pointer_is_refused_without_reading_it_whole(zchain) -> Non
         f.truncate(2 << 30)
     growth = peak_growth_mib(lambda: refused(zchain, r"latest.json: .* more than the 33554432 a reader accepts"))
     assert growth < 3 * F.MAX_POINTER_BYTES / MiB
+
+
+@pytest.mark.parametrize("filling", [b"{}", b"[]", b"0", b'""'])
+def test_a_pointer_filled_with_empty_values_is_refused_before_parsing(zchain, monkeypatch, filling) -> None:
+    """A pointer at the size cap filled with the cheapest JSON values (three bytes apiece) is
+    refused by counting, before any of them becomes a Python object: nothing is parsed, and the
+    reader's peak memory grows by less than twice the file's size (the read, and a copy).
+    Parsed, such a pointer cost 25 times its size (benchmarks/hostile_pointer.py)."""
+    from deltasync.format import pointer as pointer_module
+
+    head = b'{"format": "deltasync", "format_version": 2, "version": 1, "chain": ['
+    count = (F.MAX_POINTER_BYTES - len(head) - 2) // (len(filling) + 1)
+    data = head + b",".join([filling] * count) + b"]}"
+    assert len(data) <= F.MAX_POINTER_BYTES
+    (zchain.store.root / "latest.json").write_bytes(data)
+    del data
+
+    def never(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the pointer was parsed")
+
+    monkeypatch.setattr(pointer_module, "parse_json", never)
+    what = "commas" if filling in (b"0", b'""') else "objects and arrays"
+    growth = peak_growth_mib(lambda: refused(zchain, rf"latest.json: not a deltasync pointer \(\d+ {re.escape(what)}.* in \d+ bytes, more than the \d+ a pointer of that size can hold"))
+    assert growth < 2 * F.MAX_POINTER_BYTES / MiB
+
+
+@pytest.mark.parametrize("indent", [1, None])
+def test_a_long_honest_pointer_passes_the_counts(indent) -> None:
+    """The counts before parsing leave room for real pointers: a long chain of multi-part
+    versions with small numbers, written without whitespace too, parses."""
+    def part(version: int, number: int) -> F.PartEntry:
+        return F.PartEntry(path=f"deltas/{version:08d}.part{number}.safetensors", nbytes=1, sha256="a" * 64, changed=0)
+
+    chain = tuple(F.ChainEntry(version=v, kind="delta", path="", nbytes=8, sha256="", fingerprint=f"{v:016x}",
+                               changed=0, parts=tuple(part(v, p) for p in range(8))) for v in range(1, 401))  # fmt: skip
+    anchor = F.ChainEntry(version=0, kind="anchor", path="anchors/00000000.safetensors", nbytes=1, sha256="a" * 64,
+                          fingerprint=f"{0:016x}", changed=0)  # fmt: skip
+    honest = Pointer(version=400, fingerprint=f"{400:016x}", total=1, root=0, base=0, base_fingerprint=f"{0:016x}",
+                     anchors=(anchor,), chain=chain)  # fmt: skip
+    data = honest.to_bytes()
+    if indent is None:
+        data = json.dumps(json.loads(data), separators=(",", ":")).encode()
+    pointer = Pointer.from_bytes(data)
+    assert pointer == honest
 
 
 # --------------------------------------------------------------------------- shapes and names

@@ -72,7 +72,7 @@ GOOD = {codec: good_delta(codec) for codec in F.CODECS}
 
 def decode(data: bytes) -> dict[str, F.Change]:
     base = state()
-    header, changes = F.decode_delta(data, where=WHERE, numels=NUMEL, base_values=lambda n, i: base[n][i])
+    _header, changes = F.decode_delta(data, where=WHERE, numels=NUMEL, base_values=lambda n, i: base[n][i])
     return changes
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import replace_file, small_transformer, train_step
@@ -266,3 +268,44 @@ def test_a_bad_delta_before_every_anchor_is_named_not_hidden(tmp_path) -> None:
     assert (staged.kind, staged.versions) == ("anchor", [4, 5])
     follower.apply(staged)
     assert follower.fingerprint == publisher.fingerprint and follower.verify()
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_a_bad_delta_beside_an_anchor_is_healed_visibly(tmp_path, caplog, damage) -> None:
+    """A delta file that is corrupt or missing, with an anchor of the same version beside it: the
+    receiver builds the version from the anchor (exactly), says so in a warning naming the file,
+    and records it in ``StagedUpdate.healed``. Without the anchor it refuses, as before."""
+    model = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    publisher = DeltaPublisher(tmp_path / "b", model, None, anchor_every=1000, anchor_bytes_ratio=0)
+    publisher.publish()
+    follower = DeltaReceiver(tmp_path / "b")
+    follower.sync()
+    with torch.no_grad():
+        model.weight.view(-1)[:3] += 1
+    version = publisher.publish(anchor=True).version
+    publisher.flush()
+    publisher.close()
+    pointer = publisher.pointer
+    assert [a.version for a in pointer.anchors][-1] == version and pointer.replays_from(0, follower.fingerprint)
+    store = open_store(tmp_path / "b")
+    path = f"deltas/{version:08d}.safetensors"
+    if damage == "corrupt":
+        data = bytearray(store.read_bytes(path))
+        data[len(data) // 2] ^= 1
+        store.write_bytes(path, bytes(data))
+        error = r"IntegrityError: .*deltas/00000001.safetensors \(version 1\): SHA-256"
+    else:
+        store.delete([path])
+        error = r"NotFoundError: .*deltas/00000001.safetensors"
+    with caplog.at_level("WARNING", logger="deltasync"):
+        staged = follower.stage()
+    assert (staged.kind, staged.versions) == ("anchor", [version])
+    assert staged.healed is not None and (staged.healed.version, staged.healed.anchor) == (version, version)
+    assert re.search(error, staged.healed.error), staged.healed.error
+    (record,) = [r for r in caplog.records if "built from anchor" in r.getMessage()]
+    assert record.levelname == "WARNING" and path in record.getMessage()
+    follower.apply(staged)
+    assert follower.fingerprint == publisher.fingerprint and follower.verify()
+    # An update that used its deltas is not marked.
+    assert follower.stage().healed is None
+

@@ -103,7 +103,7 @@ def test_views_anchor_where_the_bf16_chain_does_and_late_joiners_catch_up(tmp_pa
 
 
 def test_the_view_keeps_at_most_one_byte_per_quantized_weight_plus_scales(tmp_path):
-    model, optimizer, publisher = _trainer(tmp_path)
+    model, _optimizer, publisher = _trainer(tmp_path)
     with publisher:
         publisher.publish()
         view = publisher._views[0]  # noqa: SLF001 - what the publisher holds for the view
@@ -216,7 +216,7 @@ BAD_VIEW_DELTAS = {
 
 @pytest.mark.parametrize("case", BAD_VIEW_DELTAS)
 def test_bad_codes_scales_and_dtypes_are_refused_by_name_and_change_nothing(tmp_path, case):
-    model, optimizer, publisher = _trainer(tmp_path)
+    _model, _optimizer, publisher = _trainer(tmp_path)
     with publisher:
         publisher.publish()
         receiver = DeltaReceiver(tmp_path / "bucket", view=FP8)
@@ -232,7 +232,7 @@ def test_bad_codes_scales_and_dtypes_are_refused_by_name_and_change_nothing(tmp_
 
 
 def test_a_bf16_receiver_refuses_a_view_anchor_for_its_weights(tmp_path):
-    model, optimizer, publisher = _trainer(tmp_path)
+    _model, _optimizer, publisher = _trainer(tmp_path)
     with publisher:
         publisher.publish()
     bf16 = DeltaReceiver(tmp_path / "bucket")

@@ -193,7 +193,7 @@ def test_matches_per_sample_attention_outputs_and_gradients(case, seed):
         for name, tree_grad, ref_grad in zip("qkv", tree_grads, ref_grads):
             assert tree_grad.abs().sum() > 0, name
             # Gradients sum over every query that sees a key, in another order than the reference.
-            torch.testing.assert_close(tree_grad, ref_grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+            torch.testing.assert_close(tree_grad, ref_grad, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 def test_rejects_layout_that_still_holds_padding():
@@ -251,7 +251,7 @@ def test_qwen2_tree_forward_matches_per_sample_forward():
         ref_grad = ref_params[name].grad
         # Sums over every logit in another order: compare at fp32 rounding of the gradient's own scale.
         scale = ref_grad.abs().max().item()
-        torch.testing.assert_close(param.grad, ref_grad, rtol=0, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(param.grad, ref_grad, rtol=0, atol=1e-5 * scale, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_registration_replaces_trl_flash_function_and_is_idempotent():

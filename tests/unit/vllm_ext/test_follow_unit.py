@@ -5,7 +5,6 @@ engine client recorded (``test_update_route.Engine``); real servers follow in
 from __future__ import annotations
 
 import asyncio
-import json
 from types import SimpleNamespace
 
 import pytest

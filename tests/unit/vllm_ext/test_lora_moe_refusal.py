@@ -14,13 +14,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.config import LoRAConfig, ModelConfig  # noqa: E402
+from vllm.config import LoRAConfig, ModelConfig
 
-from deltasync import AdapterError  # noqa: E402
-from deltasync.examples.tiny import build_tiny_moe_model  # noqa: E402
-from vllm_ext import LoraSyncMiddleware  # noqa: E402
-from vllm_ext._lora import _AdapterSync  # noqa: E402
-from vllm_ext._lora_worker import lora_modules, lora_problem  # noqa: E402
+from deltasync import AdapterError
+from deltasync.examples.tiny import build_tiny_moe_model
+from vllm_ext import LoraSyncMiddleware
+from vllm_ext._lora import _AdapterSync
+from vllm_ext._lora_worker import lora_modules, lora_problem
 
 
 @pytest.fixture(scope="module")

@@ -314,7 +314,7 @@ def test_without_a_token_the_server_refuses_to_start(monkeypatch):
 
 
 def test_lifespan_passes_through_and_unknown_scopes_are_refused():
-    middleware, calls = _middleware()
+    middleware, _calls = _middleware()
     seen: list[str] = []
 
     async def app(scope, receive, send):

@@ -393,3 +393,39 @@ def test_a_failed_prefetch_is_reported_and_retried(world):
     with pytest.raises(UpdateError, match=r"update to version 2 refused \(IntegrityError\): .*\(version 2\): 4 bytes, "
                                           r"the pointer says \d+ \(truncated or replaced\); still serving version 1"):
         world.update(second)
+
+
+def test_a_corrupt_or_missing_delta_beside_an_anchor_is_healed_and_reported(world):
+    """A delta file that is corrupt (then one that is missing) with an anchor of its version
+    beside it: the update loads the anchor, is exact, and its answer and the worker's status
+    say so (typed), naming the file."""
+    from deltasync import open_store
+
+    world.update(0)
+    store = open_store(world.bucket)
+    assert world.updater.status()["last_heal"] is None
+    for damage in ("corrupt", "missing"):
+        with torch.no_grad():
+            world.model.get_parameter("model.norm.weight")[:4] += 0.05
+        version = world.publisher.publish(anchor=True).version
+        world.publisher.flush()
+        path = f"deltas/{version:08d}.safetensors"
+        if damage == "corrupt":
+            data = bytearray(store.read_bytes(path))
+            data[len(data) // 2] ^= 1
+            store.write_bytes(path, bytes(data))
+        else:
+            store.delete([path])
+        answer = UpdateAnswer.from_answer(world.update(version))
+        assert (answer.version, answer.kind, answer.fingerprint) == (version, "anchor", fingerprint(world.state()))
+        assert answer.healed is not None and (answer.healed.version, answer.healed.anchor) == (version, version)
+        assert path in answer.healed.error and answer.healed.error.startswith(
+            "IntegrityError" if damage == "corrupt" else "NotFoundError"
+        )
+        status = WorkerStatus.from_answer(world.updater.status())
+        assert status.last_heal == answer.healed and status.version == version
+    # The next update uses its delta: not marked, and the last heal stays reported.
+    version = world.edit("model.norm.weight", rows=slice(0, 4))
+    answer = UpdateAnswer.from_answer(world.update(version))
+    assert (answer.kind, answer.healed) == ("delta", None)
+    assert WorkerStatus.from_answer(world.updater.status()).last_heal is not None

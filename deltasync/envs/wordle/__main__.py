@@ -1,9 +1,0 @@
-"""``python -m deltasync.envs.wordle``, deprecated: ``python -m deltasync.examples.wordle`` runs the server."""
-
-import warnings
-
-from ...examples.wordle import main
-
-# Run as __main__, so Python's default filters show it (the package's own warning names its importer).
-warnings.warn("python -m deltasync.envs.wordle is deprecated: run python -m deltasync.examples.wordle", DeprecationWarning)
-raise SystemExit(main())
