@@ -10,7 +10,10 @@ no-update ones (``baseline``: ``--baseline-s`` seconds with no update):
   ``wait_prefetched``), then applied with ``POST /deltasync/update {"mode": "inflight"}``;
 - ``pause`` (once, after the first ``inflight``; ``--modes inflight`` leaves it out): as many
   further deltas, applied with ``"mode": "pause"``;
-- ``inflight`` again, ``--repeats`` in-flight phases in all.
+- ``inflight`` again, ``--repeats`` in-flight phases in all;
+- ``cold`` (with ``--modes inflight,cold``, after the first ``inflight``): as many deltas, applied
+  in flight with no prefetch first, as ``RolloutClient.update(N)`` alone or a follower does: the
+  update request's window then holds the staging too.
 
 The no-update rate is all baselines' tokens over their seconds; the machine's speed drifts by
 several percent over minutes, so each update phase is also compared with the baselines on
@@ -258,6 +261,7 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
     """One phase: ``versions`` prefetched and applied one after the other in ``mode`` (none:
     ``--baseline-s`` seconds without an update); what the streams got meanwhile."""
     client = RolloutClient(url, timeout=600)
+    route_mode = "inflight" if mode == "cold" else mode
     updates = []
     with httpx.Client(timeout=600) as http:
         before = preemptions(http, url)
@@ -270,16 +274,22 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
             time.sleep(max(0.0, start + k * args.interval - time.perf_counter()))
             p0 = preemptions(http, url)  # the benchmark's own reads stay outside the update's window
             t0 = time.perf_counter()
-            (pre,) = client.prefetch(version).values()
-            assert pre.ok, pre.error
-            job = wait_staged(client, version)  # where and how long the worker staged (vllm_ext._cpus)
+            if mode == "cold":  # no prefetch: the request stages, then applies
+                job: dict[str, Any] = {}
+            else:
+                (pre,) = client.prefetch(version).values()
+                assert pre.ok, pre.error
+                job = wait_staged(client, version)  # where and how long the worker staged (vllm_ext._cpus)
             ta = time.perf_counter()
-            response = http.post(url + "/deltasync/update", json={"version": version, "auth": None, "mode": mode})
+            response = http.post(url + "/deltasync/update", json={"version": version, "auth": None, "mode": route_mode})
             tb = time.perf_counter()
             assert response.status_code == 200, response.text
             answer = response.json()
             (result,) = answer["results"]
-            assert answer["mode"] == mode and answer["note"] is None, answer
+            assert answer["mode"] == route_mode and answer["note"] is None, answer
+            if mode == "cold":
+                assert not result["prefetched"], result
+                job = {"stage_s": result["stage_s"]}
             assert result["fingerprint"] == v["fingerprint"], \
                 f"version {version} serves {result['fingerprint']}, the trainer committed {v['fingerprint']}"  # fmt: skip
             flight, flight_tokens = streams.in_flight(ta)
@@ -299,7 +309,7 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
                 updates[-1]["window"] = [t0, te]
                 time.sleep(args.rest * (te - t0))
                 updates[-1]["rest"] = [te, time.perf_counter()]
-            log(f"{name}: version {version} staged in {ta - t0:.2f} s (worker {job['stage_s']:.2f} s on CPUs "
+            log(f"{name}: version {version} staged in {ta - t0:.2f} s (worker {job['stage_s'] or 0:.2f} s on CPUs "
                 f"{job.get('cpus') or 'of the engine'}, {'SCHED_IDLE' if job.get('idle') else 'nice ' + str(job.get('nice'))}), applied in {result['apply_s']:.3f} s, request "
                 f"{tb - ta:.3f} s, route paused_s {answer['paused_s']:.3f}, {flight} streams in flight")  # fmt: skip
         end = time.perf_counter()
@@ -349,7 +359,7 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
     baseline = sum(p["tokens"] for p in base) / sum(p["seconds"] for p in base)
     out: dict[str, Any] = {"baseline_tokens_per_s": baseline,
                            "baseline_gap_p99_s": max(p["gap_p99_outside_updates_s"] for p in base)}  # fmt: skip
-    for mode in ("inflight", "pause"):
+    for mode in ("inflight", "cold", "pause"):
         runs = [p for p in phases if p["mode"] == mode]
         if not runs:
             continue
@@ -373,7 +383,7 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
             stage_s = sum(u["stage"][1] - u["stage"][0] for u in paired)
             request_s = sum(u["window"][1] - u["update"][0] for u in paired)
             paired_parts = {
-                "staging": sum(u["stage_tokens"] for u in paired) / stage_s / rest_rate,
+                "staging": sum(u["stage_tokens"] for u in paired) / stage_s / rest_rate if stage_s else None,
                 "request": sum(u["request_tokens"] for u in paired) / request_s / rest_rate,
                 "request_share_of_window": request_s / window_s,
             }
@@ -407,6 +417,7 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
             "apply_s_median": statistics.median(u["apply_s"] for u in ups),
             "request_s_median": statistics.median(u["request_s"] for u in ups),
             "stage_s_median": statistics.median(u["stage"][1] - u["stage"][0] for u in ups),
+            "worker_stage_s_median": statistics.median(u.get("worker_stage_s") or 0.0 for u in ups),
             "max_gap_during_updates_s": max(u["max_gap_s"] for u in ups),
             "median_max_gap_per_update_s": statistics.median(u["max_gap_s"] for u in ups),
             "gap_p99_outside_updates_s": max(p["gap_p99_outside_updates_s"] for p in runs),
@@ -432,6 +443,18 @@ def verdicts(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def gap_verdicts(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The longest stream gap around an in-flight update, prefetched or not, against
+    max(0.1 s, 2 x the p99 gap of the no-update phases)."""
+    bound = max(0.1, 2 * summary["baseline_gap_p99_s"])
+    return {
+        mode: {"label": f"longest gap around an in-flight update ({'not ' if mode == 'cold' else ''}prefetched), s",
+               "value": summary[mode]["max_gap_during_updates_s"], "bound": f"<= {bound:.3f}",
+               "pass": summary[mode]["max_gap_during_updates_s"] <= bound}
+        for mode in ("inflight", "cold") if mode in summary
+    }  # fmt: skip
+
+
 def table(summary: dict[str, Any]) -> str:
     rows = [
         ("tokens/s over the phase (no-update: {:.1f})".format(summary["baseline_tokens_per_s"]), "tokens_per_s", "{:.1f}"),
@@ -453,12 +476,13 @@ def table(summary: dict[str, Any]) -> str:
         ("worker apply s per update, median", "apply_s_median", "{:.3f}"),
         ("update request s, median", "request_s_median", "{:.3f}"),
         ("staging s (prefetch to ready), median", "stage_s_median", "{:.2f}"),
+        ("worker staging s, median", "worker_stage_s_median", "{:.2f}"),
         ("longest chunk gap during an update s", "max_gap_during_updates_s", "{:.3f}"),
         ("median over updates of the longest gap s", "median_max_gap_per_update_s", "{:.3f}"),
         ("p99 chunk gap outside updates s (no-update: {:.3f})".format(summary["baseline_gap_p99_s"]),
          "gap_p99_outside_updates_s", "{:.3f}"),
     ]  # fmt: skip
-    modes = [mode for mode in ("inflight", "pause") if mode in summary]
+    modes = [mode for mode in ("inflight", "cold", "pause") if mode in summary]
     lines = ["| | " + " | ".join(modes) + " |", "|---|" + "---:|" * len(modes)]
     for label, key, fmt in rows:
         cells = []
@@ -544,7 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=0.0,
                         help="seconds between two deltas' arrivals (a trainer's step time); 0: back to back")
     parser.add_argument("--modes", default="inflight,pause",
-                        help="update phases to run, in order (comma-separated: inflight, pause)")
+                        help="update phases to run, in order (comma-separated: inflight, and cold and/or pause)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the test suite's tiny model instead of the ~0.36B one (a quick check of gaps)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="in-flight phases, each followed by a no-update one (the machine's speed drifts: "
                              "each is compared with the no-update phases on either side)")
@@ -563,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if not 0 < args.density <= 1 or args.clients < 1 or args.updates < 1:
         parser.error("--density must be in (0, 1], --clients and --updates >= 1")
-    if "inflight" not in modes or not set(modes) <= {"inflight", "pause"} or len(set(modes)) != len(modes):
-        parser.error("--modes: inflight, and optionally pause, each once")
+    if "inflight" not in modes or not set(modes) <= {"inflight", "cold", "pause"} or len(set(modes)) != len(modes):
+        parser.error("--modes: inflight, and optionally cold and pause, each once")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     if args.pause_updates is None:
@@ -574,9 +600,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rest < 0 or (args.rest and args.interval):
         parser.error("--rest must be >= 0, and cannot go with --interval")
     # pause once, right after the first in-flight phase (its recompute is the same every time)
-    plan = ["inflight"] + (["pause"] if "pause" in modes else []) + ["inflight"] * (args.repeats - 1)
+    plan = (["inflight"] + (["cold"] if "cold" in modes else []) + (["pause"] if "pause" in modes else [])
+            + ["inflight"] * (args.repeats - 1))
     root = args.workdir or Path(tempfile.mkdtemp(prefix="deltasync-inflight-bench-"))
-    model_dir = build_tiny_model(root / "model", **SHAPE)
+    shape = {} if args.tiny else SHAPE
+    model_dir = build_tiny_model(root / "model", **shape)
     log(f"model: {model_dir}")
     trainer = Trainer(model_dir, root / "bucket", args.updates, args.density, args.seed, anchor_every=10**6)
     counts = [args.pause_updates if mode == "pause" else args.updates for mode in plan]
@@ -610,12 +638,13 @@ def main(argv: list[str] | None = None) -> int:
     assert not streams.errors, streams.errors[:5]
     summary = summarize(phases)
     checks = verdicts(summary)
+    checks.update({f"gap_{mode}": check for mode, check in gap_verdicts(summary).items()})
     t0 = phases[0]["start"]
     timeline = [{"t": s + 0.5, "tokens": streams.tokens_between(t0 + s, t0 + s + 1)}
                 for s in range(int(phases[-1]["end"] - t0))]  # fmt: skip
     spans = [r["span"].split("-") for r in streams.requests if r["span"]]
     straddled = sum(1 for first, last in spans if first != last)
-    result = {"machine": machine(), "shape": SHAPE, "clients": args.clients, "max_tokens": args.max_tokens, "updates": args.updates,
+    result = {"machine": machine(), "shape": shape or "tiny", "clients": args.clients, "max_tokens": args.max_tokens, "updates": args.updates,
               "pause_updates": args.pause_updates if "pause" in plan else 0, "rest": args.rest,
               "repeats": args.repeats, "staging_nice": phases[1]["updates"][0]["staging_nice"],
               "density": args.density, "interval_s": args.interval, "phases": phases, "summary": summary,

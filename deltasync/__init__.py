@@ -33,6 +33,13 @@ from ._publisher import DeltaPublisher, PublishOptions, PublishResult
 from ._receiver import DeltaReceiver, StagedUpdate
 from ._view_export import export_checkpoint, write_view_checkpoint
 from ._sources import ModelWeights, SourceWeight, WeightSource
+from ._token_versions import (
+    TOKEN_VERSIONS_HEADER,
+    TokenVersions,
+    VersionedCompletion,
+    parse_token_versions,
+    version_of_token,
+)
 from .stores import Store, open_store
 
 __version__ = "0.1.0"
@@ -40,6 +47,11 @@ __version__ = "0.1.0"
 __all__ = [
     "export_checkpoint",
     "write_view_checkpoint",
+    "TOKEN_VERSIONS_HEADER",
+    "TokenVersions",
+    "VersionedCompletion",
+    "parse_token_versions",
+    "version_of_token",
     "AdapterError",
     "AdapterRolloutClient",
     "AdapterWeights",

@@ -32,7 +32,7 @@ def setup(tiny_model_factory, tmp_path_factory):
         yield model_dir, bucket, server.url
 
 
-def make_trainer(model_dir, bucket, url, tmp_path, *, steps, token=TOKEN, background=True, **overrides):
+def make_trainer(model_dir, bucket, url, tmp_path, *, steps, token=TOKEN, background=True, sync=None, **overrides):
     from deltasync.trl import AsyncGRPOTrainer, DeltaSyncConfig
 
     config, dataset = tiny_grpo_args(tmp_path / "out", url, steps, **overrides)
@@ -45,7 +45,7 @@ def make_trainer(model_dir, bucket, url, tmp_path, *, steps, token=TOKEN, backgr
         # elements per step that the size rule would otherwise turn deltas into anchors.
         delta_sync=DeltaSyncConfig(
             bucket=str(bucket), server_urls=[url], token=token, publish=PublishOptions(anchor_bytes_ratio=0),
-            background=background,
+            background=background, **(sync or {}),
         ),
     )
 
@@ -130,3 +130,57 @@ def test_demo_command(tmp_path) -> None:
     assert (out / "bucket" / "latest.json").exists()
     assert (out / "demo.png").read_bytes()[:4] == b"\x89PNG"
     assert DeltaReceiver(out / "bucket").sync() == 3
+
+
+def test_samples_carry_the_version_of_each_token_and_old_tokens_are_masked(setup, tmp_path, monkeypatch) -> None:
+    """Every sample the trainer takes carries the version that sampled each of its tokens (from
+    the server's x-deltasync-token-versions), its staleness tag is the oldest of them, and with
+    max_token_lag=0 exactly the tokens of older versions leave the loss."""
+    import numpy as np
+
+    from deltasync.trl import _token_lag
+
+    model_dir, bucket, url = setup
+    seen = []  # (the trained version when it was taken, its mask before, the sample)
+
+    class Recorder:
+        def __init__(self, queue) -> None:
+            self.inner = queue
+
+        def qsize(self) -> int:
+            return self.inner.qsize()
+
+        def get(self, *args, **kwargs):
+            sample = self.inner.get(*args, **kwargs)
+            seen.append([None, sample.completion_mask.copy(), sample])
+            return sample
+
+    original = _token_lag.TokenLagQueue.__init__
+
+    def init(self, queue, model_version, *args, **kwargs):
+        original(self, Recorder(queue), model_version, *args, **kwargs)
+
+    def get(self, *args, **kwargs):
+        sample = type(self).unpatched_get(self, *args, **kwargs)
+        seen[-1][0] = self.version
+        return sample
+
+    monkeypatch.setattr(_token_lag.TokenLagQueue, "__init__", init)
+    monkeypatch.setattr(_token_lag.TokenLagQueue, "unpatched_get", _token_lag.TokenLagQueue.get, raising=False)
+    monkeypatch.setattr(_token_lag.TokenLagQueue, "get", get)
+    trainer = make_trainer(model_dir, bucket, url, tmp_path, steps=3, max_completion_length=48, sync={"max_token_lag": 0})
+    trainer.train()
+    versions = {h["version"] for h in trainer.delta_history}
+    assert seen
+    for trained, before, sample in seen:
+        assert isinstance(sample, _token_lag.VersionedRolloutSample)
+        sampled = before > 0
+        stamps = sample.token_versions
+        assert (stamps[sampled] >= 0).all() and (stamps[~sampled] == -1).all()  # the server named every token's
+        assert set(stamps[sampled].tolist()) <= versions
+        assert (np.diff(stamps[sampled]) >= 0).all()  # versions only move forward along a completion
+        assert sample.model_version == stamps[sampled].min()  # TRL's staleness tag: the oldest token
+        if trained - sample.model_version <= trainer.args.max_staleness:  # a sample TRL keeps
+            assert (sample.completion_mask == (sampled & (stamps == trained))).all()
+    logged = [entry for entry in trainer.state.log_history if "tokens/lag_0_share" in entry]
+    assert logged and all(k in logged[-1] for k in ("tokens/lag_1_share", "sample/straddles_update", "tokens/masked_share"))

@@ -263,3 +263,29 @@ def test_trl_with_follow_only_publishes_and_tags_samples_with_served_versions(la
     lab.publisher = DeltaPublisher(lab.store, lab.model, None, anchor_every=3, anchor_bytes_ratio=0)
     lab.publisher.publish()
     _wait(list(followers.values()), lab.publisher.version, lab.fingerprint)
+
+
+def test_a_follower_tags_each_token_with_the_weights_that_sampled_it(lab, followers):
+    """Follow mode, paused (the in-place follower's mode): where the server says the new version
+    began is where teacher-forced logprobs of the first version's weights depart; tokens before
+    it were sampled before the pause, tokens from it on after the resume."""
+    import torch
+
+    from token_boundaries import Requests, check_boundaries
+
+    server = followers["in-place"]
+    first = _current(lab, [server])
+    saved = {name: p.detach().clone() for name, p in lab.model.named_parameters()}
+    load = Requests(server.url, list(range(3, 43)), max_tokens=600)
+    load.wait_tokens(20)  # every request is generating
+    with torch.no_grad():
+        lab.model.get_parameter("model.layers.1.mlp.down_proj.weight")[:64] += 0.2
+    second = lab.publisher.publish().version
+    _wait([server], second, lab.fingerprint)
+    answers = load.join()
+    with torch.no_grad():  # the first version's weights again, as a new version: the reference
+        for name, p in lab.model.named_parameters():
+            p.copy_(saved[name])
+    _wait([server], lab.publisher.publish().version, lab.fingerprint)
+    inside = check_boundaries(server.url, answers, first, second)
+    assert inside >= 3, [(a.kind, a.starts) for a in answers]

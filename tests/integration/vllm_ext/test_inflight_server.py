@@ -14,6 +14,7 @@ import time
 import pytest
 import requests
 from servers import PROMPTS, TP2, Trainer, extension_args, greedy, requires_vllm, running_server, tp_params
+from token_boundaries import Requests, check_boundaries
 
 from deltasync import RolloutClient
 
@@ -209,3 +210,29 @@ def test_pause_mode_still_recomputes_requests_in_flight(world, server):
     assert load.errors == []
     assert _preemptions(server) > before  # the requests in flight were preempted and recomputed
     _exact(world, server, version)
+
+
+def test_each_token_is_tagged_with_the_weights_that_sampled_it(world, server):
+    """Streamed and whole answers, two choices, chat: where the server says the new version
+    began is where teacher-forced logprobs of the first version's weights depart."""
+    import torch
+
+    first = _current(world, server)
+    saved = {name: p.detach().clone() for name, p in world.model.named_parameters()}
+    second = world.edit_many(("model.layers.1.mlp.down_proj.weight", slice(0, 64)), amount=0.2)
+    client = RolloutClient(server.url)
+    client.prefetch(second)
+    assert all(client.wait_prefetched(second).values())
+    load = Requests(server.url, LONG_PROMPT[:40], max_tokens=400)
+    load.wait_tokens(20)  # every request is generating
+    report = client.update(second, mode="inflight")
+    assert report.ok and report.results[0].mode == "inflight", report.failed
+    answers = load.join()
+    assert all(len(tokens) == 400 for a in answers for tokens in a.tokens)
+    # The first version's weights again, as a new version: the reference the truth is read on.
+    with torch.no_grad():
+        for name, p in world.model.named_parameters():
+            p.copy_(saved[name])
+    assert client.update(world.publisher.publish().version).ok
+    inside = check_boundaries(server.url, answers, first, second)
+    assert inside == 5, ([(a.kind, a.starts) for a in answers], report.results)  # every choice straddled the update
