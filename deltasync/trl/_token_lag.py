@@ -22,9 +22,16 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from trl.experimental.async_grpo.async_rollout_worker import RolloutSample, _AsyncRolloutLoop
+from trl.experimental.async_grpo.async_rollout_worker import (
+    RolloutSample,
+    _AsyncRolloutLoop,
+)
 
-from .._token_versions import TOKEN_VERSIONS_HEADER, parse_token_versions, version_of_token
+from .._token_versions import (
+    TOKEN_VERSIONS_HEADER,
+    parse_token_versions,
+    version_of_token,
+)
 
 __all__ = ["TokenLagQueue", "VersionedRolloutLoop", "VersionedRolloutSample", "align_versions"]
 
