@@ -39,10 +39,11 @@ _MARKER = re.compile(r"dsv[0-9a-f]{24}")
 
 
 def _apply_counted(self: Any, version: Any, auth: Any = None) -> dict[str, Any]:
-    counts = {
-        request_id: int(request.num_output_tokens) + int(getattr(request, "num_output_placeholders", 0) or 0)
+    counts = [
+        [request_id, getattr(request, "external_req_id", None),
+         int(request.num_output_tokens) + int(getattr(request, "num_output_placeholders", 0) or 0)]
         for request_id, request in self.scheduler.requests.items()
-    }
+    ]  # fmt: skip
     answers = self.collective_rpc("deltasync_apply", None, (version, auth), None)
     return {"tokens": counts, "answers": answers}
 
@@ -62,6 +63,7 @@ class _Choice:
     prompt: int
     child: int
     sent_epoch: int
+    external: str = ""
 
 
 @dataclass
@@ -76,6 +78,14 @@ class _Apply:
     epoch: int
     version: int
     tokens: dict[str, int] | None  # None: an apply whose counts were not taken
+
+
+def _child_of(internal: str, external: str) -> int:
+    """The choice index of an engine request: vLLM names child i of ``n > 1`` "{i}_{parent id}"."""
+    if internal.startswith(external):
+        return 0
+    head, _, _ = internal.partition("_")
+    return int(head) if head.isdigit() else 0
 
 
 class TokenVersionLog:
@@ -115,11 +125,8 @@ class TokenVersionLog:
         internal: str = request.request_id
         rest = external[found.end() :]
         prompt = int(rest[1:]) if rest.startswith("-") and rest[1:].isdigit() else 0
-        child = 0
-        if not internal.startswith(external):  # n > 1: vLLM names child i "{i}_{parent id}"
-            head, _, _ = internal.partition("_")
-            child = int(head) if head.isdigit() else 0
-        tracked.choices[internal] = _Choice(prompt, child, self.epoch)
+        child = _child_of(internal, external)
+        tracked.choices[internal] = _Choice(prompt, child, self.epoch, external)
 
     async def apply(self, engine: Any, version: int, auth: Any, *, counted: bool = True) -> list[Any]:
         """Run ``deltasync_apply`` on every worker through the engine core's counted call (or a
@@ -142,7 +149,12 @@ class TokenVersionLog:
             logger.warning("deltasync: the engine core lacks %s (is vllm_ext's plugin installed?): token "
                            "versions will be reported as unknown ('?')", ENGINE_METHOD)  # fmt: skip
             return await self.apply(engine, version, auth, counted=False)
-        self.record(epoch, version, dict(result["tokens"]), result["answers"])
+        tokens: dict[str, int] = {}
+        for internal, external, count in result["tokens"]:
+            tokens[internal] = count
+            if external:  # also by the id this server gave it, and the choice's index
+                tokens[f"{external}#{_child_of(internal, external)}"] = count
+        self.record(epoch, version, tokens, result["answers"])
         return list(result["answers"])
 
     def record(self, epoch: int, version: object, tokens: dict[str, int] | None, answers: Any) -> None:
@@ -184,8 +196,8 @@ class TokenVersionLog:
             for item in applies:
                 if item.tokens is None:
                     start: int | None = 0 if choice.sent_epoch >= item.epoch else None
-                elif internal in item.tokens:
-                    start = item.tokens[internal]
+                elif internal in item.tokens or f"{choice.external}#{choice.child}" in item.tokens:
+                    start = item.tokens.get(internal, item.tokens.get(f"{choice.external}#{choice.child}"))
                 elif choice.sent_epoch >= item.epoch:
                     start = 0  # sent after the write: every token is the new version's
                 else:

@@ -22,9 +22,16 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from trl.experimental.async_grpo.async_rollout_worker import RolloutSample, _AsyncRolloutLoop
+from trl.experimental.async_grpo.async_rollout_worker import (
+    RolloutSample,
+    _AsyncRolloutLoop,
+)
 
-from .._token_versions import TOKEN_VERSIONS_HEADER, parse_token_versions, version_of_token
+from .._token_versions import (
+    TOKEN_VERSIONS_HEADER,
+    parse_token_versions,
+    version_of_token,
+)
 
 __all__ = ["TokenLagQueue", "VersionedRolloutLoop", "VersionedRolloutSample", "align_versions"]
 
@@ -99,7 +106,10 @@ class VersionedRolloutLoop(_AsyncRolloutLoop):
         turns = _TURNS.get()
         if turns is not None:
             value = headers[-1] if headers else None
-            entries = parse_token_versions(value)[0] if value else None
+            try:
+                entries = parse_token_versions(value)[0] if value else None
+            except FormatError:  # a server that says nothing sound: its tokens stay unknown (-1)
+                entries = None
             stamps = [-1 if entries is None else _known(version_of_token(entries, i)) for i in range(len(ids))]
             turns.append((list(ids), stamps))
         return ids, logprobs
@@ -118,6 +128,8 @@ class VersionedRolloutLoop(_AsyncRolloutLoop):
     async def _score_group(self, group: Any) -> list[RolloutSample]:
         samples = await super()._score_group(group)
         sequences = [s for conversation in group.completions_sequences for s in conversation]
+        if len(sequences) != len(samples):  # not TRL 1.16's one sample per row: leave them as they are
+            return samples
         versioned = []
         for sample, sequence in zip(samples, sequences, strict=True):
             stamps = np.asarray(getattr(sequence, "deltasync_versions", [-1] * len(sample.input_ids)), dtype=np.int64)

@@ -19,7 +19,9 @@ from typing import Any
 
 from trl.experimental.async_grpo import AsyncGRPOConfig as _TRLAsyncGRPOConfig
 from trl.experimental.async_grpo import AsyncGRPOTrainer as _TRLAsyncGRPOTrainer
-from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop as _TRLLoop
+from trl.experimental.async_grpo.async_rollout_worker import (
+    _AsyncRolloutLoop as _TRLLoop,
+)
 
 from .._client import BaseRolloutClient, RolloutClient, ServerResult, UpdateReport
 from .._errors import ConfigError

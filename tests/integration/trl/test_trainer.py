@@ -168,7 +168,7 @@ def test_samples_carry_the_version_of_each_token_and_old_tokens_are_masked(setup
     monkeypatch.setattr(_token_lag.TokenLagQueue, "__init__", init)
     monkeypatch.setattr(_token_lag.TokenLagQueue, "unpatched_get", _token_lag.TokenLagQueue.get, raising=False)
     monkeypatch.setattr(_token_lag.TokenLagQueue, "get", get)
-    trainer = make_trainer(model_dir, bucket, url, tmp_path, steps=3, max_completion_length=48, sync={"max_token_lag": 0})
+    trainer = make_trainer(model_dir, bucket, url, tmp_path, steps=2, max_completion_length=48, sync={"max_token_lag": 0})
     trainer.train()
     versions = {h["version"] for h in trainer.delta_history}
     assert seen

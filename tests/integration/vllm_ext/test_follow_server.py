@@ -276,7 +276,7 @@ def test_a_follower_tags_each_token_with_the_weights_that_sampled_it(lab, follow
     server = followers["in-place"]
     first = _current(lab, [server])
     saved = {name: p.detach().clone() for name, p in lab.model.named_parameters()}
-    load = Requests(server.url, list(range(3, 43)), max_tokens=600)
+    load = Requests(server.url, list(range(3, 43)), max_tokens=800)
     load.wait_tokens(20)  # every request is generating
     with torch.no_grad():
         lab.model.get_parameter("model.layers.1.mlp.down_proj.weight")[:64] += 0.2

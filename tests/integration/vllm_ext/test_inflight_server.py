@@ -223,16 +223,21 @@ def test_each_token_is_tagged_with_the_weights_that_sampled_it(world, server):
     client = RolloutClient(server.url)
     client.prefetch(second)
     assert all(client.wait_prefetched(second).values())
-    load = Requests(server.url, LONG_PROMPT[:40], max_tokens=400)
+    load = Requests(server.url, LONG_PROMPT[:40], max_tokens=800)
     load.wait_tokens(20)  # every request is generating
-    report = client.update(second, mode="inflight")
-    assert report.ok and report.results[0].mode == "inflight", report.failed
+    t0 = time.monotonic()
+    # The worker apply through /collective_rpc: one call into the engine core, which counts
+    # every request's tokens and writes between two steps.
+    (answer,) = _rpc(server, "deltasync_apply", second)[:1]
+    took, reached = time.monotonic() - t0, load.progress[-1]
+    assert answer["version"] == second and answer["error"] is None and answer["prefetched"], answer
     answers = load.join()
-    assert all(len(tokens) == 400 for a in answers for tokens in a.tokens)
+    assert all(len(tokens) == 800 for a in answers for tokens in a.tokens)
     # The first version's weights again, as a new version: the reference the truth is read on.
     with torch.no_grad():
         for name, p in world.model.named_parameters():
             p.copy_(saved[name])
     assert client.update(world.publisher.publish().version).ok
     inside = check_boundaries(server.url, answers, first, second)
-    assert inside == 5, ([(a.kind, a.starts) for a in answers], report.results)  # every choice straddled the update
+    # Every choice straddled the update (it returned while the stream was at ``reached`` tokens).
+    assert inside == 5, ([(a.kind, a.starts) for a in answers], took, reached)

@@ -11,7 +11,11 @@ import pytest
 
 pytest.importorskip("trl")
 
-from deltasync.trl._token_lag import TokenLagQueue, VersionedRolloutSample, align_versions  # noqa: E402
+from deltasync.trl._token_lag import (
+    TokenLagQueue,
+    VersionedRolloutSample,
+    align_versions,
+)
 
 
 def test_each_run_of_trained_tokens_takes_its_turns_versions():

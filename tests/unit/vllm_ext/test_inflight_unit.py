@@ -141,7 +141,7 @@ def test_token_version_log_tells_finished_requests_from_ones_sent_after_the_writ
 
     async def call_utility_async(method, version, auth):
         assert method == ENGINE_METHOD
-        return {"tokens": dict(held), "answers": [{"version": version}]}
+        return {"tokens": [[k, None, v] for k, v in held.items()], "answers": [{"version": version}]}
 
     engine = SimpleNamespace(engine_core=SimpleNamespace(add_request_async=add_request_async,
                                                          call_utility_async=call_utility_async))  # fmt: skip
