@@ -334,6 +334,10 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
         ta, tb = u["update"]  # the last update's gaps may end after the phase: look on to the settling
         overlapping = [b - a for a, b in streams.gaps(start, settled) if a < tb and b > ta]
         u["max_gap_s"] = max(overlapping, default=0.0)
+        # From the prefetch on: a prefetched update's staging runs before its request, and must
+        # not stop the streams either.
+        t0 = u["stage"][0]
+        u["max_gap_window_s"] = max((b - a for a, b in streams.gaps(start, settled) if a < tb and b > t0), default=0.0)
     gaps = streams.gaps(start, end)
     windows = [u["update"] for u in updates]
     outside = [b - a for a, b in gaps if not any(a < tb and b > ta for ta, tb in windows)]
@@ -420,6 +424,7 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
             "worker_stage_s_median": statistics.median(u.get("worker_stage_s") or 0.0 for u in ups),
             "max_gap_during_updates_s": max(u["max_gap_s"] for u in ups),
             "median_max_gap_per_update_s": statistics.median(u["max_gap_s"] for u in ups),
+            "max_gap_from_prefetch_s": max(u["max_gap_window_s"] for u in ups),
             "gap_p99_outside_updates_s": max(p["gap_p99_outside_updates_s"] for p in runs),
         }
     return out
@@ -444,13 +449,13 @@ def verdicts(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def gap_verdicts(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The longest stream gap around an in-flight update, prefetched or not, against
-    max(0.1 s, 2 x the p99 gap of the no-update phases)."""
+    """The longest stream gap around an in-flight update (from its prefetch, if any, to its
+    answer), prefetched or not, against max(0.1 s, 2 x the p99 gap of the no-update phases)."""
     bound = max(0.1, 2 * summary["baseline_gap_p99_s"])
     return {
         mode: {"label": f"longest gap around an in-flight update ({'not ' if mode == 'cold' else ''}prefetched), s",
-               "value": summary[mode]["max_gap_during_updates_s"], "bound": f"<= {bound:.3f}",
-               "pass": summary[mode]["max_gap_during_updates_s"] <= bound}
+               "value": summary[mode]["max_gap_from_prefetch_s"], "bound": f"<= {bound:.3f}",
+               "pass": summary[mode]["max_gap_from_prefetch_s"] <= bound}
         for mode in ("inflight", "cold") if mode in summary
     }  # fmt: skip
 
@@ -479,6 +484,7 @@ def table(summary: dict[str, Any]) -> str:
         ("worker staging s, median", "worker_stage_s_median", "{:.2f}"),
         ("longest chunk gap during an update s", "max_gap_during_updates_s", "{:.3f}"),
         ("median over updates of the longest gap s", "median_max_gap_per_update_s", "{:.3f}"),
+        ("longest chunk gap from a prefetch to its update's answer s", "max_gap_from_prefetch_s", "{:.3f}"),
         ("p99 chunk gap outside updates s (no-update: {:.3f})".format(summary["baseline_gap_p99_s"]),
          "gap_p99_outside_updates_s", "{:.3f}"),
     ]  # fmt: skip

@@ -27,13 +27,14 @@ from trl.experimental.async_grpo.async_rollout_worker import (
     _AsyncRolloutLoop,
 )
 
+from .._errors import FormatError
 from .._token_versions import (
     TOKEN_VERSIONS_HEADER,
     parse_token_versions,
     version_of_token,
 )
 
-__all__ = ["TokenLagQueue", "VersionedRolloutLoop", "VersionedRolloutSample", "align_versions"]
+__all__ = ["TokenLagQueue", "VersionedRolloutLoop", "VersionedRolloutSample", "align_versions", "stamps_of"]
 
 #: Lags logged one by one; larger ones are pooled in ``tokens/lag_{LAG_BUCKETS}plus_share``.
 LAG_BUCKETS = 3
@@ -105,13 +106,7 @@ class VersionedRolloutLoop(_AsyncRolloutLoop):
             _HEADERS.reset(reset)
         turns = _TURNS.get()
         if turns is not None:
-            value = headers[-1] if headers else None
-            try:
-                entries = parse_token_versions(value)[0] if value else None
-            except FormatError:  # a server that says nothing sound: its tokens stay unknown (-1)
-                entries = None
-            stamps = [-1 if entries is None else _known(version_of_token(entries, i)) for i in range(len(ids))]
-            turns.append((list(ids), stamps))
+            turns.append((list(ids), stamps_of(headers[-1] if headers else None, len(ids))))
         return ids, logprobs
 
     async def _generate_one(self, *args: Any, **kwargs: Any) -> Any:
@@ -139,6 +134,19 @@ class VersionedRolloutLoop(_AsyncRolloutLoop):
             fields["model_version"] = oldest  # the truth where the server said it, else TRL's bound
             versioned.append(VersionedRolloutSample(**fields, token_versions=stamps))
         return versioned
+
+
+def stamps_of(value: str | None, count: int) -> list[int]:
+    """The version that sampled each of a turn's ``count`` tokens, from its first choice's
+    ``x-deltasync-token-versions`` (-1 for each where the server said nothing, or nothing sound:
+    a header it cannot read leaves the tokens unknown instead of failing the rollout)."""
+    try:
+        entries = parse_token_versions(value)[0] if value else None
+    except FormatError:
+        entries = None
+    if entries is None:
+        return [-1] * count
+    return [_known(version_of_token(entries, i)) for i in range(count)]
 
 
 def _known(version: int | None) -> int:

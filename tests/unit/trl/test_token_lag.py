@@ -15,6 +15,7 @@ from deltasync.trl._token_lag import (
     TokenLagQueue,
     VersionedRolloutSample,
     align_versions,
+    stamps_of,
 )
 
 
@@ -27,6 +28,13 @@ def test_each_run_of_trained_tokens_takes_its_turns_versions():
     # A forked row holds only the second turn; a row whose tokens no turn made stays unknown.
     assert align_versions([1, 20, 21], [0, 1, 1], turns) == [-1, 4, 5]
     assert align_versions([1, 30], [0, 1], turns) == [-1, -1]
+
+
+def test_a_turns_tokens_take_the_versions_its_header_names_and_a_bad_header_leaves_them_unknown():
+    assert stamps_of("3:0,4:2", 4) == [3, 3, 4, 4]
+    assert stamps_of("none:0,4:1", 2) == [-1, 4]  # the start checkpoint is no version
+    assert stamps_of("3:0,4:?", 2) == [3, 3]  # an unknown start: the version before it
+    assert stamps_of(None, 2) == stamps_of("3:x", 2) == stamps_of("4:1", 2) == [-1, -1]
 
 
 def _sample(stamps, mask, model_version):
