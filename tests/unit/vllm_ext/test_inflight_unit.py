@@ -173,3 +173,29 @@ def test_token_version_log_tells_finished_requests_from_ones_sent_after_the_writ
     for marker in (one, two, late):
         log.untrack(marker)
     assert log.versions(one) is None and log._applies == []  # nothing is kept for nobody
+
+
+def test_an_apply_behind_the_flow_leaves_the_start_unknown_for_requests_it_straddles():
+    """vLLM's own weight routes change the weights without the engine core's count: a request
+    sent before shows the new version at an unknown token ('?'), one sent after at token 0."""
+    from deltasync._token_versions import format_token_versions
+    from vllm_ext._token_versions import TokenVersionLog
+
+    sent: list[str] = []
+
+    async def add_request_async(request):
+        sent.append(request.request_id)
+
+    engine = SimpleNamespace(engine_core=SimpleNamespace(add_request_async=add_request_async))
+    log = TokenVersionLog()
+    log.hook(engine)
+    before, after = log.track(4), log.track(4)
+
+    async def scenario():
+        await engine.engine_core.add_request_async(SimpleNamespace(request_id=f"cmpl-{before}-0-ab", external_req_id=f"cmpl-{before}-0"))
+        log.note_unknown(5)
+        await engine.engine_core.add_request_async(SimpleNamespace(request_id=f"cmpl-{after}-0-cd", external_req_id=f"cmpl-{after}-0"))
+
+    asyncio.run(scenario())
+    assert log.versions(before) == [[(4, 0), (5, None)]] and format_token_versions(log.versions(before)) == "4:0,5:?"
+    assert log.versions(after) == [[(4, 0), (5, 0)]]
