@@ -78,10 +78,13 @@ from server import SHAPE, Trainer, log, server_env  # noqa: E402  (also finds th
 
 from deltasync import RolloutClient  # noqa: E402
 from deltasync._client import MAX_POLL_S  # noqa: E402
+from deltasync._env import TEST_HOOKS_ENV  # noqa: E402
 from deltasync._serve import extension_args  # noqa: E402
 from deltasync.examples.launcher import VLLMServer  # noqa: E402
 from deltasync.examples.tiny import build_tiny_model  # noqa: E402
 
+#: The worker extension with the test hooks (``vllm_ext.testing``): the engine's step times.
+TEST_EXTENSION = "vllm_ext.testing.TestingWorkerExtension"
 PROMPT = "Once upon a time, in a land far away, there lived"
 TARGETS = {
     "preemptions": ("preemptions during in-flight updates", "==", 0),
@@ -249,6 +252,31 @@ def preemptions(http: httpx.Client, url: str) -> float:
     raise RuntimeError("vllm:num_preemptions_total is not in /metrics")
 
 
+def step_times(url: str, start: bool = False) -> list[tuple[float, float]]:
+    """The first worker's ``[start, end]`` of every engine step since the previous read
+    (``start``: begin recording); ``time.perf_counter()`` times, comparable with this process's."""
+    answer = httpx.post(url + "/collective_rpc", json={"method": "deltasync_test_step_times", "kwargs": {"start": start}},
+                        timeout=600)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    return [(a, b) for a, b in answer.json()["results"][0]]
+
+
+def engine_gaps(phases: list[dict[str, Any]], steps: list[tuple[float, float]]) -> None:
+    """Where the engine stood still: each update's longest time between two engine steps from its
+    prefetch (if any) to its answer (``engine_gap_s``), and each phase's p99 of that time
+    outside its updates. A stream's gap with no such standstill was on the answers' way out (the
+    API server, the client) on a machine with no core to spare, not the update's doing."""
+    idle = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(steps, steps[1:])]
+    for p in phases:
+        windows = [(u["stage"][0], u["update"][1]) for u in p["updates"]]
+        for u, (ta, tb) in zip(p["updates"], windows):
+            u["engine_gap_s"] = max((b - a for a, b in idle if a < tb and b > ta), default=0.0)
+        outside = [b - a for a, b in idle if p["start"] <= a and b <= p["end"]
+                   and not any(a < tb and b > ta for ta, tb in windows)]  # fmt: skip
+        p["engine_gap_p99_outside_updates_s"] = percentile(outside, 0.99)
+        p["engine_gap_max_outside_updates_s"] = max(outside, default=float("nan"))
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -348,7 +376,7 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
         "phase": name, "mode": mode, "start": start, "end": end, "seconds": end - start, "tokens": tokens,
         "tokens_per_s": tokens / (end - start), "preemptions": after - before, "updates": updates,
         "gap_p99_outside_updates_s": percentile(outside, 0.99), "gap_median_s": percentile(outside, 0.5),
-        "gaps_outside": len(outside),
+        "gaps_outside": len(outside), "gap_max_outside_updates_s": max(outside, default=0.0),
         "staging_s": staging, "staged_tokens": staged_tokens,
         "tokens_per_s_staging": staged_tokens / staging if staging else None,
         "tokens_per_s_not_staging": (tokens - staged_tokens) / (end - start - staging) if end - start > staging else None,
@@ -362,7 +390,10 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
     base = [p for p in phases if p["mode"] is None]
     baseline = sum(p["tokens"] for p in base) / sum(p["seconds"] for p in base)
     out: dict[str, Any] = {"baseline_tokens_per_s": baseline,
-                           "baseline_gap_p99_s": max(p["gap_p99_outside_updates_s"] for p in base)}  # fmt: skip
+                           "baseline_gap_p99_s": max(p["gap_p99_outside_updates_s"] for p in base),
+                           "baseline_gap_max_s": max(p["gap_max_outside_updates_s"] for p in base),
+                           "baseline_engine_gap_p99_s": max(p["engine_gap_p99_outside_updates_s"] for p in base),
+                           "baseline_engine_gap_max_s": max(p["engine_gap_max_outside_updates_s"] for p in base)}  # fmt: skip
     for mode in ("inflight", "cold", "pause"):
         runs = [p for p in phases if p["mode"] == mode]
         if not runs:
@@ -425,6 +456,8 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
             "max_gap_during_updates_s": max(u["max_gap_s"] for u in ups),
             "median_max_gap_per_update_s": statistics.median(u["max_gap_s"] for u in ups),
             "max_gap_from_prefetch_s": max(u["max_gap_window_s"] for u in ups),
+            "engine_max_gap_s": max(u["engine_gap_s"] for u in ups),
+            "engine_median_max_gap_s": statistics.median(u["engine_gap_s"] for u in ups),
             "gap_p99_outside_updates_s": max(p["gap_p99_outside_updates_s"] for p in runs),
         }
     return out
@@ -452,10 +485,16 @@ def gap_verdicts(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The longest stream gap around an in-flight update (from its prefetch, if any, to its
     answer), prefetched or not, against max(0.1 s, 2 x the p99 gap of the no-update phases)."""
     bound = max(0.1, 2 * summary["baseline_gap_p99_s"])
+    engine = max(0.1, 2 * summary["baseline_engine_gap_p99_s"])
     return {
         mode: {"label": f"longest gap around an in-flight update ({'not ' if mode == 'cold' else ''}prefetched), s",
                "value": summary[mode]["max_gap_from_prefetch_s"], "bound": f"<= {bound:.3f}",
                "pass": summary[mode]["max_gap_from_prefetch_s"] <= bound}
+        for mode in ("inflight", "cold") if mode in summary
+    } | {
+        f"engine_{mode}": {"label": f"longest engine standstill around an in-flight update ({'not ' if mode == 'cold' else ''}"
+                                    "prefetched), s", "value": summary[mode]["engine_max_gap_s"], "bound": f"<= {engine:.3f}",
+                           "pass": summary[mode]["engine_max_gap_s"] <= engine}
         for mode in ("inflight", "cold") if mode in summary
     }  # fmt: skip
 
@@ -485,7 +524,11 @@ def table(summary: dict[str, Any]) -> str:
         ("longest chunk gap during an update s", "max_gap_during_updates_s", "{:.3f}"),
         ("median over updates of the longest gap s", "median_max_gap_per_update_s", "{:.3f}"),
         ("longest chunk gap from a prefetch to its update's answer s", "max_gap_from_prefetch_s", "{:.3f}"),
-        ("p99 chunk gap outside updates s (no-update: {:.3f})".format(summary["baseline_gap_p99_s"]),
+        ("longest engine standstill from a prefetch to its answer s (no-update p99 {:.3f}, max {:.3f})".format(
+            summary["baseline_engine_gap_p99_s"], summary["baseline_engine_gap_max_s"]), "engine_max_gap_s", "{:.3f}"),
+        ("median over updates of the longest engine standstill s", "engine_median_max_gap_s", "{:.3f}"),
+        ("p99 chunk gap outside updates s (no-update: {:.3f}, max {:.3f})".format(summary["baseline_gap_p99_s"],
+                                                                                  summary["baseline_gap_max_s"]),
          "gap_p99_outside_updates_s", "{:.3f}"),
     ]  # fmt: skip
     modes = [mode for mode in ("inflight", "cold", "pause") if mode in summary]
@@ -523,7 +566,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 4), gridspec_kw={"width_ratios": [3, 1.2]})
     bins = result["timeline"]
     ax.plot([b["t"] for b in bins], [b["tokens"] for b in bins], color="0.3", linewidth=1, label="tokens/s (1 s bins)")
-    colors = {None: "0.85", "inflight": "C0", "pause": "C3"}
+    colors = {None: "0.85", "inflight": "C0", "cold": "C2", "pause": "C3"}
     for p in phases:
         ax.axvspan(p["start"] - t0, p["end"] - t0, color=colors[p["mode"]], alpha=0.12)
         label = f"{p['mode'] or 'baseline'} {sum(1 for q in phases[: phases.index(p) + 1] if q['mode'] == p['mode'])}"
@@ -545,9 +588,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     per = f"{result['updates']} deltas per phase" + (f" ({paused} paused)" if paused and paused != result["updates"] else "")
     ax.set_title(f"{result['clients']} streams, {per} ({result['density']:.0%} each, {cadence})")
     ax.legend(fontsize=8, loc="upper right")
-    for k, mode in enumerate(m for m in ("inflight", "pause") if m in result["summary"]):
+    shown = [m for m in ("inflight", "cold", "pause") if m in result["summary"]]
+    for k, mode in enumerate(shown):
         ups = [u for p in phases if p["mode"] == mode for u in p["updates"]]
-        bx.bar([i + (k - 0.5) * 0.4 for i in range(len(ups))], [u["max_gap_s"] for u in ups], 0.4,
+        width = 0.8 / len(shown)
+        bx.bar([i + (k - (len(shown) - 1) / 2) * width for i in range(len(ups))], [u["max_gap_s"] for u in ups], width,
                color=colors[mode], label=f"{mode}: longest gap during the update")  # fmt: skip
         bx.axhline(result["summary"][mode]["gap_p99_outside_updates_s"], color=colors[mode], linestyle=":",
                    linewidth=1, label=f"{mode}: p99 gap outside updates")  # fmt: skip
@@ -618,8 +663,13 @@ def main(argv: list[str] | None = None) -> int:
     env = server_env(root / "bucket", in_place=True)
     if args.staging_nice is not None:
         env["DELTASYNC_STAGING_NICE"] = args.staging_nice
+    # The test worker extension records when the engine computed (deltasync_test_step_times): a
+    # stream's gap is then told apart from a standstill of the engine.
+    env[TEST_HOOKS_ENV] = "1"
+    worker_args = extension_args()
+    worker_args[worker_args.index("--worker-extension-cls") + 1] = TEST_EXTENSION
     server = VLLMServer(model_dir, env=env,
-                        extra_args=["--enforce-eager", *extension_args()], log_file=root / "server.log")  # fmt: skip
+                        extra_args=["--enforce-eager", *worker_args], log_file=root / "server.log")  # fmt: skip
     server.start(timeout=900)
     try:
         client = RolloutClient(server.url, timeout=600)
@@ -628,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         status = client.status()[server.url]
         assert status.mode == "in-place", status.workers[0].get("fallback", [])[:3]
         deltas = published[1:]
+        step_times(server.url, start=True)
         with Streams(server.url, args.clients, args.max_tokens) as streams:
             time.sleep(args.warmup_s)
             phases = [run_phase("baseline 1", None, [], streams, server.url, args)]
@@ -635,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
                 batch = deltas[sum(counts[:r]) : sum(counts[: r + 1])]
                 phases.append(run_phase(f"{mode} {plan[: r + 1].count(mode)}", mode, batch, streams, server.url, args))
                 phases.append(run_phase(f"baseline {r + 2}", None, [], streams, server.url, args))
+        steps = step_times(server.url)
         verify = httpx.post(server.url + "/collective_rpc", json={"method": "deltasync_verify"}, timeout=600).json()
         assert all(v["ok"] for v in verify["results"]), verify
         state = client.status()[server.url]
@@ -642,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     assert not streams.errors, streams.errors[:5]
+    engine_gaps(phases, steps)
     summary = summarize(phases)
     checks = verdicts(summary)
     checks.update({f"gap_{mode}": check for mode, check in gap_verdicts(summary).items()})
