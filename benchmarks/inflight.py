@@ -43,7 +43,12 @@ counts, each chunk's tokens spread over the time since its stream's previous chu
 of an engine step arrives at once, and a window that ends when a call into the engine returns
 ends just after one step's tokens arrived), ``vllm:num_preemptions_total`` (from ``/metrics``,
 read before each update and after each phase), the longest gap between two chunks of a stream that overlaps
-an update request, against the p99 of the gaps that overlap none, and per update the seconds
+an update request (and one that overlaps the time from its prefetch to its answer), against the
+p99 of the gaps that overlap none, the longest time the engine computed nothing in that time
+(between two steps of the worker, which the test worker extension's
+``deltasync_test_step_times`` records: the server loads ``vllm_ext.testing`` with
+``DELTASYNC_TEST_HOOKS=1`` for that alone), so that a stream's gap on a starved machine is told
+apart from an engine standing still for the update, and per update the seconds
 the route says it paused, the worker's apply seconds and the request's wall time. vLLM 0.32
 exports no counter of recomputed tokens (its prefix-cache stats count preempted requests'
 queries apart and do not export them), so recomputed tokens per update are estimated: the
