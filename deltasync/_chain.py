@@ -26,7 +26,7 @@ import torch
 from ._errors import FormatError, IntegrityError, NotFoundError, VersionError
 from ._fingerprint import fingerprint
 from .format.dtypes import from_lanes, lanes, read_lanes, write_lanes
-from .format import MAX_POINTER_BYTES, POINTER_PATH, ChainEntry, Change, FileHeader, Pointer, read_header
+from .format import MAX_POINTER_BYTES, POINTER_PATH, ChainEntry, Change, FileHeader, Pointer, read_header, tensors_manifest
 from ._messages import check_version
 from ._parts import Anchor, decode_version, fetch_anchor, fetch_version
 from .stores import read_limited
@@ -262,6 +262,11 @@ class ChainReader:
             )
         if header.total != pointer.total:
             raise FormatError(f"{where}: says the state has {header.total} elements, the pointer says {pointer.total}")
+        if header.manifest != pointer.manifest:
+            raise IntegrityError(
+                f"{where}: manifest {header.manifest} in the file, {pointer.manifest} in the pointer (the "
+                "parameters' names, shapes or dtypes differ)"
+            )
 
     def anchor(self, entry: ChainEntry) -> Anchor:
         """The anchor ``entry``'s full tensors, streamed from the store straight into them (the
@@ -272,6 +277,13 @@ class ChainReader:
         self.check_header(anchor.header, entry)
         if any(t.dtype != torch.bfloat16 for t in anchor.tensors.values()):
             check_view_values(anchor.tensors.items(), where)
+        if self.pointer.manifest is not None:
+            manifest = tensors_manifest(anchor.tensors)
+            if manifest != self.pointer.manifest:
+                raise IntegrityError(
+                    f"{where}: the anchor's parameters (names, shapes, dtypes) have manifest {manifest}, the "
+                    f"pointer says {self.pointer.manifest} (the file was altered after it was written)"
+                )
         got = fingerprint(anchor.tensors)
         if got != anchor.header.fingerprint:
             raise IntegrityError(

@@ -31,10 +31,12 @@ BUCKET_ENV = "DELTASYNC_BUCKET"
 TOKEN_ENV = "DELTASYNC_TOKEN"
 #: "1": the server follows its bucket by itself (``deltasync serve --follow`` sets it).
 FOLLOW_ENV = "DELTASYNC_FOLLOW"
-#: Seconds between two reads of the bucket's pointer in follow mode (``--follow-interval``).
+#: Seconds between two reads of the bucket's pointer in follow mode while a version is due
+#: (``--follow-interval``; between versions the reads follow the trainer's rhythm, see
+#: ``deltasync._poll``).
 FOLLOW_INTERVAL_ENV = "DELTASYNC_FOLLOW_INTERVAL"
-#: Its default: 2 s is 1,800 pointer reads an hour, well inside a Hub bucket's rate limits,
-#: and adds at most 2 s (1 s on average) to a version's commit-to-served latency.
+#: Its default: a version that comes when due is seen at most 2 s (1 s on average) after its
+#: commit.
 DEFAULT_FOLLOW_INTERVAL = 2.0
 #: How the server applies updates: "pause" (the default) or "inflight" (``--update-mode``).
 UPDATE_MODE_ENV = "DELTASYNC_UPDATE_MODE"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -386,9 +387,9 @@ class _MergedWeight:
 
 
 def _is_dtensor(tensor: object) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
+    # None is a DTensor before torch.distributed.tensor is imported (a single process never pays for it)
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def _check_sharded_like(name: str, base: Any, layer: Any, adapter: str) -> None:

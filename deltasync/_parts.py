@@ -101,6 +101,7 @@ def encode_anchor_part(
     part: int,
     parts: int,
     extra_metadata: Mapping[str, str] | None = None,
+    manifest: str | None = None,
 ) -> bytes:
     """Part ``part`` of an anchor written by ``parts`` writers: each slice as a 1-D tensor of its
     element dtype (bf16 in the bf16 chain).
@@ -112,7 +113,8 @@ def encode_anchor_part(
             raise FormatError(f"anchor {version} part {part}: slice of {item.name!r} is not {item.end - item.begin} bf16 values")
     sources = [AnchorSource(s.name, s.shape, s.begin, s.end, lambda s=s: (s.values.reshape(-1),), s.values.dtype) for s in slices]
     stream = anchor_stream(
-        sources, version=version, fingerprint=fingerprint, total=total, part=part, parts=parts, extra_metadata=extra_metadata
+        sources, version=version, fingerprint=fingerprint, total=total, part=part, parts=parts,
+        extra_metadata=extra_metadata, manifest=manifest,
     )
     return b"".join(stream)
 
@@ -344,7 +346,7 @@ def _check_part(header: FileHeader, first: FileHeader | None, entry: ChainEntry,
     if header.changed != entry.parts[number].changed:
         raise FormatError(f"{where}: holds {header.changed} elements, the pointer says {entry.parts[number].changed}")
     if first is not None:
-        for key in ("kind", "version", "base", "anchor", "codec", "total", "fingerprint", "base_fingerprint"):
+        for key in ("kind", "version", "base", "anchor", "codec", "total", "fingerprint", "base_fingerprint", "manifest"):
             if getattr(header, key) != getattr(first, key):
                 raise FormatError(
                     f"{where}: {key} is {getattr(header, key)!r}, part 0 of the same version says {getattr(first, key)!r}"

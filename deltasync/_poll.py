@@ -4,7 +4,7 @@ A follower (a rollout server in follow mode, or any reader that waits for new ve
 the bucket's small pointer file again and again. A fixed interval costs the bucket the same
 whether or not the trainer publishes: 2 s is 1,800 reads an hour per follower, while an RL
 trainer commits a version every minute or so. Two things here cut that down, with no engine in
-sight (meant for the server's follower, which does not use them yet; another engine's could):
+sight (the vLLM follower uses them; another engine's would too):
 
 - :class:`PollPolicy` times the reads from the trainer's own rhythm. It learns the interval
   between commits from the versions it sees, waits quietly until the next one is due, polls at
@@ -146,40 +146,44 @@ class PollPolicy:
         return max(o.interval, min(overdue * o.backoff, o.max_interval))
 
 
-def pointer_tag(store: Store) -> Hashable | None:
-    """A cheap token that changes whenever the pointer's content may have (one metadata read),
-    or None where the store cannot give one (the pointer is then read whole).
+def pointer_tag(store: Store, path: str = POINTER_PATH) -> Hashable | None:
+    """A cheap token that changes whenever the file ``path`` (by default the pointer) may have
+    changed (one metadata read), or None where the store cannot give one (the file is then read
+    whole).
 
     A store may give its own through a ``change_tag(path)`` method; the built-in ones use a local
     file's ``stat`` (inode, size, modification time: every write replaces the file), an fsspec
-    object's ETag, checksum or modification time, and a Hub bucket file's content hash.
-    ``NotFoundError`` if the pointer is missing.
+    object's ETag, checksum or modification time, and a Hub bucket file's content hash; a folder
+    of a bucket (a view's chain) asks its parent. ``NotFoundError`` if the file is missing.
     """
     own = getattr(store, "change_tag", None)
     if callable(own):
-        return own(POINTER_PATH)  # type: ignore[no-any-return]
+        return own(path)  # type: ignore[no-any-return]
     from .stores import FsspecStore, HfBucketStore, LocalStore
+    from .stores._sub import SubStore
 
+    if isinstance(store, SubStore):
+        return pointer_tag(store.parent, store.prefix + path)
     if isinstance(store, LocalStore):
         try:
-            st = os.stat(store.root / POINTER_PATH)
+            st = os.stat(store.root / path)
         except FileNotFoundError as exc:
-            raise NotFoundError(f"{POINTER_PATH!r} is not in bucket {store.url}") from exc
+            raise NotFoundError(f"{path!r} is not in bucket {store.url}") from exc
         return (st.st_ino, st.st_size, st.st_mtime_ns)
     if isinstance(store, FsspecStore):
         try:
-            info: dict[str, Any] = store.fs.info(store._full(POINTER_PATH))
+            info: dict[str, Any] = store.fs.info(store._full(path))
         except FileNotFoundError as exc:
-            raise NotFoundError(f"{POINTER_PATH!r} is not in bucket {store.url}") from exc
+            raise NotFoundError(f"{path!r} is not in bucket {store.url}") from exc
         keys = ("ETag", "etag", "Content-MD5", "md5", "Digest", "mtime", "LastModified", "last_modified", "created")
         found = tuple((k, str(info[k])) for k in keys if info.get(k) is not None)
         # Size alone would miss a pointer rewritten at the same length: no tag then.
         return (info.get("size"), found) if found else None
     if isinstance(store, HfBucketStore):
-        remote = store._remote(POINTER_PATH)
+        remote = store._remote(path)
         infos = [i for i in store.api.get_bucket_paths_info(store.bucket_id, [remote], token=store._token) if i.path == remote]
         if not infos:
-            raise NotFoundError(f"{POINTER_PATH!r} is not in bucket {store.url}")
+            raise NotFoundError(f"{path!r} is not in bucket {store.url}")
         found = tuple(str(getattr(infos[0], k, None)) for k in ("xet_hash", "size", "mtime"))
         return found if getattr(infos[0], "xet_hash", None) else None
     return None

@@ -33,6 +33,7 @@ from .format import (
     anchor_stream,
     check_int,
     delta_path,
+    manifest_digest,
     encode_delta,
     get_codec,
     parse_json,
@@ -278,6 +279,8 @@ class DeltaPublisher:
         self._layout = self._checkpoint.owned(self._live_layout)
         self._numels = self._checkpoint.numels
         layout = self._layout
+        self._manifest = manifest_digest((name, owned.shape, torch.bfloat16) for name, owned in layout.slices.items())
+        """The bf16 state's manifest digest, committed in the pointer and every file."""
         # Rank 0 alone reads, so that every rank starts from the same pointer.
         found = layout.agree("reading the pointer", lambda: (None, self._read_pointer() if layout.rank == 0 else None))
         pointer: Pointer | None = found[1][0]
@@ -566,6 +569,7 @@ class DeltaPublisher:
                 level=self.options.zstd_level,
                 numels=self._numels,
                 part=(layout.part, layout.parts) if split else None,
+                manifest=self._manifest,
             )
             self.store.write_bytes(path, data)
             changed = sum(c.index.numel() for c in changes.values())
@@ -641,7 +645,7 @@ class DeltaPublisher:
             def commit() -> tuple[None, None]:
                 if self._layout.rank == 0:
                     with self._commit_lock:
-                        self._commit(Pointer.start(entry, total=total), capture.version, self._record("anchor", entry, total))
+                        self._commit(Pointer.start(entry, total=total, manifest=self._manifest), capture.version, self._record("anchor", entry, total))
                 return None, None
 
             self._layout.agree(f"committing version {capture.version}", commit, self._delta_group)
@@ -738,7 +742,7 @@ class DeltaPublisher:
             stream = anchor_stream(
                 sources, version=version, fingerprint=expected, total=total,
                 part=layout.part if split else None, parts=layout.parts if split else None,
-                extra_metadata=self.anchor_metadata,
+                extra_metadata=self.anchor_metadata, manifest=self._manifest,
             )
             nbytes, digest = write_stream(self.store, path, stream)
             changed = sum(s.end - s.begin for s in sources)

@@ -13,7 +13,7 @@ import torch
 from ._chain import ChainReader, Overlay, Patch, read_pointer
 from ._errors import ConfigError, FormatError, IntegrityError, NotFoundError, VersionError
 from ._fingerprint import fingerprint, fingerprint_update
-from .format import POINTER_PATH, Pointer, view_prefix
+from .format import POINTER_PATH, Pointer, tensors_manifest, view_prefix
 from .format.dtypes import read_lanes
 from .stores import open_store
 from .stores._sub import sub_store
@@ -268,6 +268,13 @@ class DeltaReceiver:
                 raise FormatError(
                     f"{url}/{POINTER_PATH}: the bucket's state has {pointer.total} elements, the receiver "
                     f"serves {elements} (another model's weights, or a rewritten pointer)"
+                )
+        if own and pointer.manifest is not None and self._state:
+            mine = tensors_manifest(self._state)
+            if mine != pointer.manifest:  # refused before a byte of the chain is read
+                raise IntegrityError(
+                    f"{url}/{POINTER_PATH}: the bucket's state has manifest {pointer.manifest}, the receiver holds "
+                    f"{mine} (other parameter names, shapes or dtypes: another model's weights, or a rewritten pointer)"
                 )
         staged = StagedUpdate(
             from_version=self._version,

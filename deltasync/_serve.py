@@ -82,10 +82,10 @@ def serve_command(
     Adds the worker extension, the ``"delta"`` backend and, when a token is set (in the
     variable ``token_env``, default ``DELTASYNC_TOKEN``), the token middleware; sets
     ``VLLM_SERVER_DEV_MODE=1``, ``DELTASYNC_BUCKET`` and ``DELTASYNC_TOKEN``. ``vllm_args``
-    follow unchanged. ``follow``: the server reads the bucket's pointer every ``follow_interval``
-    seconds (default 2) and brings itself to each newer version, with no request from the
-    trainer (``DELTASYNC_FOLLOW=1``). ``view``: the quantized view to follow; a local
-    checkpoint folder whose ``config.json`` has a ``quantization_config`` follows its own view
+    follow unchanged. ``follow``: the server reads the bucket's pointer (every ``follow_interval``
+    seconds, default 2, while a version is due: see :mod:`deltasync._poll`) and brings itself to
+    each newer version, with no request from the trainer (``DELTASYNC_FOLLOW=1``). ``view``: the
+    quantized view to follow; a local checkpoint folder whose ``config.json`` has a ``quantization_config`` follows its own view
     (``view`` may name it again, never another), refused at once when the bucket holds versions
     but not that view (``DELTASYNC_VIEW``).
     """
@@ -161,14 +161,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--follow",
         action="store_true",
-        help="follow the bucket: read its pointer every --follow-interval seconds and apply each newer version "
-        "(no trainer-to-server link needed)",
+        help="follow the bucket: read its pointer (every --follow-interval seconds while a version is due) and "
+        "apply each newer version (no trainer-to-server link needed)",
     )
     p.add_argument(
         "--follow-interval",
         type=float,
         metavar="SECONDS",
-        help="seconds between two reads of the bucket's pointer in follow mode (default 2: 1,800 reads an hour)",
+        help="seconds between two reads of the bucket's pointer in follow mode while a version is due (default 2); "
+        "in between, reads follow the trainer's rhythm (about 120 an hour at a 60 s step)",
     )
     p.add_argument(
         "--update-mode",

@@ -17,6 +17,7 @@ Layouts whose ranks do not own disjoint flat ranges are refused with a :class:`C
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -163,9 +164,11 @@ def check_not_zero3(model: torch.nn.Module) -> None:
 def shard_layout(named: Sequence[tuple[str, torch.Tensor]]) -> ShardLayout | None:
     """The layout of checkpoint-named parameters, or None for a single process."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    dtensors = [(n, p) for n, p in named if isinstance(p, DTensor)]
+    # No parameter can be a DTensor before torch.distributed.tensor is imported: a single
+    # process does not pay for that import (about 40 MiB, sympy included).
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    dtensors = [] if dtensor_module is None else [(n, p) for n, p in named if isinstance(p, dtensor_module.DTensor)]
     distributed = dist.is_available() and dist.is_initialized()
     if not dtensors and (not distributed or dist.get_world_size() == 1):
         return None
@@ -179,6 +182,7 @@ def shard_layout(named: Sequence[tuple[str, torch.Tensor]]) -> ShardLayout | Non
             description=f"replicated (DDP), {world} ranks", slices=slices,
         )
 
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh = dtensors[0][1].device_mesh

@@ -41,6 +41,7 @@ from .format import (
     anchor_path,
     anchor_stream,
     delta_path,
+    manifest_digest,
     encode_delta,
     sha256_hex,
     view_prefix,
@@ -172,13 +173,16 @@ class ViewChain:
                 )
             total = sum(s.end for s in sources)
             path = anchor_path(version)
-            stream = anchor_stream(sources, version=version, fingerprint=fp, total=total, extra_metadata=self.metadata)
+            manifest = manifest_digest((s.name, s.shape, s.dtype) for s in sources)
+            stream = anchor_stream(
+                sources, version=version, fingerprint=fp, total=total, extra_metadata=self.metadata, manifest=manifest
+            )
             nbytes, digest = write_stream(self.store, path, stream)
             entry = ChainEntry(
                 version=version, kind="anchor", path=path, nbytes=nbytes, sha256=digest, fingerprint=fp, changed=total
             )
             if self.head is None or new_chain or self.broken:
-                pointer = Pointer.start(entry, total=total)
+                pointer = Pointer.start(entry, total=total, manifest=manifest)
                 self._commit(pointer)
                 self.head = _Head(pointer, version, fp, total)
             else:
@@ -226,6 +230,7 @@ class ViewChain:
         data = encode_delta(
             view_changes, version=version, anchor=head.pointer.root, codec=self.codec, total=head.total,
             fingerprint=fp, base_fingerprint=head.fingerprint, level=self.level, numels=numels,
+            manifest=head.pointer.manifest,
         )
         path = delta_path(version)
         try:

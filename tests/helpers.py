@@ -75,10 +75,12 @@ def old_pointer(pointer, format_version: int = 1) -> bytes:
     return (json.dumps(body, sort_keys=True, indent=1) + "\n").encode()
 
 
-def replace_file(store, version: int, data: bytes, *, kind: str = "delta", fix_pointer: bool = True) -> None:
+def replace_file(
+    store, version: int, data: bytes, *, kind: str = "delta", fix_pointer: bool = True, manifest: str | None = None
+) -> None:
     """Overwrite the committed delta (or anchor, with ``kind="anchor"``) of ``version``; with
     ``fix_pointer``, also rewrite the pointer to the new size and SHA-256, as an attacker who
-    controls the whole bucket would."""
+    controls the whole bucket would, and with ``manifest`` its manifest digest too."""
     import dataclasses
 
     from deltasync import Pointer
@@ -91,7 +93,8 @@ def replace_file(store, version: int, data: bytes, *, kind: str = "delta", fix_p
     store.write_bytes(entry.path, data)
     if fix_pointer:
         items = tuple(dataclasses.replace(e, nbytes=len(data), sha256=sha256_hex(data)) if e is entry else e for e in items)
-        store.write_bytes(POINTER_PATH, dataclasses.replace(pointer, **{key: items}).to_bytes())
+        changes = {key: items} if manifest is None else {key: items, "manifest": manifest}
+        store.write_bytes(POINTER_PATH, dataclasses.replace(pointer, **changes).to_bytes())
 
 
 class GatedStore(LocalStore):
@@ -208,3 +211,12 @@ def publish_chain(
 def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """Same names, and the same bf16 bit patterns in each."""
     return set(a) == set(b) and all(torch.equal(bits(a[n].reshape(-1)), bits(b[n].reshape(-1))) for n in a)
+
+
+def chain_manifest(store) -> str | None:
+    """The manifest digest a bucket's pointer commits (what a forged file must name to get past
+    the header check)."""
+    from deltasync import Pointer
+    from deltasync.format import POINTER_PATH
+
+    return Pointer.from_bytes(store.read_bytes(POINTER_PATH)).manifest

@@ -10,13 +10,16 @@ Both run in the API-server process, where vLLM's pause and resume live:
   (``inflight``), or with the scheduler paused in ``keep`` mode, caches emptied, and resumed
   whatever happened (``pause``). Then it labels the served weight version. A version already served is a no-op (no pause); an older one is
   refused by the workers. Updates never overlap: push requests and the follower take turns.
-- :meth:`ServerSync.follow` reads the bucket's committed pointer every ``interval`` seconds and
-  brings the server to the newest version (several versions behind: straight to the newest, in
-  one staged update; started late or restarted: from the newest anchor, as the workers decide).
-  A bucket that cannot be read, or a pointer or file that is corrupt, hostile or truncated,
-  changes nothing served: the error is kept in :attr:`ServerSync.last_error` (see
-  ``GET /deltasync/status``) and the reads back off (doubling up to :data:`MAX_BACKOFF`) until
-  the bucket is sound again.
+- Follow mode reads the bucket's committed pointer and brings the server to the newest version
+  (several versions behind: straight to the newest, in one staged update; started late or
+  restarted: from the newest anchor, as the workers decide). A bucket that cannot be read, or a
+  pointer or file that is corrupt, hostile or truncated, changes nothing served: the error is
+  kept in :attr:`ServerSync.last_error` (see ``GET /deltasync/status``) and the reads back off
+  (doubling up to :data:`MAX_BACKOFF`) until the bucket is sound again. The reads are timed by
+  :class:`deltasync._poll.PollPolicy`: every ``interval`` seconds until the trainer's commit
+  rhythm is known, then quiet until the next commit is due and every ``interval`` while it is,
+  backing off while the trainer is late or idle. :class:`deltasync._poll.PointerWatch` reads the
+  pointer conditionally (a metadata read while it is unchanged) where the store can tell.
 
 The push route (``POST /deltasync/update``), the follower and the status route are wired in by
 :class:`vllm_ext.UpdateMiddleware`. vLLM's own five weight-update routes (the ``"delta"``
@@ -41,6 +44,7 @@ from typing import Any
 from deltasync import DeltaReceiver
 from deltasync._client import MAX_POLL_S
 from deltasync._auth import update_tag
+from deltasync._poll import PointerWatch, PollOptions, PollPolicy
 from deltasync._errors import ConfigError, UpdateError
 from deltasync._messages import UpdateAnswer, WorkerStatus
 from deltasync._env import DEFAULT_FOLLOW_INTERVAL, FOLLOW_ENV, FOLLOW_INTERVAL_ENV, UPDATE_MODE_ENV, UPDATE_MODES
@@ -135,7 +139,15 @@ class ServerSync:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._task: asyncio.Task[None] | None = None
-        self._receiver = DeltaReceiver(follow.bucket, view=follow.view) if follow.bucket else None
+        self._receiver: DeltaReceiver | None = None
+        self._watch: PointerWatch | None = None
+        if follow.bucket:
+            self._follow_bucket(follow.view)
+        # The longest quiet wait and the idle time before backing off scale with the interval
+        # (60 s and 120 s at the default 2 s): a short interval asks for quick updates.
+        i = follow.interval
+        self.poll = PollPolicy(PollOptions(interval=i, max_interval=max(i, min(MAX_BACKOFF, 30 * i)), idle_after=60 * i))
+        """When follow mode reads the pointer next (see :class:`deltasync._poll.PollPolicy`)."""
         self.tokens = TokenVersionLog()
         """Where each version began in each tracked request (every apply goes through it)."""
         from . import _metrics
@@ -334,7 +346,13 @@ class ServerSync:
         if view is not None and view != self.config.view and self.config.bucket:
             logger.info("deltasync: following view %s of %s (the served checkpoint's)", view, self.config.bucket)
             self.config = replace(self.config, view=view)
-            self._receiver = DeltaReceiver(self.config.bucket, view=view)
+            self._follow_bucket(view)
+
+    def _follow_bucket(self, view: str | None) -> None:
+        """Read the pointer of ``view``'s chain (None: the bf16 chain) of the followed bucket."""
+        assert self.config.bucket
+        self._receiver = DeltaReceiver(self.config.bucket, view=view)
+        self._watch = PointerWatch(self._receiver.store)
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -364,11 +382,12 @@ class ServerSync:
     async def follow_once(self) -> float:
         """One read of the pointer, and an update if it names a newer version; returns the
         seconds to wait before the next read (longer while the bucket keeps failing)."""
-        assert self._receiver is not None
         try:
             if not self._view_known:  # the workers were not ready at start-up: ask them now
                 self._follow_view(await self.workers())
-            pointer = await asyncio.to_thread(self._receiver.pointer)
+            assert self._watch is not None
+            pointer = await asyncio.to_thread(self._watch.read)
+            self.poll.observe(pointer.version)
             self.latest_seen = pointer.version
             self.metrics.latest.set(pointer.version)
             if self.served is None or pointer.version > self.served:
@@ -383,7 +402,7 @@ class ServerSync:
             return min(self.config.interval * 2**self._failures, max(MAX_BACKOFF, self.config.interval))
         self.last_error = None
         self._failures = 0
-        return self.config.interval
+        return self.poll.delay()
 
     _failures = 0
 
@@ -394,6 +413,7 @@ class ServerSync:
         return {
             "enabled": self.config.enabled,
             "interval": self.config.interval,
+            "rhythm": None if self.poll.rhythm is None else round(self.poll.rhythm[0], 3),
             "latest_seen": self.latest_seen,
             "lag": lag,
             "last_error": self.last_error,

@@ -66,10 +66,12 @@ from .pointer import (
     view_prefix,
     view_names,
 )
+from .manifest import manifest_digest, tensors_manifest
 from .versions import (
     CHAIN_FORMAT_VERSION,
     FORMAT_NAME,
     FORMAT_VERSION,
+    MANIFEST_FORMAT_VERSION,
     PARTS_FORMAT_VERSION,
     READABLE_FILE_FORMAT_VERSIONS,
     READABLE_FORMAT_VERSIONS,
@@ -128,5 +130,7 @@ __all__ = [
     "VIEW_NAME_RE",
     "view_prefix",
     "view_names",
+    "manifest_digest",
+    "tensors_manifest",
 ]
 __all__ += versions.__all__  # the format's name and version numbers

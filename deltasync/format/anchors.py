@@ -25,13 +25,15 @@ def encode_anchor(
     version: int,
     fingerprint: str,
     extra_metadata: Mapping[str, str] | None = None,
+    manifest: str | None = None,
 ) -> bytes:
     """An anchor: every parameter, in its element dtype (bf16 in the bf16 chain), under its
     checkpoint name.
 
     ``extra_metadata``: further metadata keys, each starting with ``x-`` (e.g. the PEFT
     adapter config of an adapter bucket, see :mod:`deltasync._lora`); readers that do not
-    know a key ignore it."""
+    know a key ignore it. ``manifest``: the state's manifest digest
+    (:mod:`deltasync.format.manifest`), written to the metadata."""
     for name, tensor in state.items():
         if tensor.dtype not in ELEMENT_DTYPES:
             raise FormatError(f"anchor {version}: parameter {name!r} is {tensor.dtype}, {_HOLDS}")
@@ -40,7 +42,10 @@ def encode_anchor(
         for name, t in state.items()
     ]
     total = sum(t.numel() for t in state.values())
-    return b"".join(anchor_stream(sources, version=version, fingerprint=fingerprint, total=total, extra_metadata=extra_metadata))
+    stream = anchor_stream(
+        sources, version=version, fingerprint=fingerprint, total=total, extra_metadata=extra_metadata, manifest=manifest
+    )
+    return b"".join(stream)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ def anchor_stream(
     part: int | None = None,
     parts: int | None = None,
     extra_metadata: Mapping[str, str] | None = None,
+    manifest: str | None = None,
 ) -> Iterator[memoryview]:
     """The bytes of an anchor (or of part ``part`` of ``parts`` of a split anchor), chunk by chunk.
 
@@ -89,6 +95,7 @@ def anchor_stream(
         part=part,
         parts=parts,
         slices=None if parts is None else tuple((s.name, tuple(s.shape), s.begin, s.end) for s in ordered),
+        manifest=manifest,
     )
     meta = with_extra_metadata(header.to_metadata(), extra_metadata, f"anchor {version}")
     tensors = [

@@ -26,13 +26,15 @@ def encode_delta(
     level: int | None = None,
     numels: Mapping[str, int] | None = None,
     part: tuple[int, int] | None = None,
+    manifest: str | None = None,
 ) -> bytes:
     """A delta from ``version - 1`` to ``version``. Parameters with no change are left out.
 
     ``codec`` is a name in :data:`~deltasync.format.codecs.CODECS`; ``level`` its
     compression level (None: the codec's default). ``part=(number, count)`` writes part
     ``number`` of a version split over ``count`` writers (format version 2); its indices are
-    still flat indices of the full parameters.
+    still flat indices of the full parameters. ``manifest``: the state's manifest digest
+    (:mod:`deltasync.format.manifest`), written to the metadata.
     """
     if codec not in CODECS:
         raise FormatError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
@@ -53,6 +55,7 @@ def encode_delta(
         names=tuple(name for name, _ in items) if coder.lists_names else None,
         part=None if part is None else part[0],
         parts=None if part is None else part[1],
+        manifest=manifest,
     )
     tensors = coder.encode(items, numels=numels, level=coder.default_level if level is None else level)
     return safetensors_bytes(tensors, header.to_metadata())

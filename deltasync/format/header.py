@@ -14,7 +14,7 @@ from typing import Any
 from .._errors import FormatError
 from .codecs import CODECS
 from .container import MAX_HEADER_BYTES, check_tensor_table
-from .limited_json import FINGERPRINT_RE, MAX_INT_DIGITS, check_hex, parse_json
+from .limited_json import FINGERPRINT_RE, MAX_INT_DIGITS, SHA256_RE, check_hex, parse_json
 from .versions import FORMAT_NAME, FORMAT_VERSION, PARTS_FORMAT_VERSION, READABLE_FILE_FORMAT_VERSIONS
 
 __all__ = [
@@ -62,6 +62,9 @@ class FileHeader:
     slices: tuple[tuple[str, tuple[int, ...], int, int], ...] | None = None
     """An anchor part: ``(name, full shape, begin, end)`` per parameter of the state, in name
     order; the part holds flat elements ``begin .. end - 1`` of each."""
+    manifest: str | None = None
+    """The digest of the state's names, shapes and dtypes (see :mod:`deltasync.format.manifest`);
+    None in files written before format version 4 of the pointer."""
 
     def to_metadata(self) -> dict[str, str]:
         meta = {
@@ -84,6 +87,8 @@ class FileHeader:
         if self.parts is not None:
             meta["part"] = str(self.part)
             meta["parts"] = str(self.parts)
+        if self.manifest is not None:
+            meta["manifest"] = self.manifest
         if self.slices is not None:
             meta["slices"] = json.dumps([[n, list(s), b, e] for n, s, b, e in self.slices], separators=(",", ":"))
         return meta
@@ -126,6 +131,7 @@ class FileHeader:
                 fingerprint=meta["fingerprint"],
                 base_fingerprint=meta.get("base_fingerprint"),
                 names=names,
+                manifest=meta.get("manifest"),
                 **(_part_fields(meta, kind, where) if split else {}),
             )
         except KeyError as exc:
@@ -189,6 +195,8 @@ def check_metadata(meta: Mapping[str, str], where: str) -> None:
     for key in ("fingerprint", "base_fingerprint"):
         if key in meta:
             check_hex(meta[key], FINGERPRINT_RE, where=where, field=f"metadata {key}")
+    if "manifest" in meta:
+        check_hex(meta["manifest"], SHA256_RE, where=where, field="metadata manifest")
     if "changed" in meta and "total" in meta and int(meta["changed"]) > int(meta["total"]):
         raise FormatError(f"{where}: metadata changed={meta['changed']} exceeds total={meta['total']}")
 

@@ -15,7 +15,13 @@ from typing import Any
 
 from .._errors import FormatError
 from .limited_json import FINGERPRINT_RE, SHA256_RE, check_hex, check_int, parse_json
-from .versions import CHAIN_FORMAT_VERSION, FORMAT_NAME, FORMAT_VERSION, READABLE_FORMAT_VERSIONS
+from .versions import (
+    CHAIN_FORMAT_VERSION,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FORMAT_VERSION,
+    READABLE_FORMAT_VERSIONS,
+)
 
 __all__ = [
     "POINTER_PATH",
@@ -196,6 +202,9 @@ class Pointer:
     anchors: tuple[ChainEntry, ...]
     chain: tuple[ChainEntry, ...] = field(default_factory=tuple)
     """Delta entries of versions ``base + 1 .. version``."""
+    manifest: str | None = None
+    """The digest of the state's names, shapes and dtypes (:mod:`deltasync.format.manifest`),
+    the same at every version of the chain; None in pointers before format version 4."""
 
     @property
     def anchor(self) -> int:
@@ -259,11 +268,11 @@ class Pointer:
         )
 
     @classmethod
-    def start(cls, anchor: ChainEntry, *, total: int) -> Pointer:
+    def start(cls, anchor: ChainEntry, *, total: int, manifest: str | None = None) -> Pointer:
         """The pointer of a chain's first version, which has an anchor and no delta."""
         return cls(
             version=anchor.version, fingerprint=anchor.fingerprint, total=total, root=anchor.version,
-            base=anchor.version, base_fingerprint=anchor.fingerprint, anchors=(anchor,),
+            base=anchor.version, base_fingerprint=anchor.fingerprint, anchors=(anchor,), manifest=manifest,
         )
 
     def stale(self, paths: Sequence[str]) -> list[str]:
@@ -293,9 +302,9 @@ class Pointer:
         return replace(self, anchors=keep, base=base, base_fingerprint=fp, chain=chain)
 
     def to_bytes(self) -> bytes:
-        body = {
+        body: dict[str, Any] = {
             "format": FORMAT_NAME,
-            "format_version": CHAIN_FORMAT_VERSION,
+            "format_version": CHAIN_FORMAT_VERSION if self.manifest is None else MANIFEST_FORMAT_VERSION,
             "version": self.version,
             "fingerprint": self.fingerprint,
             "total": self.total,
@@ -306,6 +315,8 @@ class Pointer:
             "anchors": [item.to_json() for item in self.anchors],
             "chain": [item.to_json() for item in self.chain],
         }
+        if self.manifest is not None:
+            body["manifest"] = self.manifest
         return (json.dumps(body, sort_keys=True, indent=1) + "\n").encode()
 
     @classmethod
@@ -326,7 +337,7 @@ class Pointer:
         _check_pointer_body(body, where)
         try:
             chain = tuple(_chain_entry(item) for item in body["chain"])
-            if body["format_version"] == CHAIN_FORMAT_VERSION:
+            if body["format_version"] in (CHAIN_FORMAT_VERSION, MANIFEST_FORMAT_VERSION):
                 pointer = cls(
                     version=int(body["version"]),
                     fingerprint=str(body["fingerprint"]),
@@ -336,6 +347,7 @@ class Pointer:
                     base_fingerprint=str(body["base_fingerprint"]),
                     anchors=tuple(_chain_entry(item) for item in body["anchors"]),
                     chain=chain,
+                    manifest=body["manifest"] if body["format_version"] == MANIFEST_FORMAT_VERSION else None,
                 )
                 if int(body["anchor"]) != pointer.anchor:
                     raise FormatError(f"{where}: anchor {body['anchor']} is not the newest of its anchors ({pointer.anchor})")
@@ -444,12 +456,16 @@ def _check_pointer_body(body: dict[str, Any], where: str) -> None:
     for key in ("fingerprint", "base_fingerprint"):
         if key in body:
             check_hex(body[key], FINGERPRINT_RE, where=where, field=key)
+    if body.get("format_version") == MANIFEST_FORMAT_VERSION:
+        if "manifest" not in body:
+            raise FormatError(f"{where}: a format_version {MANIFEST_FORMAT_VERSION} pointer must name its manifest")
+        check_hex(body["manifest"], SHA256_RE, where=where, field="manifest")
     chain = body.get("chain")
     if not isinstance(chain, list):
         raise FormatError(f"{where}: chain must be a list, got {type(chain).__name__}")
     lists = [("chain", chain)]
     version = body.get("version")
-    if body.get("format_version") == CHAIN_FORMAT_VERSION:
+    if body.get("format_version") in (CHAIN_FORMAT_VERSION, MANIFEST_FORMAT_VERSION):
         anchors = body.get("anchors")
         if not isinstance(anchors, list) or not anchors or len(anchors) > MAX_ANCHORS:
             shown = f"a list of {len(anchors)}" if isinstance(anchors, list) else type(anchors).__name__

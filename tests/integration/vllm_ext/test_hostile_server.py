@@ -73,9 +73,10 @@ class Bucket:
     def pointer(self) -> Pointer:
         return Pointer.from_bytes((self.root / F.POINTER_PATH).read_bytes())
 
-    def commit_file(self, version: int, data: bytes, kind: str = "delta") -> None:
-        """Overwrite a committed delta (or anchor) and rewrite the pointer's size and checksum to match."""
-        replace_file(open_store(self.root), version, data, kind=kind)
+    def commit_file(self, version: int, data: bytes, kind: str = "delta", manifest: str | None = None) -> None:
+        """Overwrite a committed delta (or anchor) and rewrite the pointer's size and checksum
+        (and with ``manifest``, its manifest digest) to match."""
+        replace_file(open_store(self.root), version, data, kind=kind, manifest=manifest)
 
     def snapshot(self) -> dict[str, bytes]:
         return {p.relative_to(self.root).as_posix(): p.read_bytes() for p in self.root.rglob("*") if p.is_file()}
@@ -149,7 +150,10 @@ def _forged_anchor(edit):  # noqa: ANN001, ANN202
         state = edit(bf16_state_dict(bucket.model))
         fp = fingerprint(state)
         assert fp == bucket.pointer().entry(version).fingerprint  # the fingerprint cannot tell
-        bucket.commit_file(version, F.encode_anchor(state, version=version, fingerprint=fp), kind="anchor")
+        # The forger rewrites the manifest digest too (file and pointer): the served shapes refuse it.
+        manifest = F.tensors_manifest(state)
+        data = F.encode_anchor(state, version=version, fingerprint=fp, manifest=manifest)
+        bucket.commit_file(version, data, kind="anchor", manifest=manifest)
 
     return forge
 
@@ -180,7 +184,7 @@ def _forged_delta(edit):  # noqa: ANN001, ANN202
         changes = edit(dict(changes), numels)
         bucket.commit_file(version, F.encode_delta(
             changes, version=version, anchor=header.anchor, codec="raw", total=header.total,
-            fingerprint=header.fingerprint, base_fingerprint=header.base_fingerprint or "",
+            fingerprint=header.fingerprint, base_fingerprint=header.base_fingerprint or "", manifest=header.manifest,
         ))  # fmt: skip
 
     return forge

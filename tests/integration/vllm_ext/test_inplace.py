@@ -284,7 +284,7 @@ def _publish_split(world, old: dict[str, torch.Tensor], parts: int = 2) -> int:
                 changes[name] = Change(index=index, new=flat[index], old=before[index])
         data = encode_delta(
             changes, version=version, anchor=pointer.root, codec="zstd", total=pointer.total, fingerprint=fp,
-            base_fingerprint=pointer.fingerprint, part=(part, parts), numels=numels,
+            base_fingerprint=pointer.fingerprint, part=(part, parts), numels=numels, manifest=pointer.manifest,
         )  # fmt: skip
         path = part_path("delta", version, part)
         store.write_bytes(path, data)

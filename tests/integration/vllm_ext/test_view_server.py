@@ -184,7 +184,8 @@ def _bad_delta(world, tamper) -> int:
     version = pointer.version + 1
     numels = {n: t.numel() for n, t in state.items()}
     data = encode_delta(changes, version=version, anchor=pointer.root, codec="raw", total=pointer.total,
-                        fingerprint=pointer.fingerprint, base_fingerprint=pointer.fingerprint, numels=numels)  # fmt: skip
+                        fingerprint=pointer.fingerprint, base_fingerprint=pointer.fingerprint, numels=numels,
+                        manifest=pointer.manifest)  # fmt: skip
     path = f"deltas/{version:08d}.safetensors"
     store.write_bytes(path, data)
     entry = ChainEntry(version=version, kind="delta", path=path, nbytes=len(data), sha256=sha256_hex(data),

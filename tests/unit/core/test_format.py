@@ -200,6 +200,37 @@ def fingerprint_table(state: dict[str, torch.Tensor]) -> str:
     return "\n".join(lines)
 
 
+def ref_manifest(entries: list[tuple[str, list[int], str]]) -> str:
+    """docs/protocol.md section 3: SHA-256 of the compact JSON list of [name, shape, dtype] in
+    name order."""
+    import hashlib
+
+    body = json.dumps(sorted([name, shape, dtype] for name, shape, dtype in entries), separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def manifest_files() -> dict[str, bytes]:
+    """The worked example as a format 4 writer writes it: every file names the manifest, and so
+    does the pointer."""
+    from dataclasses import replace
+
+    state = example_state()
+    manifest = F.tensors_manifest(state)
+    fp0, fp1 = fingerprint(state), fingerprint(apply(state, example_changes()))
+    anchor = F.encode_anchor(state, version=0, fingerprint=fp0, manifest=manifest)
+    raw = F.encode_delta(example_changes(), codec="raw", version=1, anchor=0, total=10, fingerprint=fp1,
+                         base_fingerprint=fp0, manifest=manifest)  # fmt: skip
+    entries = (
+        F.ChainEntry(version=0, kind="anchor", path=F.anchor_path(0), nbytes=len(anchor),
+                     sha256=F.sha256_hex(anchor), fingerprint=fp0, changed=10),  # fmt: skip
+        F.ChainEntry(version=1, kind="delta", path=F.delta_path(1), nbytes=len(raw),
+                     sha256=F.sha256_hex(raw), fingerprint=fp1, changed=6),  # fmt: skip
+    )
+    pointer = F.Pointer.from_chain(version=1, anchor=0, fingerprint=fp1, total=10, chain=entries)
+    pointer = replace(pointer, manifest=manifest)
+    return {"anchor": anchor, "raw": raw, "pointer": pointer.to_bytes()}
+
+
 def render_examples() -> dict[str, str]:
     """Every dump docs/protocol.md shows, by the name of its ``<!-- dump: NAME -->`` marker."""
     files = example_files()
@@ -212,6 +243,12 @@ def render_examples() -> dict[str, str]:
         "zstd-streams": stream_table(zstd_streams(files["zstd"])),
         "big-gap-streams": stream_table(streams),
         "pointer": files["pointer"].decode().rstrip("\n"),
+        "manifest": "\n".join([
+            json.dumps([["model.norm.weight", [4], "BF16"], ["model.proj.weight", [2, 3], "BF16"]], separators=(",", ":")),
+            F.tensors_manifest(example_state()),
+        ]),
+        "manifest-header": json.dumps(F.read_metadata(manifest_files()["raw"], where="x"), sort_keys=True, separators=(",", ":")),
+        "pointer-4": manifest_files()["pointer"].decode().rstrip("\n"),
         "fingerprint": fingerprint_table(example_state()),
     }
 
@@ -534,6 +571,37 @@ def test_fingerprint_golden() -> None:
     assert ref_seed("model.proj.weight") == 0x45D35D8BF4389C77
     # mix64 is SplitMix64's output function: its first output from seed 0 is a known value.
     assert ref_mix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
+
+
+def test_manifest_digest_matches_the_documented_rule() -> None:
+    state = example_state()
+    want = ref_manifest([("model.proj.weight", [2, 3], "BF16"), ("model.norm.weight", [4], "BF16")])
+    assert F.tensors_manifest(state) == want == F.manifest_digest(
+        [("model.proj.weight", (2, 3), torch.bfloat16), ("model.norm.weight", (4,), torch.bfloat16)]
+    )
+    # Shapes, names and dtypes all count; the order of the entries does not.
+    assert F.manifest_digest([("model.norm.weight", (1, 4), torch.bfloat16), ("model.proj.weight", (2, 3), torch.bfloat16)]) != want
+    assert F.manifest_digest([("model.norm.weight", (4,), torch.bfloat16), ("model.proj.weight", (3, 2), torch.bfloat16)]) != want
+    assert F.manifest_digest([("model.norm.weight", (4,), torch.int8), ("model.proj.weight", (2, 3), torch.bfloat16)]) != want
+    assert F.tensors_manifest({**state, "extra": torch.zeros(0, dtype=torch.bfloat16)}) != want
+    with pytest.raises(ValueError, match="each parameter once"):
+        F.manifest_digest([("a", (1,), torch.bfloat16), ("a", (1,), torch.bfloat16)])
+
+
+def test_format_4_files_and_pointer_name_the_manifest() -> None:
+    files, manifest = manifest_files(), F.tensors_manifest(example_state())
+    pointer = F.Pointer.from_bytes(files["pointer"])
+    assert json.loads(files["pointer"])["format_version"] == 4 and pointer.manifest == manifest
+    for key in ("anchor", "raw"):
+        assert F.read_header(files[key], where=key).manifest == manifest
+    # A format 4 pointer without its manifest, or with a malformed one, is refused by name.
+    body = json.loads(files["pointer"])
+    del body["manifest"]
+    with pytest.raises(FormatError, match="a format_version 4 pointer must name its manifest"):
+        F.Pointer.from_bytes(json.dumps(body).encode())
+    body["manifest"] = "ABC"
+    with pytest.raises(FormatError, match="manifest must be 64 lower-case hex digits, got 'ABC'"):
+        F.Pointer.from_bytes(json.dumps(body).encode())
 
 
 def test_protocol_doc_shows_the_bytes_the_code_writes() -> None:
@@ -1279,9 +1347,9 @@ BAD_POINTERS = {
     "not UTF-8": (lambda: b"\xff", "not a deltasync pointer (invalid JSON"),
     "a JSON list": (lambda: b"[]", "not a deltasync pointer (format is not 'deltasync')"),
     "no format": (lambda: _pointer(format=None), "not a deltasync pointer (format is not 'deltasync')"),
-    "format_version 4": (
-        lambda: _pointer(format_version=4),
-        "format_version 4 is not supported (this deltasync reads 1, 2, 3); upgrade deltasync",
+    "format_version 5": (
+        lambda: _pointer(format_version=5),
+        "format_version 5 is not supported (this deltasync reads 1, 2, 3, 4); upgrade deltasync",
     ),
     "format_version as a string": (lambda: _pointer(format_version="1"), "format_version '1' is not supported"),
     "missing total": (lambda: _pointer(total=None), "malformed pointer (KeyError('total'))"),

@@ -21,7 +21,7 @@ import uuid
 import pytest
 import torch
 import zstandard
-from helpers import replace_file
+from helpers import chain_manifest, replace_file
 from safetensors.torch import load as st_load
 
 from deltasync import (
@@ -309,7 +309,7 @@ def test_hostile_chain_entries_are_refused(zchain, case, entry) -> None:
     items, index, folder, version, other = ENTRIES[entry]
     names = dict(field=rf"{items}\[{index}\]", dir=folder, v=version, n=other)
     body = json.loads(zchain.store.read_bytes(F.POINTER_PATH))
-    assert body["format_version"] == 3 and body[items][index]["version"] == version
+    assert body["format_version"] == 4 and body[items][index]["version"] == version
     body[items][index][key] = value.format(**names) if isinstance(value, str) else value
     zchain.store.write_bytes(F.POINTER_PATH, json.dumps(body).encode())
     refused(zchain, pattern.format(**names))
@@ -487,15 +487,19 @@ def anchor_past_the_receiver(chain: Chain) -> int:
     return result.version
 
 
-def forge_anchor(chain: Chain, edit) -> int:
+def forge_anchor(chain: Chain, edit, *, rewrite_manifest: bool) -> int:
     """Publish an honest anchor the receiver must load, then rewrite it with ``edit(state)``
-    (same fingerprint)."""
+    (same fingerprint) and the pointer to its size and SHA-256; with ``rewrite_manifest`` the
+    file and the pointer also name the forged state's manifest, else the honest one."""
     version = anchor_past_the_receiver(chain)
     fp = chain.publisher.fingerprint
     state = {n: p.detach().clone() for n, p in chain.model.named_parameters()}
     state = edit(state)
     assert fingerprint(state) == fp  # the fingerprint hashes flat elements only
-    replace_file(chain.store, version, F.encode_anchor(state, version=version, fingerprint=fp), kind="anchor")
+    manifest = F.tensors_manifest(state) if rewrite_manifest else chain_manifest(chain.store)
+    assert manifest is not None and (manifest != chain_manifest(chain.store)) == rewrite_manifest
+    data = F.encode_anchor(state, version=version, fingerprint=fp, manifest=manifest)
+    replace_file(chain.store, version, data, kind="anchor", manifest=manifest)
     return version
 
 
@@ -507,16 +511,59 @@ ANCHOR_EDITS = {
 
 
 @pytest.mark.parametrize("case", list(ANCHOR_EDITS))
+def test_a_reshaped_or_extra_tensor_is_refused_by_every_receiver_through_the_manifest_digest(zchain, case) -> None:
+    """The fingerprint hashes element bits only; the pointer's manifest digest binds names,
+    shapes and dtypes: a forged anchor that keeps it is refused even by a receiver that was told
+    nothing (a fresh one)."""
+    edit, _ = ANCHOR_EDITS[case]
+    version = forge_anchor(zchain, edit, rewrite_manifest=False)
+    pattern = rf"anchors/{version:08d}.safetensors \(version {version}\): the anchor's parameters \(names, shapes, dtypes\) have manifest [0-9a-f]{{64}}, the pointer says"
+    refused(zchain, pattern, IntegrityError)
+    fresh = DeltaReceiver(zchain.store)
+    with pytest.raises(IntegrityError, match=pattern):
+        fresh.sync()
+    assert fresh.version is None and fresh.state_dict() == {}
+
+
+@pytest.mark.parametrize("case", list(ANCHOR_EDITS))
 def test_a_reshaped_or_extra_tensor_is_refused_by_a_receiver_that_knows_the_model(zchain, case) -> None:
+    """A forger who rewrites the manifest digest too (file and pointer) still meets the shapes a
+    receiver serves (and a chain's files would all have to be rewritten)."""
     edit, pattern = ANCHOR_EDITS[case]
     assert zchain.receiver.manifest == SHAPES  # learned from the first anchor it loaded
-    version = forge_anchor(zchain, edit)
+    version = forge_anchor(zchain, edit, rewrite_manifest=True)
     refused(zchain, rf"anchors/{version:08d}.safetensors \(version {version}\): {pattern}")
     # A new receiver told what to serve refuses it too; one that is not takes the bucket's word.
     told = DeltaReceiver(zchain.store, expected={n: p.shape for n, p in zchain.model.named_parameters()})
     with pytest.raises(FormatError, match=pattern):
         told.sync()
     assert told.version is None and told.state_dict() == {}
+
+
+@pytest.mark.parametrize("files", ["kept", "renamed"])
+def test_a_pointer_with_another_manifest_is_refused_and_changes_nothing(zchain, files) -> None:
+    """The pointer's manifest digest rewritten (alone, or with every file naming it too): the
+    receiver's state has another manifest, and its anchor's tensors another still."""
+    forged = "ab" * 32
+    pointer = Pointer.from_bytes(zchain.store.read_bytes(F.POINTER_PATH))
+    assert pointer.manifest == F.tensors_manifest(zchain.receiver.state_dict()) != forged
+    if files == "renamed":  # an attacker who rewrites every file's metadata (and the pointer's SHA-256s)
+        for entry in (*pointer.anchors, *pointer.chain):
+            table, data = split(zchain.store.read_bytes(entry.path))
+            table["__metadata__"]["manifest"] = forged
+            replace_file(zchain.store, entry.version, st_file(table, data), kind=entry.kind)
+        pattern = r"anchors/00000000.safetensors \(version 0\): the anchor's parameters \(names, shapes, dtypes\) have manifest"
+    else:
+        zchain.store.write_bytes(F.POINTER_PATH, dataclasses.replace(pointer, manifest=forged).to_bytes())
+        pattern = rf"anchors/00000000.safetensors \(version 0\): manifest {pointer.manifest} in the file, {forged} in the pointer"
+    if files == "renamed":
+        zchain.store.write_bytes(
+            F.POINTER_PATH,
+            dataclasses.replace(Pointer.from_bytes(zchain.store.read_bytes(F.POINTER_PATH)), manifest=forged).to_bytes(),
+        )
+    # Replaying on its own state is refused first (its manifest is not the pointer's); the
+    # rebuild from the anchor that follows is refused by the anchor's checks.
+    refused(zchain, pattern, IntegrityError)
 
 
 def test_an_expected_manifest_must_be_names_and_shapes(tmp_path) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import small_transformer, train_step
 
-from deltasync import ConfigError, DeltaPublisher, VersionError
+from deltasync import ConfigError, DeltaPublisher, NotFoundError, VersionError
 from deltasync._poll import PointerWatch, PollOptions, PollPolicy, pointer_tag
 from deltasync.stores import FsspecStore, LocalStore
 
@@ -167,3 +167,17 @@ def test_a_store_that_cannot_tell_is_read_whole_every_time(tmp_path):
     for _ in range(3):
         assert watch.read().version == 0
     assert (watch.full_reads, watch.tag_reads) == (3, 0)
+
+
+def test_a_views_folder_is_watched_through_its_parent(tmp_path):
+    from deltasync.stores._sub import sub_store
+
+    parent = LocalStore(tmp_path / "b")
+    view = sub_store(parent, "views/FP8_DYNAMIC/")
+    _publish(view, 1)
+    assert pointer_tag(view) == pointer_tag(parent, "views/FP8_DYNAMIC/latest.json") is not None
+    with pytest.raises(NotFoundError, match="latest.json"):
+        pointer_tag(parent)  # the bf16 chain has no pointer here
+    watch = PointerWatch(view)
+    assert watch.read().version == 0 and watch.read().version == 0
+    assert (watch.full_reads, watch.tag_reads) == (1, 1)

@@ -164,7 +164,7 @@ def test_delta_for_another_base_state(chain) -> None:
     forged = encode_delta(
         {Q: Change(index=torch.tensor([0]), new=torch.tensor([0.5], dtype=torch.bfloat16))},
         version=2, anchor=0, codec="raw", total=header.total,
-        fingerprint=header.fingerprint, base_fingerprint="0" * 16,
+        fingerprint=header.fingerprint, base_fingerprint="0" * 16, manifest=header.manifest,
     )
     replace_file(store, 2, forged)
     check(receiver, before, IntegrityError, r"applies to a state with fingerprint 0000000000000000")

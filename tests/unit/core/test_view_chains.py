@@ -193,7 +193,7 @@ def _tampered(bucket, view: str, spoil) -> int:
     version = pointer.version + 1
     data = encode_delta(changes, version=version, anchor=pointer.root, codec="raw", total=pointer.total,
                         fingerprint=pointer.fingerprint, base_fingerprint=pointer.fingerprint,
-                        numels={n: t.numel() for n, t in state.items()})  # fmt: skip
+                        numels={n: t.numel() for n, t in state.items()}, manifest=pointer.manifest)  # fmt: skip
     path = f"deltas/{version:08d}.safetensors"
     store.write_bytes(path, data)
     entry = ChainEntry(version=version, kind="delta", path=path, nbytes=len(data), sha256=sha256_hex(data),
