@@ -10,7 +10,10 @@ no-update ones (``baseline``: ``--baseline-s`` seconds with no update):
   ``wait_prefetched``), then applied with ``POST /deltasync/update {"mode": "inflight"}``;
 - ``pause`` (once, after the first ``inflight``; ``--modes inflight`` leaves it out): as many
   further deltas, applied with ``"mode": "pause"``;
-- ``inflight`` again, ``--repeats`` in-flight phases in all.
+- ``inflight`` again, ``--repeats`` in-flight phases in all;
+- ``cold`` (with ``--modes inflight,cold``, after the first ``inflight``): as many deltas, applied
+  in flight with no prefetch first, as ``RolloutClient.update(N)`` alone or a follower does: the
+  update request's window then holds the staging too.
 
 The no-update rate is all baselines' tokens over their seconds; the machine's speed drifts by
 several percent over minutes, so each update phase is also compared with the baselines on
@@ -40,7 +43,12 @@ counts, each chunk's tokens spread over the time since its stream's previous chu
 of an engine step arrives at once, and a window that ends when a call into the engine returns
 ends just after one step's tokens arrived), ``vllm:num_preemptions_total`` (from ``/metrics``,
 read before each update and after each phase), the longest gap between two chunks of a stream that overlaps
-an update request, against the p99 of the gaps that overlap none, and per update the seconds
+an update request (and one that overlaps the time from its prefetch to its answer), against the
+p99 of the gaps that overlap none, the longest time the engine computed nothing in that time
+(between two steps of the worker, which the test worker extension's
+``deltasync_test_step_times`` records: the server loads ``vllm_ext.testing`` with
+``DELTASYNC_TEST_HOOKS=1`` for that alone), so that a stream's gap on a starved machine is told
+apart from an engine standing still for the update, and per update the seconds
 the route says it paused, the worker's apply seconds and the request's wall time. vLLM 0.32
 exports no counter of recomputed tokens (its prefix-cache stats count preempted requests'
 queries apart and do not export them), so recomputed tokens per update are estimated: the
@@ -74,10 +82,13 @@ from server import SHAPE, Trainer, log, server_env
 
 from deltasync import RolloutClient
 from deltasync._client import MAX_POLL_S
+from deltasync._env import TEST_HOOKS_ENV
 from deltasync._serve import extension_args
 from deltasync.examples.launcher import VLLMServer
 from deltasync.examples.tiny import build_tiny_model
 
+#: The worker extension with the test hooks (``vllm_ext.testing``): the engine's step times.
+TEST_EXTENSION = "vllm_ext.testing.TestingWorkerExtension"
 PROMPT = "Once upon a time, in a land far away, there lived"
 TARGETS = {
     "preemptions": ("preemptions during in-flight updates", "==", 0),
@@ -245,6 +256,31 @@ def preemptions(http: httpx.Client, url: str) -> float:
     raise RuntimeError("vllm:num_preemptions_total is not in /metrics")
 
 
+def step_times(url: str, start: bool = False) -> list[tuple[float, float]]:
+    """The first worker's ``[start, end]`` of every engine step since the previous read
+    (``start``: begin recording); ``time.perf_counter()`` times, comparable with this process's."""
+    answer = httpx.post(url + "/collective_rpc", json={"method": "deltasync_test_step_times", "kwargs": {"start": start}},
+                        timeout=600)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    return [(a, b) for a, b in answer.json()["results"][0]]
+
+
+def engine_gaps(phases: list[dict[str, Any]], steps: list[tuple[float, float]]) -> None:
+    """Where the engine stood still: each update's longest time between two engine steps from its
+    prefetch (if any) to its answer (``engine_gap_s``), and each phase's p99 of that time
+    outside its updates. A stream's gap with no such standstill was on the answers' way out (the
+    API server, the client) on a machine with no core to spare, not the update's doing."""
+    idle = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(steps, steps[1:])]
+    for p in phases:
+        windows = [(u["stage"][0], u["update"][1]) for u in p["updates"]]
+        for u, (ta, tb) in zip(p["updates"], windows):
+            u["engine_gap_s"] = max((b - a for a, b in idle if a < tb and b > ta), default=0.0)
+        outside = [b - a for a, b in idle if p["start"] <= a and b <= p["end"]
+                   and not any(a < tb and b > ta for ta, tb in windows)]  # fmt: skip
+        p["engine_gap_p99_outside_updates_s"] = percentile(outside, 0.99)
+        p["engine_gap_max_outside_updates_s"] = max(outside, default=float("nan"))
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -257,6 +293,7 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
     """One phase: ``versions`` prefetched and applied one after the other in ``mode`` (none:
     ``--baseline-s`` seconds without an update); what the streams got meanwhile."""
     client = RolloutClient(url, timeout=600)
+    route_mode = "inflight" if mode == "cold" else mode
     updates = []
     with httpx.Client(timeout=600) as http:
         before = preemptions(http, url)
@@ -269,16 +306,21 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
             time.sleep(max(0.0, start + k * args.interval - time.perf_counter()))
             p0 = preemptions(http, url)  # the benchmark's own reads stay outside the update's window
             t0 = time.perf_counter()
-            (pre,) = client.prefetch(version).values()
-            assert pre.ok, pre.error
-            job = wait_staged(client, version)  # where and how long the worker staged (vllm_ext._cpus)
+            if mode == "cold":  # no prefetch: the request stages, then applies
+                job: dict[str, Any] = {}
+            else:
+                (pre,) = client.prefetch(version).values()
+                assert pre.ok, pre.error
+                job = wait_staged(client, version)  # where and how long the worker staged (vllm_ext._cpus)
             ta = time.perf_counter()
-            response = http.post(url + "/deltasync/update", json={"version": version, "auth": None, "mode": mode})
+            response = http.post(url + "/deltasync/update", json={"version": version, "auth": None, "mode": route_mode})
             tb = time.perf_counter()
             assert response.status_code == 200, response.text
             answer = response.json()
             (result,) = answer["results"]
-            assert answer["mode"] == mode and answer["note"] is None, answer
+            assert answer["mode"] == route_mode and answer["note"] is None, answer
+            if mode == "cold":  # the route staged it itself (in the background) before the write
+                job = {"stage_s": result["stage_s"]}
             assert result["fingerprint"] == v["fingerprint"], \
                 f"version {version} serves {result['fingerprint']}, the trainer committed {v['fingerprint']}"  # fmt: skip
             flight, flight_tokens = streams.in_flight(ta)
@@ -298,7 +340,7 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
                 updates[-1]["window"] = [t0, te]
                 time.sleep(args.rest * (te - t0))
                 updates[-1]["rest"] = [te, time.perf_counter()]
-            log(f"{name}: version {version} staged in {ta - t0:.2f} s (worker {job['stage_s']:.2f} s on CPUs "
+            log(f"{name}: version {version} staged in {ta - t0:.2f} s (worker {job['stage_s'] or 0:.2f} s on CPUs "
                 f"{job.get('cpus') or 'of the engine'}, {'SCHED_IDLE' if job.get('idle') else 'nice ' + str(job.get('nice'))}), applied in {result['apply_s']:.3f} s, request "
                 f"{tb - ta:.3f} s, route paused_s {answer['paused_s']:.3f}, {flight} streams in flight")  # fmt: skip
         end = time.perf_counter()
@@ -323,6 +365,10 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
         ta, tb = u["update"]  # the last update's gaps may end after the phase: look on to the settling
         overlapping = [b - a for a, b in streams.gaps(start, settled) if a < tb and b > ta]
         u["max_gap_s"] = max(overlapping, default=0.0)
+        # From the prefetch on: a prefetched update's staging runs before its request, and must
+        # not stop the streams either.
+        t0 = u["stage"][0]
+        u["max_gap_window_s"] = max((b - a for a, b in streams.gaps(start, settled) if a < tb and b > t0), default=0.0)
     gaps = streams.gaps(start, end)
     windows = [u["update"] for u in updates]
     outside = [b - a for a, b in gaps if not any(a < tb and b > ta for ta, tb in windows)]
@@ -333,7 +379,7 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
         "phase": name, "mode": mode, "start": start, "end": end, "seconds": end - start, "tokens": tokens,
         "tokens_per_s": tokens / (end - start), "preemptions": after - before, "updates": updates,
         "gap_p99_outside_updates_s": percentile(outside, 0.99), "gap_median_s": percentile(outside, 0.5),
-        "gaps_outside": len(outside),
+        "gaps_outside": len(outside), "gap_max_outside_updates_s": max(outside, default=0.0),
         "staging_s": staging, "staged_tokens": staged_tokens,
         "tokens_per_s_staging": staged_tokens / staging if staging else None,
         "tokens_per_s_not_staging": (tokens - staged_tokens) / (end - start - staging) if end - start > staging else None,
@@ -347,8 +393,11 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
     base = [p for p in phases if p["mode"] is None]
     baseline = sum(p["tokens"] for p in base) / sum(p["seconds"] for p in base)
     out: dict[str, Any] = {"baseline_tokens_per_s": baseline,
-                           "baseline_gap_p99_s": max(p["gap_p99_outside_updates_s"] for p in base)}  # fmt: skip
-    for mode in ("inflight", "pause"):
+                           "baseline_gap_p99_s": max(p["gap_p99_outside_updates_s"] for p in base),
+                           "baseline_gap_max_s": max(p["gap_max_outside_updates_s"] for p in base),
+                           "baseline_engine_gap_p99_s": max(p["engine_gap_p99_outside_updates_s"] for p in base),
+                           "baseline_engine_gap_max_s": max(p["engine_gap_max_outside_updates_s"] for p in base)}  # fmt: skip
+    for mode in ("inflight", "cold", "pause"):
         runs = [p for p in phases if p["mode"] == mode]
         if not runs:
             continue
@@ -372,7 +421,7 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
             stage_s = sum(u["stage"][1] - u["stage"][0] for u in paired)
             request_s = sum(u["window"][1] - u["update"][0] for u in paired)
             paired_parts = {
-                "staging": sum(u["stage_tokens"] for u in paired) / stage_s / rest_rate,
+                "staging": sum(u["stage_tokens"] for u in paired) / stage_s / rest_rate if stage_s else None,
                 "request": sum(u["request_tokens"] for u in paired) / request_s / rest_rate,
                 "request_share_of_window": request_s / window_s,
             }
@@ -406,8 +455,12 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
             "apply_s_median": statistics.median(u["apply_s"] for u in ups),
             "request_s_median": statistics.median(u["request_s"] for u in ups),
             "stage_s_median": statistics.median(u["stage"][1] - u["stage"][0] for u in ups),
+            "worker_stage_s_median": statistics.median(u.get("worker_stage_s") or 0.0 for u in ups),
             "max_gap_during_updates_s": max(u["max_gap_s"] for u in ups),
             "median_max_gap_per_update_s": statistics.median(u["max_gap_s"] for u in ups),
+            "max_gap_from_prefetch_s": max(u["max_gap_window_s"] for u in ups),
+            "engine_max_gap_s": max(u["engine_gap_s"] for u in ups),
+            "engine_median_max_gap_s": statistics.median(u["engine_gap_s"] for u in ups),
             "gap_p99_outside_updates_s": max(p["gap_p99_outside_updates_s"] for p in runs),
         }
     return out
@@ -431,6 +484,24 @@ def verdicts(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def gap_verdicts(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The longest stream gap around an in-flight update (from its prefetch, if any, to its
+    answer), prefetched or not, against max(0.1 s, 2 x the p99 gap of the no-update phases)."""
+    bound = max(0.1, 2 * summary["baseline_gap_p99_s"])
+    engine = max(0.1, 2 * summary["baseline_engine_gap_p99_s"])
+    return {
+        mode: {"label": f"longest gap around an in-flight update ({'not ' if mode == 'cold' else ''}prefetched), s",
+               "value": summary[mode]["max_gap_from_prefetch_s"], "bound": f"<= {bound:.3f}",
+               "pass": summary[mode]["max_gap_from_prefetch_s"] <= bound}
+        for mode in ("inflight", "cold") if mode in summary
+    } | {
+        f"engine_{mode}": {"label": f"longest engine standstill around an in-flight update ({'not ' if mode == 'cold' else ''}"
+                                    "prefetched), s", "value": summary[mode]["engine_max_gap_s"], "bound": f"<= {engine:.3f}",
+                           "pass": summary[mode]["engine_max_gap_s"] <= engine}
+        for mode in ("inflight", "cold") if mode in summary
+    }  # fmt: skip
+
+
 def table(summary: dict[str, Any]) -> str:
     rows = [
         ("tokens/s over the phase (no-update: {:.1f})".format(summary["baseline_tokens_per_s"]), "tokens_per_s", "{:.1f}"),
@@ -452,12 +523,18 @@ def table(summary: dict[str, Any]) -> str:
         ("worker apply s per update, median", "apply_s_median", "{:.3f}"),
         ("update request s, median", "request_s_median", "{:.3f}"),
         ("staging s (prefetch to ready), median", "stage_s_median", "{:.2f}"),
+        ("worker staging s, median", "worker_stage_s_median", "{:.2f}"),
         ("longest chunk gap during an update s", "max_gap_during_updates_s", "{:.3f}"),
         ("median over updates of the longest gap s", "median_max_gap_per_update_s", "{:.3f}"),
-        ("p99 chunk gap outside updates s (no-update: {:.3f})".format(summary["baseline_gap_p99_s"]),
+        ("longest chunk gap from a prefetch to its update's answer s", "max_gap_from_prefetch_s", "{:.3f}"),
+        ("longest engine standstill from a prefetch to its answer s (no-update p99 {:.3f}, max {:.3f})".format(
+            summary["baseline_engine_gap_p99_s"], summary["baseline_engine_gap_max_s"]), "engine_max_gap_s", "{:.3f}"),
+        ("median over updates of the longest engine standstill s", "engine_median_max_gap_s", "{:.3f}"),
+        ("p99 chunk gap outside updates s (no-update: {:.3f}, max {:.3f})".format(summary["baseline_gap_p99_s"],
+                                                                                  summary["baseline_gap_max_s"]),
          "gap_p99_outside_updates_s", "{:.3f}"),
     ]  # fmt: skip
-    modes = [mode for mode in ("inflight", "pause") if mode in summary]
+    modes = [mode for mode in ("inflight", "cold", "pause") if mode in summary]
     lines = ["| | " + " | ".join(modes) + " |", "|---|" + "---:|" * len(modes)]
     for label, key, fmt in rows:
         cells = []
@@ -492,7 +569,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 4), gridspec_kw={"width_ratios": [3, 1.2]})
     bins = result["timeline"]
     ax.plot([b["t"] for b in bins], [b["tokens"] for b in bins], color="0.3", linewidth=1, label="tokens/s (1 s bins)")
-    colors = {None: "0.85", "inflight": "C0", "pause": "C3"}
+    colors = {None: "0.85", "inflight": "C0", "cold": "C2", "pause": "C3"}
     for p in phases:
         ax.axvspan(p["start"] - t0, p["end"] - t0, color=colors[p["mode"]], alpha=0.12)
         label = f"{p['mode'] or 'baseline'} {sum(1 for q in phases[: phases.index(p) + 1] if q['mode'] == p['mode'])}"
@@ -514,9 +591,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     per = f"{result['updates']} deltas per phase" + (f" ({paused} paused)" if paused and paused != result["updates"] else "")
     ax.set_title(f"{result['clients']} streams, {per} ({result['density']:.0%} each, {cadence})")
     ax.legend(fontsize=8, loc="upper right")
-    for k, mode in enumerate(m for m in ("inflight", "pause") if m in result["summary"]):
+    shown = [m for m in ("inflight", "cold", "pause") if m in result["summary"]]
+    for k, mode in enumerate(shown):
         ups = [u for p in phases if p["mode"] == mode for u in p["updates"]]
-        bx.bar([i + (k - 0.5) * 0.4 for i in range(len(ups))], [u["max_gap_s"] for u in ups], 0.4,
+        width = 0.8 / len(shown)
+        bx.bar([i + (k - (len(shown) - 1) / 2) * width for i in range(len(ups))], [u["max_gap_s"] for u in ups], width,
                color=colors[mode], label=f"{mode}: longest gap during the update")  # fmt: skip
         bx.axhline(result["summary"][mode]["gap_p99_outside_updates_s"], color=colors[mode], linestyle=":",
                    linewidth=1, label=f"{mode}: p99 gap outside updates")  # fmt: skip
@@ -543,7 +622,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=0.0,
                         help="seconds between two deltas' arrivals (a trainer's step time); 0: back to back")
     parser.add_argument("--modes", default="inflight,pause",
-                        help="update phases to run, in order (comma-separated: inflight, pause)")
+                        help="update phases to run, in order (comma-separated: inflight, and cold and/or pause)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the test suite's tiny model instead of the ~0.36B one (a quick check of gaps)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="in-flight phases, each followed by a no-update one (the machine's speed drifts: "
                              "each is compared with the no-update phases on either side)")
@@ -562,8 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if not 0 < args.density <= 1 or args.clients < 1 or args.updates < 1:
         parser.error("--density must be in (0, 1], --clients and --updates >= 1")
-    if "inflight" not in modes or not set(modes) <= {"inflight", "pause"} or len(set(modes)) != len(modes):
-        parser.error("--modes: inflight, and optionally pause, each once")
+    if "inflight" not in modes or not set(modes) <= {"inflight", "cold", "pause"} or len(set(modes)) != len(modes):
+        parser.error("--modes: inflight, and optionally cold and pause, each once")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     if args.pause_updates is None:
@@ -573,9 +654,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rest < 0 or (args.rest and args.interval):
         parser.error("--rest must be >= 0, and cannot go with --interval")
     # pause once, right after the first in-flight phase (its recompute is the same every time)
-    plan = ["inflight"] + (["pause"] if "pause" in modes else []) + ["inflight"] * (args.repeats - 1)
+    plan = (["inflight"] + (["cold"] if "cold" in modes else []) + (["pause"] if "pause" in modes else [])
+            + ["inflight"] * (args.repeats - 1))
     root = args.workdir or Path(tempfile.mkdtemp(prefix="deltasync-inflight-bench-"))
-    model_dir = build_tiny_model(root / "model", **SHAPE)
+    shape = {} if args.tiny else SHAPE
+    model_dir = build_tiny_model(root / "model", **shape)
     log(f"model: {model_dir}")
     trainer = Trainer(model_dir, root / "bucket", args.updates, args.density, args.seed, anchor_every=10**6)
     counts = [args.pause_updates if mode == "pause" else args.updates for mode in plan]
@@ -583,8 +666,13 @@ def main(argv: list[str] | None = None) -> int:
     env = server_env(root / "bucket", in_place=True)
     if args.staging_nice is not None:
         env["DELTASYNC_STAGING_NICE"] = args.staging_nice
+    # The test worker extension records when the engine computed (deltasync_test_step_times): a
+    # stream's gap is then told apart from a standstill of the engine.
+    env[TEST_HOOKS_ENV] = "1"
+    worker_args = extension_args()
+    worker_args[worker_args.index("--worker-extension-cls") + 1] = TEST_EXTENSION
     server = VLLMServer(model_dir, env=env,
-                        extra_args=["--enforce-eager", *extension_args()], log_file=root / "server.log")  # fmt: skip
+                        extra_args=["--enforce-eager", *worker_args], log_file=root / "server.log")  # fmt: skip
     server.start(timeout=900)
     try:
         client = RolloutClient(server.url, timeout=600)
@@ -593,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         status = client.status()[server.url]
         assert status.mode == "in-place", status.workers[0].get("fallback", [])[:3]
         deltas = published[1:]
+        step_times(server.url, start=True)
         with Streams(server.url, args.clients, args.max_tokens) as streams:
             time.sleep(args.warmup_s)
             phases = [run_phase("baseline 1", None, [], streams, server.url, args)]
@@ -600,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
                 batch = deltas[sum(counts[:r]) : sum(counts[: r + 1])]
                 phases.append(run_phase(f"{mode} {plan[: r + 1].count(mode)}", mode, batch, streams, server.url, args))
                 phases.append(run_phase(f"baseline {r + 2}", None, [], streams, server.url, args))
+        steps = step_times(server.url)
         verify = httpx.post(server.url + "/collective_rpc", json={"method": "deltasync_verify"}, timeout=600).json()
         assert all(v["ok"] for v in verify["results"]), verify
         state = client.status()[server.url]
@@ -607,14 +697,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     assert not streams.errors, streams.errors[:5]
+    engine_gaps(phases, steps)
     summary = summarize(phases)
     checks = verdicts(summary)
+    checks.update({f"gap_{mode}": check for mode, check in gap_verdicts(summary).items()})
     t0 = phases[0]["start"]
     timeline = [{"t": s + 0.5, "tokens": streams.tokens_between(t0 + s, t0 + s + 1)}
                 for s in range(int(phases[-1]["end"] - t0))]  # fmt: skip
     spans = [r["span"].split("-") for r in streams.requests if r["span"]]
     straddled = sum(1 for first, last in spans if first != last)
-    result = {"machine": machine(), "shape": SHAPE, "clients": args.clients, "max_tokens": args.max_tokens, "updates": args.updates,
+    result = {"machine": machine(), "shape": shape or "tiny", "clients": args.clients, "max_tokens": args.max_tokens, "updates": args.updates,
               "pause_updates": args.pause_updates if "pause" in plan else 0, "rest": args.rest,
               "repeats": args.repeats, "staging_nice": phases[1]["updates"][0]["staging_nice"],
               "density": args.density, "interval_s": args.interval, "phases": phases, "summary": summary,

@@ -25,6 +25,13 @@ from ._errors import (
 from ._fingerprint import fingerprint
 from .format import Change, Pointer
 from ._receiver import DeltaReceiver, StagedUpdate
+from ._token_versions import (
+    TOKEN_VERSIONS_HEADER,
+    TokenVersions,
+    VersionedCompletion,
+    parse_token_versions,
+    version_of_token,
+)
 from .stores import Store, open_store
 
 if TYPE_CHECKING:
@@ -75,6 +82,11 @@ __version__ = "0.1.0"
 __all__ = [
     "export_checkpoint",
     "write_view_checkpoint",
+    "TOKEN_VERSIONS_HEADER",
+    "TokenVersions",
+    "VersionedCompletion",
+    "parse_token_versions",
+    "version_of_token",
     "AdapterError",
     "AdapterRolloutClient",
     "AdapterWeights",

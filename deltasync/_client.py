@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ._auth import update_tag
 from ._errors import ConfigError, FormatError
 from ._messages import ServedBody, check_version
+from ._token_versions import VersionedCompletion, versioned_completion
 
 if TYPE_CHECKING:
     import httpx
@@ -427,6 +428,33 @@ class RolloutClient(BaseRolloutClient):
             if time.monotonic() > deadline:
                 return states
             time.sleep(poll)
+
+    def complete(self, body: dict[str, Any], *, chat: bool = False, url: str | None = None) -> VersionedCompletion:
+        """One non-streamed completion (``chat``: chat completion) from ``url`` (default: the
+        first server), with the version that sampled each token: ``.token_versions`` holds
+        ``[(version, first_token), ...]`` per choice (see :func:`deltasync.parse_token_versions`).
+
+        Raises :class:`RequestError` when the server refuses, and
+        :class:`~deltasync.FormatError` when it does not report token versions.
+        """
+        import httpx
+
+        target = self.urls[0] if url is None else str(url).rstrip("/")
+        if target not in self.urls:
+            raise ConfigError(f"url {url!r} is not one of this client's servers: {self.urls}")
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        if body.get("stream"):
+            raise ConfigError("complete() takes non-streamed requests: drop 'stream' (a stream's versions arrive as "
+                              "the SSE comment ': x-deltasync-token-versions ...' before data: [DONE])")  # fmt: skip
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token is not None else {}
+        try:
+            with httpx.Client(headers=headers, timeout=self.timeout, transport=self.transport) as client:
+                response = client.post(target + route, json=body)
+        except httpx.HTTPError as exc:
+            raise RequestError(f"POST {route}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 400:
+            raise RequestError(f"POST {route}: HTTP {response.status_code}: {_error_text(response)}", response.status_code)
+        return versioned_completion(response.json(), response.headers)
 
     # ------------------------------------------------------------------ per server
 

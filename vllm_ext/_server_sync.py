@@ -50,6 +50,7 @@ from deltasync._messages import UpdateAnswer, WorkerStatus
 from deltasync._env import DEFAULT_FOLLOW_INTERVAL, FOLLOW_ENV, FOLLOW_INTERVAL_ENV, UPDATE_MODE_ENV, UPDATE_MODES, UpdateMode, check_update_mode
 
 from ._config import ServerConfig
+from ._token_versions import TokenVersionLog
 
 __all__ = ["UPDATE_MODE_ENV", "UPDATE_MODES", "FollowConfig", "ServerSync", "UpdateOutcome", "cache_salt"]
 
@@ -146,6 +147,8 @@ class ServerSync:
         i = follow.interval
         self.poll = PollPolicy(PollOptions(interval=i, max_interval=max(i, min(MAX_BACKOFF, 30 * i)), idle_after=60 * i))
         """When follow mode reads the pointer next (see :class:`deltasync._poll.PollPolicy`)."""
+        self.tokens = TokenVersionLog()
+        """Where each version began in each tracked request (every apply goes through it)."""
         from . import _metrics
 
         self.metrics = _metrics.metrics()
@@ -231,7 +234,7 @@ class ServerSync:
     async def _apply_and_label(self, version: object, auth: object) -> tuple[tuple[UpdateAnswer, ...], UpdateAnswer | None]:
         """Apply on every worker and label the served version; the answers, and the first
         worker that reports a failure without raising (only the last worker raises)."""
-        raw = await self.engine.collective_rpc("deltasync_apply", args=(version, auth))
+        raw = await self.tokens.apply(self.engine, version, auth)  # type: ignore[arg-type]
         results = tuple(UpdateAnswer.from_answer(r) for r in raw)
         failed_one = next((r for r in results if r.error), None)
         if failed_one is None:
@@ -302,18 +305,22 @@ class ServerSync:
         return self.served
 
     @contextlib.asynccontextmanager
-    async def outside_update(self) -> AsyncIterator[None]:
+    async def outside_update(self, *, counted: bool = False) -> AsyncIterator[None]:
         """Around a request that may change the weights behind the flow (vLLM's weight-update
         routes, ``deltasync_apply`` through ``/collective_rpc``): no request is admitted until it
         is over and the served version has been read back from the workers, so no request is
-        admitted (and salted) at an older version than the weights it runs on."""
+        admitted (and salted) at an older version than the weights it runs on. ``counted``: the
+        apply went through :attr:`tokens` (else a new version's token starts are unknown)."""
         async with self._lock:
             self._resumed.clear()
+            before = self.served
             try:
                 yield
             finally:
                 try:
                     self.served = _served(await self.workers())
+                    if not counted and self.served is not None and (before is None or self.served > before):
+                        self.tokens.note_unknown(self.served)
                     self.metrics.served.set(-1 if self.served is None else self.served)
                 except Exception as exc:  # noqa: BLE001
                     logger.warning("deltasync: cannot read the served version back: %s", exc)

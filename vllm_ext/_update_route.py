@@ -17,7 +17,10 @@ process instead, and adds:
 - follow mode (``DELTASYNC_FOLLOW=1``): the server reads its bucket's pointer every
   ``DELTASYNC_FOLLOW_INTERVAL`` seconds and brings itself to each newer version by the same flow.
 - the response header ``x-deltasync-version`` on completions and chat completions: the version
-  served when the request was admitted (``none`` before the first update).
+  served when the request was admitted (``none`` before the first update); and where each
+  version began in each choice's tokens, ``x-deltasync-token-versions`` (a header, or an SSE
+  comment before ``data: [DONE]``; see :mod:`deltasync._token_versions` and
+  :mod:`vllm_ext._token_versions`).
 - ``deltasync_*`` metrics on vLLM's ``/metrics``.
 
 Both routes need ``Authorization: Bearer $DELTASYNC_TOKEN`` when the server has a token, and an
@@ -34,13 +37,14 @@ from typing import Any
 from deltasync._auth import bearer_matches
 from deltasync._client import STATUS_ROUTE, UPDATE_ROUTE, VERSION_HEADER
 from deltasync._env import check_update_mode
+from deltasync._token_versions import TOKEN_VERSIONS_HEADER, format_token_versions
 
 from ._asgi import answer, error_body, header, read_body, refused, unauthorized
 from ._config import ServerConfig
 from ._middleware import route_path
 from ._server_sync import FollowConfig, ServerSync, cache_salt
 
-__all__ = ["STATUS_ROUTE", "UPDATE_ROUTE", "VERSIONS_HEADER", "VERSION_HEADER", "UpdateMiddleware"]
+__all__ = ["STATUS_ROUTE", "TOKEN_VERSIONS_HEADER", "UPDATE_ROUTE", "VERSIONS_HEADER", "VERSION_HEADER", "UpdateMiddleware"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,7 @@ class UpdateMiddleware:
             self.sync = ServerSync(
                 scope["app"].state.engine_client, token=self.token, follow=self.follow, update_mode=self.update_mode
             )
+            self.sync.tokens.hook(self.sync.engine)
         return self.sync
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -102,22 +107,44 @@ class UpdateMiddleware:
         version = await sync.admitted()
         body = _salted(body, version)
         replay = _replay(body, receive)
-        scope = {**scope, "headers": _with_length(scope.get("headers", []), len(body))}
-        await self.app(scope, replay, _versioned(send, version, lambda: sync.served))
+        # The marker in vLLM's request id ties the engine's requests to this one (the client's
+        # own X-Request-Id stays in front of it).
+        marker = sync.tokens.track(version)
+        given = header(scope, b"x-request-id")
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"x-request-id"]
+        headers.append((b"x-request-id", (f"{given}-{marker}" if given else marker).encode("latin-1")))
+        scope = {**scope, "headers": _with_length(headers, len(body))}
+        try:
+            await self.app(scope, replay, _versioned(send, version, lambda: sync.served, lambda: sync.tokens.versions(marker)))
+        finally:
+            sync.tokens.untrack(marker)
 
     async def _weight_route(self, scope: Any, receive: Any, send: Any, path: str) -> None:
         """vLLM's weight-update routes and ``/collective_rpc``: a request that may change the
         weights behind the flow holds admissions until the served version is read back."""
         body = await read_body(receive)
+        sync = self._sync(scope)
         if path == "/collective_rpc":
             try:
-                method = json.loads(body or b"{}").get("method")
+                request = json.loads(body or b"{}")
+                method = request.get("method")
             except (ValueError, AttributeError):
-                method = None
+                request, method = None, None
             if method not in _APPLY_METHODS:
                 await self.app(scope, _replay(body, receive), send)
                 return
-        async with self._sync(scope).outside_update():
+            call = _apply_call(request)
+            if call is not None:
+                # Through the engine core's counted apply, so the token versions stay exact.
+                async with sync.outside_update(counted=True):
+                    try:
+                        results = await sync.tokens.apply(sync.engine, *call)
+                    except Exception as exc:  # noqa: BLE001  (vLLM's route answers a failed call with 500 too)
+                        await answer(send, 500, error_body(str(exc), "InternalServerError", 500))
+                        return
+                await answer(send, 200, {"results": results})
+                return
+        async with sync.outside_update():
             await self.app(scope, _replay(body, receive), send)
 
     def _lifespan(self, scope: Any, receive: Any) -> Any:
@@ -179,6 +206,19 @@ class UpdateMiddleware:
         })  # fmt: skip
 
 
+def _apply_call(request: Any) -> tuple[Any, Any] | None:
+    """``(version, auth)`` of a ``/collective_rpc`` body calling ``deltasync_apply``, or None
+    for a call it cannot be (vLLM then answers it, with the worker's own error)."""
+    args, kwargs = request.get("args") or [], request.get("kwargs") or {}
+    if not isinstance(args, list) or not isinstance(kwargs, dict) or set(kwargs) - {"version", "auth"}:
+        return None
+    named = [kwargs.get("version"), kwargs.get("auth")]
+    if len(args) > 2 or ("version" in kwargs and args) or ("auth" in kwargs and len(args) > 1):
+        return None
+    values = [*args, *named[len(args):]]
+    return (values[0], values[1])
+
+
 def _salted(body: bytes, version: int | None) -> bytes:
     """The request body with its ``cache_salt`` bound to ``version`` (the client's own salt kept
     inside it); a body that is not a JSON object goes on as it is, for vLLM to refuse."""
@@ -216,16 +256,20 @@ def _label(version: int | None) -> str:
     return "none" if version is None else str(version)
 
 
-def _versioned(send: Any, admitted: int | None, served: Any) -> Any:
-    """``send`` that adds the admission version to the response's start, and the span of
-    versions: as a header of a non-streamed answer (complete when its start is sent), as an
-    SSE comment before ``data: [DONE]`` of a streamed one."""
+def _versioned(send: Any, admitted: int | None, served: Any, token_versions: Any = lambda: None) -> Any:
+    """``send`` that adds the admission version to the response's start, the span of versions
+    and where each version began in each choice: as headers of a non-streamed answer (complete
+    when its start is sent), as SSE comments before ``data: [DONE]`` of a streamed one."""
     streaming = False
 
     def span() -> str:
         last = served()
         first = admitted if admitted is not None else last
         return f"{_label(first)}-{_label(last if last is not None else first)}"
+
+    def starts() -> str | None:
+        choices = token_versions()
+        return format_token_versions(choices) if choices else None
 
     async def wrapped(message: Any) -> None:
         nonlocal streaming
@@ -235,13 +279,17 @@ def _versioned(send: Any, admitted: int | None, served: Any) -> Any:
             headers.append((VERSION_HEADER.encode(), _label(admitted).encode()))
             if not streaming:
                 headers.append((VERSIONS_HEADER.encode(), span().encode()))
+                if (value := starts()) is not None:
+                    headers.append((TOKEN_VERSIONS_HEADER.encode(), value.encode()))
             message = {**message, "headers": headers}
         elif message["type"] == "http.response.body" and streaming:
             body = message.get("body", b"")
             marker = body.find(b"data: [DONE]")
             if marker >= 0:
-                comment = f": {VERSIONS_HEADER} {span()}\n\n".encode()
-                message = {**message, "body": body[:marker] + comment + body[marker:]}
+                comment = f": {VERSIONS_HEADER} {span()}\n\n"
+                if (value := starts()) is not None:
+                    comment += f": {TOKEN_VERSIONS_HEADER} {value}\n\n"
+                message = {**message, "body": body[:marker] + comment.encode() + body[marker:]}
         await send(message)
 
     return wrapped

@@ -9,6 +9,8 @@ run only with ``DELTASYNC_TEST_HOOKS=1`` in the server's environment too.
 from __future__ import annotations
 
 import gc
+import time
+from typing import Any
 
 import torch
 
@@ -29,8 +31,8 @@ TEST_EXTENSION = "vllm_ext.testing.TestingWorkerExtension"
 
 class TestingWorkerExtension(DeltaWorkerExtension):
     """:class:`~vllm_ext.DeltaWorkerExtension` plus ``deltasync_test_poke``,
-    ``deltasync_test_fail_after_write``, ``deltasync_test_tensor_bytes`` and
-    ``deltasync_test_poke_lora``."""
+    ``deltasync_test_fail_after_write``, ``deltasync_test_tensor_bytes``,
+    ``deltasync_test_poke_lora`` and ``deltasync_test_step_times``."""
 
     __test__ = False  # not a pytest test class
 
@@ -73,6 +75,39 @@ class TestingWorkerExtension(DeltaWorkerExtension):
             return False
         held.view(-1)[index] *= factor
         return True
+
+
+    def deltasync_test_step_times(self, start: bool = False) -> list[list[float]]:
+        """When this worker computed: ``[start, end]`` of every ``execute_model`` and
+        ``sample_tokens`` call since the previous call of this one (``start``: begin recording).
+        The times are ``time.perf_counter()``, Linux's system-wide monotonic clock, so a client
+        on the same machine can set its own times against them (``benchmarks/inflight.py``:
+        whether the engine stopped, or only the answers' way out of it)."""
+        _check_hooks()
+        worker: Any = self
+        if start and "_deltasync_steps" not in vars(worker):
+            worker._deltasync_steps = []
+            for name in ("execute_model", "sample_tokens"):
+                method = getattr(worker, name, None)
+                if method is not None:
+                    setattr(worker, name, _timed(method, worker._deltasync_steps))
+        steps = vars(worker).get("_deltasync_steps")
+        if steps is None:
+            raise ConfigError("step times are not recorded: call deltasync_test_step_times with start=True first")
+        taken = list(steps)
+        del steps[: len(taken)]
+        return taken
+
+
+def _timed(method: Any, into: list[list[float]]) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            into.append([start, time.perf_counter()])
+
+    return timed
 
 
 def _check_hooks() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-from .._env import TOKEN_ENV
+from .._env import TOKEN_ENV, UPDATE_MODES
 from .._errors import ConfigError
 from .._publisher import PublishOptions
 
@@ -51,6 +51,15 @@ class DeltaSyncConfig:
     ``publish.views``), each server must report serving it, and sync records carry its bytes
     and fingerprint. Start the servers from a checkpoint of the view (``deltasync export
     --view``, or ``deltasync.views.write_view_checkpoint``)."""
+    update_mode: str | None = "inflight"
+    """How servers apply each version: "inflight" (between two engine steps, no pause; requests
+    in flight go on with the new weights and every token is tagged with the version that sampled
+    it), "pause" (requests in flight recompute their KV with the new weights), or None for each
+    server's own ``--update-mode``. Servers whose parameters reload pause anyway and say so."""
+    max_token_lag: int | None = None
+    """Mask from the loss the tokens sampled more than this many versions behind the version
+    being trained (their sampling version comes from the servers' per-token report); None
+    masks nothing. TRL's ``max_staleness`` still drops whole samples by their oldest token."""
 
     def server_token(self) -> str | None:
         """:attr:`token`, or else the trainer's ``DELTASYNC_TOKEN`` (None when neither is set):
@@ -67,6 +76,11 @@ class DeltaSyncConfig:
             raise ConfigError(f"peft_sync must be 'adapter', 'merged' or None (decide from the servers), got {self.peft_sync!r}")
         if self.server_urls is not None and not self.server_urls:
             raise ConfigError("server_urls is empty: give at least one rollout server, or None for the trainer's")
+        if self.update_mode is not None and self.update_mode not in UPDATE_MODES:
+            raise ConfigError(f"update_mode must be one of {', '.join(UPDATE_MODES)} or None, got {self.update_mode!r}")
+        if self.max_token_lag is not None and (isinstance(self.max_token_lag, bool) or not isinstance(self.max_token_lag, int)
+                                               or self.max_token_lag < 0):  # fmt: skip
+            raise ConfigError(f"max_token_lag must be a whole number of versions >= 0 or None, got {self.max_token_lag!r}")
         if self.timeout <= 0:
             raise ConfigError(f"timeout must be positive, got {self.timeout}")
         if self.view is not None:

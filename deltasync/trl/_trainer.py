@@ -19,6 +19,9 @@ from typing import Any
 
 from trl.experimental.async_grpo import AsyncGRPOConfig as _TRLAsyncGRPOConfig
 from trl.experimental.async_grpo import AsyncGRPOTrainer as _TRLAsyncGRPOTrainer
+from trl.experimental.async_grpo.async_rollout_worker import (
+    _AsyncRolloutLoop as _TRLLoop,
+)
 
 from .._client import BaseRolloutClient, RolloutClient, ServerResult, UpdateReport
 from .._errors import ConfigError
@@ -27,6 +30,7 @@ from ._config import DeltaSyncConfig
 from ._cpu_compat import async_grpo_cpu_patches, bf16_training_available, has_cuda
 from ._lora import choose_peft_sync, start_peft_sync
 from ._rollout import drain_on_stop
+from ._token_lag import TokenLagQueue, VersionedRolloutLoop
 
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "DeltaSyncConfig"]
 
@@ -115,6 +119,9 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
                 super().__init__(*args, **kwargs)
         if getattr(self, "rollout_worker", None) is not None:  # the main process's
             drain_on_stop(self.rollout_worker)  # so the run ends when training does, not 15 s later
+            if delta_sync is not None and getattr(self.rollout_worker, "_loop_cls", None) is _TRLLoop:
+                # Its child tags every token with the version that sampled it (started at train begin).
+                self.rollout_worker._loop_cls = VersionedRolloutLoop
         self._peft_sync: str | None = None
         if delta_sync is not None:
             self._peft_sync = choose_peft_sync(self, delta_sync)  # type: ignore[arg-type]  # None unless a PEFT model
@@ -162,6 +169,20 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         finally:
             if not self.accelerator.is_main_process:  # TRL calls destroy() on the main process only
                 self._stop_delta_sync()
+
+    def get_train_dataloader(self) -> Any:
+        queue = getattr(self, "rollout_queue", None)
+        if self._delta_config is None or queue is None:
+            return super().get_train_dataloader()
+        # TRL's dataset reads samples through this: their tokens are logged by lag and masked
+        # beyond max_token_lag (see deltasync.trl._token_lag).
+        self.rollout_queue = TokenLagQueue(queue, lambda: self.model_version, self._metrics["train"],
+                                           max_staleness=self.args.max_staleness,
+                                           max_token_lag=self._delta_config.max_token_lag)  # fmt: skip
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.rollout_queue = queue
 
     @property
     def delta_publisher(self) -> DeltaPublisher | None:
@@ -246,7 +267,10 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
                 self._client.prefetch(result.version)
                 self._client.wait_prefetched(result.version, timeout=self._delta_config.timeout)
             t_staged = time.time()
-            report = self._client.update(result.version)
+            if isinstance(self._client, RolloutClient):
+                report = self._client.update(result.version, mode=self._delta_config.update_mode)
+            else:
+                report = self._client.update(result.version)
         record = self._make_record(result, report, t_published - started, t_staged - t_published)
         record["total_s"] = time.time() - synced_at  # from the sync's start until the servers answered
         served = [r.version for r in report.results if r.version is not None]

@@ -35,7 +35,7 @@ LAYERS = (
     # The format's foundations: the codecs know no file header, no pointer.
     ("deltasync.format.versions", "deltasync.format.limited_json", "deltasync.format.container",
      "deltasync.format.dtypes", "deltasync.format.codecs"),
-    ("deltasync.format", "deltasync._auth", "deltasync._messages", "deltasync._lora_rules", "deltasync.stores"),
+    ("deltasync.format", "deltasync._auth", "deltasync._messages", "deltasync._lora_rules", "deltasync._token_versions", "deltasync.stores"),
     ("deltasync._sharded", "deltasync._parts", "deltasync._client", "deltasync._checkpoint_layout", "deltasync._sources"),
     # Quantized views: schemes (compressed-tensors, imported lazily), targets, checkpoint writer.
     ("deltasync.views",),

@@ -53,12 +53,14 @@ def _phase(mode, start, seconds, tokens, updates=()):
     staging = sum(u["stage"][1] - u["stage"][0] for u in updates)
     return {"phase": str(mode), "mode": mode, "start": start, "end": start + seconds, "seconds": seconds,
             "tokens": tokens, "tokens_per_s": tokens / seconds, "preemptions": 0.0, "updates": list(updates),
-            "gap_p99_outside_updates_s": 0.2, "staging_s": staging, "staged_tokens": staged}  # fmt: skip
+            "gap_p99_outside_updates_s": 0.2, "gap_max_outside_updates_s": 0.3, "engine_gap_p99_outside_updates_s": 0.01,
+            "engine_gap_max_outside_updates_s": 0.02, "staging_s": staging, "staged_tokens": staged}  # fmt: skip
 
 
 def _update(t0, t1, tb, window_tokens, rest=None, rest_tokens=0, request_tokens=0):
     u = {"stage": [t0, t1], "update": [t1, tb], "window": [t0, tb], "paused_s": 0.0, "apply_s": 0.03, "request_s": tb - t1,
-         "in_flight": 8, "recomputed_tokens_est": 0, "max_gap_s": 0.2, "window_tokens": window_tokens,
+         "in_flight": 8, "recomputed_tokens_est": 0, "max_gap_s": 0.2, "max_gap_window_s": 0.25, "engine_gap_s": 0.05,
+         "window_tokens": window_tokens,
          "staged": window_tokens - request_tokens, "stage_tokens": window_tokens - request_tokens,
          "request_tokens": request_tokens}  # fmt: skip
     if rest is not None:
@@ -115,6 +117,26 @@ def test_the_median_pair_shrugs_off_a_slump_in_one_window() -> None:
     assert r["throughput_ratio_paired"] == pytest.approx(117.6 / 100)
     assert r["throughput_ratio_paired_median"] == pytest.approx(0.98)
     assert r["lost_s_per_update_median"] == pytest.approx(4 * 0.02)
+
+
+def test_the_engine_standstill_is_the_longest_time_between_two_steps_from_the_prefetch_to_the_answer() -> None:
+    # Steps of 0.05 s every 0.1 s, a 0.45 s hole inside the update (prefetch at 2.0, answer at
+    # 3.0) and a 0.25 s one after its answer, in the same phase.
+    steps = [(t / 10, t / 10 + 0.05) for t in range(0, 60)]
+    steps = [s for s in steps if not 2.4 < s[0] < 2.9 and not 3.1 < s[0] < 3.35]
+    phases = [_phase(None, 0.0, 2.0, 100), _phase("cold", 2.0, 1.5, 50, [_update(2.0, 2.0, 3.0, 50)]),
+              _phase(None, 3.5, 2.5, 100)]  # fmt: skip
+    inflight.engine_gaps(phases, steps)
+    assert phases[1]["updates"][0]["engine_gap_s"] == pytest.approx(0.45)  # 2.45 to 2.9
+    assert phases[1]["engine_gap_max_outside_updates_s"] == pytest.approx(0.25)  # 3.15 to 3.4
+    assert phases[0]["engine_gap_p99_outside_updates_s"] == pytest.approx(0.05)
+    summary = inflight.summarize(phases)
+    assert summary["cold"]["engine_max_gap_s"] == pytest.approx(0.45)
+    assert summary["baseline_engine_gap_max_s"] == pytest.approx(0.05)
+    checks = inflight.gap_verdicts(summary)
+    # The engine's bound: max(0.1 s, 2 x the no-update p99 of the time between steps, 0.05 s).
+    assert checks["engine_cold"]["bound"] == "<= 0.100" and checks["engine_cold"]["pass"] is False
+    assert checks["cold"]["value"] == 0.25  # the streams' longest gap from the prefetch on
 
 
 def test_a_phase_settles_only_when_every_stream_makes_tokens_again() -> None:

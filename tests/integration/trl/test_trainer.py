@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from helpers import tiny_grpo_args
@@ -32,10 +35,11 @@ def setup(tiny_model_factory, tmp_path_factory):
         yield model_dir, bucket, server.url
 
 
-def make_trainer(model_dir, bucket, url, tmp_path, *, steps, token=TOKEN, background=True, **overrides):
+def make_trainer(model_dir, bucket, url, tmp_path, *, steps, token=TOKEN, background=True, sync=None, rollout_url=None,
+                 **overrides):  # fmt: skip
     from deltasync.trl import AsyncGRPOTrainer, DeltaSyncConfig
 
-    config, dataset = tiny_grpo_args(tmp_path / "out", url, steps, **overrides)
+    config, dataset = tiny_grpo_args(tmp_path / "out", rollout_url or url, steps, **overrides)
     return AsyncGRPOTrainer(
         model=str(model_dir),
         reward_funcs=[reward_target_letter],  # importable by the spawned rollout process
@@ -45,7 +49,7 @@ def make_trainer(model_dir, bucket, url, tmp_path, *, steps, token=TOKEN, backgr
         # elements per step that the size rule would otherwise turn deltas into anchors.
         delta_sync=DeltaSyncConfig(
             bucket=str(bucket), server_urls=[url], token=token, publish=PublishOptions(anchor_bytes_ratio=0),
-            background=background,
+            background=background, **(sync or {}),
         ),
     )
 
@@ -130,3 +134,109 @@ def test_demo_command(tmp_path) -> None:
     assert (out / "bucket" / "latest.json").exists()
     assert (out / "demo.png").read_bytes()[:4] == b"\x89PNG"
     assert DeltaReceiver(out / "bucket").sync() == 3
+
+
+@contextlib.contextmanager
+def recording_proxy(url: str):
+    """A pass-through HTTP proxy to ``url`` for TRL's rollout process; yields ``(proxy URL,
+    answers)``, answers growing by ``(token_ids, x-deltasync-token-versions)`` per completion."""
+    import requests
+
+    answers: list[tuple[list[int], str | None]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _forward(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+            response = requests.request(self.command, url + self.path, data=body, headers=headers, timeout=600)
+            if self.path.startswith("/v1/completions") and response.status_code == 200:
+                for choice in response.json()["choices"]:
+                    answers.append((choice["token_ids"], response.headers.get("x-deltasync-token-versions")))
+            self.send_response(response.status_code)
+            for k, v in response.headers.items():
+                if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(response.content)))
+            self.end_headers()
+            self.wfile.write(response.content)
+
+        do_GET = do_POST = _forward
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", answers
+    finally:
+        server.shutdown()
+
+
+def test_samples_carry_the_version_of_each_token_and_old_tokens_are_masked(setup, tmp_path, monkeypatch) -> None:
+    """Every sample the trainer takes carries the version that sampled each of its tokens, as the
+    server's x-deltasync-token-versions for that completion says (recorded on the way to TRL's
+    rollout process), its staleness tag is the oldest of them, and with max_token_lag=0 exactly
+    the tokens of older versions leave the loss."""
+    import numpy as np
+
+    from deltasync.trl import _token_lag
+
+    model_dir, bucket, url = setup
+    seen = []  # (the trained version when it was taken, its mask before, the sample)
+
+    class Recorder:
+        def __init__(self, queue) -> None:
+            self.inner = queue
+
+        def qsize(self) -> int:
+            return self.inner.qsize()
+
+        def get(self, *args, **kwargs):
+            sample = self.inner.get(*args, **kwargs)
+            seen.append([None, sample.completion_mask.copy(), sample])
+            return sample
+
+    original = _token_lag.TokenLagQueue.__init__
+
+    def init(self, queue, model_version, *args, **kwargs):
+        original(self, Recorder(queue), model_version, *args, **kwargs)
+
+    def get(self, *args, **kwargs):
+        sample = type(self).unpatched_get(self, *args, **kwargs)
+        seen[-1][0] = self.version
+        return sample
+
+    monkeypatch.setattr(_token_lag.TokenLagQueue, "__init__", init)
+    monkeypatch.setattr(_token_lag.TokenLagQueue, "unpatched_get", _token_lag.TokenLagQueue.get, raising=False)
+    monkeypatch.setattr(_token_lag.TokenLagQueue, "get", get)
+    with recording_proxy(url) as (proxy, answers):
+        trainer = make_trainer(model_dir, bucket, url, tmp_path, steps=2, max_completion_length=48,
+                               sync={"max_token_lag": 0}, rollout_url=proxy)  # fmt: skip
+        trainer.train()
+    from deltasync import parse_token_versions
+
+    def reported(header: str, count: int) -> list[int]:  # each token's version, read off the header here
+        (entries,) = parse_token_versions(header)
+        known = [(-1 if v is None else v, start) for v, start in entries if start is not None]
+        return [[v for v, start in known if start <= i][-1] for i in range(count)]
+
+    versions = {h["version"] for h in trainer.delta_history}
+    assert seen
+    for trained, before, sample in seen:
+        assert isinstance(sample, _token_lag.VersionedRolloutSample)
+        sampled = before > 0
+        stamps = sample.token_versions
+        assert (stamps[sampled] >= 0).all() and (stamps[~sampled] == -1).all()  # the server named every token's
+        assert set(stamps[sampled].tolist()) <= versions
+        assert (np.diff(stamps[sampled]) >= 0).all()  # versions only move forward along a completion
+        assert sample.model_version == stamps[sampled].min()  # TRL's staleness tag: the oldest token
+        # The server's own word for this completion: an answer whose tokens these are.
+        ids = sample.input_ids[sampled].tolist()
+        matches = [reported(h, len(ids)) for token_ids, h in answers if h and token_ids[: len(ids)] == ids]
+        assert stamps[sampled].tolist() in matches, (stamps[sampled].tolist(), matches)
+        if trained - sample.model_version <= trainer.args.max_staleness:  # a sample TRL keeps
+            assert (sample.completion_mask == (sampled & (stamps == trained))).all()
+    logged = [entry for entry in trainer.state.log_history if "tokens/lag_0_share" in entry]
+    assert logged and all(k in logged[-1] for k in ("tokens/lag_1_share", "sample/straddles_update", "tokens/masked_share"))

@@ -265,3 +265,42 @@ def test_trl_with_follow_only_publishes_and_tags_samples_with_served_versions(la
     lab.publisher = DeltaPublisher(lab.store, lab.model, None, anchor_every=3, anchor_bytes_ratio=0)
     lab.publisher.publish()
     _wait(list(followers.values()), lab.publisher.version, lab.fingerprint)
+
+
+def test_a_follower_tags_each_token_with_the_weights_that_sampled_it(lab, followers):
+    """Follow mode, paused (the in-place follower's mode): where the server says the new version
+    began is where teacher-forced logprobs of the first version's weights depart; tokens before
+    it were sampled before the pause, tokens from it on after the resume."""
+    import torch
+
+    from token_boundaries import Requests, check_boundaries
+
+    server = followers["in-place"]
+    first = _current(lab, [server])
+    saved = {name: p.detach().clone() for name, p in lab.model.named_parameters()}
+    prompt = list(range(3, 43))
+    rounds = [Requests(server.url, prompt, max_tokens=800)]
+    rounds[0].wait_tokens(20)  # every request is generating
+    with torch.no_grad():
+        lab.model.get_parameter("model.layers.1.mlp.down_proj.weight")[:64] += 0.2
+    second = lab.publisher.publish().version
+    # The follower finds, stages and applies the version in its own time: until it serves it, a
+    # new round of requests starts whenever the newest is half done, so some are in flight then.
+    deadline = time.monotonic() + 240
+    while _served(server)["version"] != second:
+        assert time.monotonic() < deadline, f"the follower did not reach version {second}"
+        if (rounds[-1].progress or [0])[-1] >= 400 or not any(t.is_alive() for t in rounds[-1].threads):
+            rounds.append(Requests(server.url, prompt, max_tokens=800))
+        time.sleep(0.05)
+    _wait([server], second, lab.fingerprint)
+    answers = [a for r in rounds for a in r.join()]
+    # A round admitted after the update (the status read above lags it) is the new version's alone.
+    late = [a for a in answers if a.starts[0][0] == second]
+    assert all(starts == [(second, 0)] for a in late for starts in a.starts), [(a.kind, a.starts) for a in late]
+    answers = [a for a in answers if a.starts[0][0] != second]
+    with torch.no_grad():  # the first version's weights again, as a new version: the reference
+        for name, p in lab.model.named_parameters():
+            p.copy_(saved[name])
+    _wait([server], lab.publisher.publish().version, lab.fingerprint)
+    inside = check_boundaries(server.url, answers, first, second)
+    assert inside >= 3, [(a.kind, a.starts) for a in answers]

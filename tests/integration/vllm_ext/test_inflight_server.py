@@ -14,6 +14,7 @@ import time
 import pytest
 import requests
 from servers import PROMPTS, TP2, Trainer, extension_args, greedy, requires_vllm, running_server, tp_params
+from token_boundaries import Requests, check_boundaries
 
 from deltasync import RolloutClient
 
@@ -209,3 +210,39 @@ def test_pause_mode_still_recomputes_requests_in_flight(world, server):
     assert load.errors == []
     assert _preemptions(server) > before  # the requests in flight were preempted and recomputed
     _exact(world, server, version)
+
+
+def test_each_token_is_tagged_with_the_weights_that_sampled_it(world, server):
+    """Streamed and whole answers, two choices, chat: where the server says the new version
+    began is where teacher-forced logprobs of the first version's weights depart."""
+    import torch
+
+    client = RolloutClient(server.url)
+    for attempt in range(3):  # noqa: B007  (reported after the loop)
+        first = _current(world, server)
+        saved = {name: p.detach().clone() for name, p in world.model.named_parameters()}
+        second = world.edit_many(("model.layers.1.mlp.down_proj.weight", slice(0, 64)), amount=0.2)
+        client.prefetch(second)
+        assert all(client.wait_prefetched(second).values())
+        load = Requests(server.url, LONG_PROMPT[:40], max_tokens=800)
+        load.wait_tokens(20)  # every request is generating
+        t0 = time.monotonic()
+        # The worker apply through /collective_rpc: one call into the engine core, which counts
+        # every request's tokens and writes between two steps.
+        (answer,) = _rpc(server, "deltasync_apply", second)[:1]
+        took, reached = time.monotonic() - t0, load.progress[-1]
+        assert answer["version"] == second and answer["error"] is None and answer["prefetched"], answer
+        answers = load.join()
+        assert all(len(tokens) == 800 for a in answers for tokens in a.tokens)
+        # A client starved of CPU may read a stream's tokens late, all at once: the requests can
+        # have finished before the write. The server's word says so; then try again.
+        if any(len(starts) > 1 for a in answers for starts in a.starts):
+            break
+    # The first version's weights again, as a new version: the reference the truth is read on.
+    with torch.no_grad():
+        for name, p in world.model.named_parameters():
+            p.copy_(saved[name])
+    assert client.update(world.publisher.publish().version).ok
+    inside = check_boundaries(server.url, answers, first, second)
+    # The choices straddled the update (it returned while a stream was at ``reached`` tokens).
+    assert inside >= 3, ([(a.kind, a.starts) for a in answers], took, reached, attempt)

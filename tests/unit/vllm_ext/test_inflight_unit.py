@@ -117,9 +117,85 @@ def test_weight_routes_hold_admissions_until_the_served_version_is_read_back():
     engine = Engine(served=1)
     for body, gated in [({"method": "deltasync_apply", "args": [2, None]}, True), ({"method": "deltasync_status"}, False)]:
         engine.reads = 0
-        status, _, passed = _post(engine, body, path="/collective_rpc")
-        assert status == 200 and passed == ["/collective_rpc"]
+        status, answer, passed = _post(engine, body, path="/collective_rpc")
+        # An apply is run by the middleware itself (so where the version began is recorded),
+        # and answered as vLLM's route answers; any other method goes on to vLLM.
+        assert status == 200 and passed == ([] if gated else ["/collective_rpc"])
         assert engine.reads == (1 if gated else 0), body  # read back only after an apply
+    assert engine.calls == [("deltasync_apply", 2, None)] and answer == {}
     engine.reads = 0
     status, _, passed = _post(engine, {"update_info": {"version": 2}}, path="/update_weights")
     assert passed == ["/update_weights"] and engine.reads == 1
+
+
+def test_token_version_log_tells_finished_requests_from_ones_sent_after_the_write():
+    """The engine core reports the tokens of the requests it holds at the write; of the others,
+    one sent before the write had finished, one sent after it has every token from the new version."""
+    from vllm_ext._token_versions import ENGINE_METHOD, TokenVersionLog
+
+    held: dict[str, int] = {}
+    sent: list[str] = []
+
+    async def add_request_async(request):
+        sent.append(request.request_id)
+
+    async def call_utility_async(method, version, auth):
+        assert method == ENGINE_METHOD
+        return {"tokens": [[k, None, v] for k, v in held.items()], "answers": [{"version": version}]}
+
+    engine = SimpleNamespace(engine_core=SimpleNamespace(add_request_async=add_request_async,
+                                                         call_utility_async=call_utility_async))  # fmt: skip
+    log = TokenVersionLog()
+    log.hook(engine)
+    one, two, late = log.track(4), log.track(4), log.track(4)
+
+    def request(internal: str, external: str):
+        return SimpleNamespace(request_id=internal, external_req_id=external)
+
+    async def scenario():
+        # one: a completion of two prompts; two: a chat answer with two choices (n=2).
+        await engine.engine_core.add_request_async(request(f"cmpl-{one}-1-abcdefgh", f"cmpl-{one}-1"))
+        await engine.engine_core.add_request_async(request(f"cmpl-{one}-0-abcdefgh", f"cmpl-{one}-0"))
+        await engine.engine_core.add_request_async(request(f"1_chatcmpl-{two}-ijklmnop", f"chatcmpl-{two}"))
+        await engine.engine_core.add_request_async(request(f"0_chatcmpl-{two}-ijklmnop", f"chatcmpl-{two}"))
+        held.update({f"cmpl-{one}-0-abcdefgh": 7, f"1_chatcmpl-{two}-ijklmnop": 3, f"0_chatcmpl-{two}-ijklmnop": 3})
+        # cmpl-{one}-1 finished before the write
+        assert await log.apply(engine, 5, None) == [{"version": 5}]
+        await engine.engine_core.add_request_async(request(f"cmpl-{late}-0-qrstuvwx", f"cmpl-{late}-0"))
+        held.clear()
+        held[f"cmpl-{late}-0-qrstuvwx"] = 2
+        await log.apply(engine, 6, None)
+
+    asyncio.run(scenario())
+    assert log.versions(one) == [[(4, 0), (5, 7)], [(4, 0)]]  # prompt 0, then prompt 1 (finished before)
+    assert log.versions(two) == [[(4, 0), (5, 3)], [(4, 0), (5, 3)]]
+    assert log.versions(late) == [[(4, 0), (5, 0), (6, 2)]]  # sent after the first write
+    for marker in (one, two, late):
+        log.untrack(marker)
+    assert log.versions(one) is None and log._applies == []  # nothing is kept for nobody
+
+
+def test_an_apply_behind_the_flow_leaves_the_start_unknown_for_requests_it_straddles():
+    """vLLM's own weight routes change the weights without the engine core's count: a request
+    sent before shows the new version at an unknown token ('?'), one sent after at token 0."""
+    from deltasync._token_versions import format_token_versions
+    from vllm_ext._token_versions import TokenVersionLog
+
+    sent: list[str] = []
+
+    async def add_request_async(request):
+        sent.append(request.request_id)
+
+    engine = SimpleNamespace(engine_core=SimpleNamespace(add_request_async=add_request_async))
+    log = TokenVersionLog()
+    log.hook(engine)
+    before, after = log.track(4), log.track(4)
+
+    async def scenario():
+        await engine.engine_core.add_request_async(SimpleNamespace(request_id=f"cmpl-{before}-0-ab", external_req_id=f"cmpl-{before}-0"))
+        log.note_unknown(5)
+        await engine.engine_core.add_request_async(SimpleNamespace(request_id=f"cmpl-{after}-0-cd", external_req_id=f"cmpl-{after}-0"))
+
+    asyncio.run(scenario())
+    assert log.versions(before) == [[(4, 0), (5, None)]] and format_token_versions(log.versions(before)) == "4:0,5:?"
+    assert log.versions(after) == [[(4, 0), (5, 0)]]

@@ -1,0 +1,165 @@
+"""Where new weights began in a response, found independently of the server.
+
+Teacher-forced logprobs (``prompt_logprobs`` over the prompt and the generated tokens) equal the
+decode logprobs of the same weights bit for bit with plain GEMM (docs/platform facts). So on a
+server holding the weights of a response's first version, every token before the update has
+the logprob the response reported, and the first token whose logprob departs is the first one
+the new weights sampled. :func:`ask` makes the requests (streamed or not, ``n > 1``, chat) and
+reads the server's ``x-deltasync-token-versions``; :func:`first_departure` finds the truth.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+
+from deltasync import parse_token_versions
+
+#: More than the kernels' noise between a prefill and a decode of the same weights (0 here),
+#: less than what a weight update moves a logprob by in these tests.
+NOISE = 1e-4
+#: The requests of :func:`ask`, by kind: a streamed completion, a completion with two choices,
+#: a chat answer and a streamed chat answer.
+KINDS = ("stream", "n2", "chat", "chat-stream")
+
+
+@dataclass
+class Answer:
+    kind: str
+    prompt_ids: list[int] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    """Per choice: the generated token ids."""
+    logprobs: list[list[float]] = field(default_factory=list)
+    starts: list[list[tuple[int | None, int | None]]] = field(default_factory=list)
+    """Per choice: ``[(version, first_token), ...]`` as the server reported it."""
+
+
+def ask(url: str, kind: str, prompt: list[int], max_tokens: int, progress: list[int] | None = None) -> Answer:
+    """One request of ``kind`` (see :data:`KINDS`), greedy (``n2``: sampled), with token ids and
+    logprobs; a streamed one appends its token count so far to ``progress`` as chunks arrive."""
+    answer = Answer(kind)
+    chat = kind.startswith("chat")
+    stream = kind.endswith("stream")
+    body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                            "stream": stream}  # fmt: skip
+    if chat:
+        # The prompt's ids are the chat template's; the server reports them.
+        body |= {"messages": [{"role": "user", "content": " ".join(map(str, prompt))}], "logprobs": True}
+    else:
+        body |= {"prompt": prompt, "logprobs": 1}
+        if kind == "n2":  # two choices need sampling; the logprobs reported are the model's own (raw)
+            body |= {"n": 2, "temperature": 1.0, "seed": 7}
+        answer.prompt_ids = list(prompt)
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    response = requests.post(url + route, json=body, timeout=600, stream=stream)
+    assert response.status_code == 200, response.text
+    if not stream:
+        data = response.json()
+        answer.starts = parse_token_versions(response.headers["x-deltasync-token-versions"])
+        if chat:
+            answer.prompt_ids = data["prompt_token_ids"]
+        for choice in sorted(data["choices"], key=lambda c: c["index"]):
+            answer.tokens.append(choice["token_ids"])
+            answer.logprobs.append(_logprobs(choice, chat))
+        return answer
+    answer.tokens, answer.logprobs = [[]], [[]]
+    comment = None
+    # SSE lines end at "\n" only (a generated U+2028 must not cut a data line).
+    for raw in response.iter_lines(delimiter=b"\n"):
+        line = raw.decode()
+        if line.startswith(": x-deltasync-token-versions "):
+            comment = line
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[len("data: ") :])
+        if chat and chunk.get("prompt_token_ids"):
+            answer.prompt_ids = chunk["prompt_token_ids"]
+        for choice in chunk["choices"]:
+            answer.tokens[0] += choice.get("token_ids") or []
+            answer.logprobs[0] += _logprobs(choice, chat)
+        if progress is not None:
+            progress.append(len(answer.tokens[0]))
+    assert comment is not None, answer.kind
+    answer.starts = parse_token_versions(comment)
+    return answer
+
+
+def _logprobs(choice: dict[str, Any], chat: bool) -> list[float]:
+    logprobs = choice.get("logprobs") or {}
+    if chat:
+        return [item["logprob"] for item in logprobs.get("content") or []]
+    return list(logprobs.get("token_logprobs") or [])
+
+
+def first_departure(url: str, prompt_ids: list[int], tokens: list[int], logprobs: list[float]) -> int | None:
+    """The first generated token whose teacher-forced logprob on ``url`` leaves ``logprobs`` by
+    more than :data:`NOISE` (None: none does)."""
+    body = {"prompt": [*prompt_ids, *tokens], "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+    response = requests.post(url + "/v1/completions", json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    forced = response.json()["choices"][0]["prompt_logprobs"][len(prompt_ids) :]
+    for index, (token, reported, entry) in enumerate(zip(tokens, logprobs, forced, strict=True)):
+        if abs(entry[str(token)]["logprob"] - reported) > NOISE:
+            return index
+    return None
+
+
+class Requests:
+    """Requests of every kind in :data:`KINDS` at once, each in its own thread; ``answers`` and
+    ``errors`` once :meth:`join` returns."""
+
+    def __init__(self, url: str, prompt: list[int], max_tokens: int, kinds: tuple[str, ...] = KINDS) -> None:
+        self.answers: list[Answer] = []
+        self.errors: list[str] = []
+        self.progress: list[int] = []
+        """Token counts of the streamed requests, as their chunks arrive."""
+        self.threads = [threading.Thread(target=self._run, args=(url, kind, prompt, max_tokens), daemon=True) for kind in kinds]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, url: str, kind: str, prompt: list[int], max_tokens: int) -> None:
+        try:
+            self.answers.append(ask(url, kind, prompt, max_tokens, self.progress))
+        except Exception as exc:  # noqa: BLE001  (recorded: the test asserts there are none)
+            self.errors.append(f"{kind}: {type(exc).__name__}: {exc}")
+
+    def wait_tokens(self, count: int, timeout: float = 300.0) -> None:
+        """Wait until a streamed request has ``count`` tokens."""
+        deadline = time.monotonic() + timeout
+        while not self.progress or self.progress[-1] < count:
+            assert time.monotonic() < deadline and not self.errors, (self.progress[-1:], self.errors)
+            time.sleep(0.01)
+
+    def join(self) -> list[Answer]:
+        for thread in self.threads:
+            thread.join(600)
+        assert self.errors == [], self.errors
+        return sorted(self.answers, key=lambda a: a.kind)
+
+
+def check_boundaries(reference_url: str, answers: list[Answer], first: int, second: int) -> int:
+    """Each choice that reports ``first`` then ``second`` starts ``second`` where the logprobs
+    teacher-forced on ``reference_url`` (holding ``first``'s weights) depart; the number of
+    choices whose boundary fell inside the answer. Choices of one version match throughout."""
+    inside = 0
+    for answer in answers:
+        for tokens, logprobs, starts in zip(answer.tokens, answer.logprobs, answer.starts, strict=True):
+            assert len(tokens) == len(logprobs) > 0, answer.kind
+            assert starts[0] == (first, 0), (answer.kind, starts)
+            truth = first_departure(reference_url, answer.prompt_ids, tokens, logprobs)
+            if len(starts) == 1:
+                assert truth is None, (answer.kind, starts, truth)  # one version made every token
+                continue
+            assert [v for v, _ in starts] == [first, second], (answer.kind, starts)
+            reported = starts[1][1]
+            if reported == len(tokens):
+                assert truth is None, (answer.kind, starts, truth)  # the update came after the last token
+            else:
+                assert reported == truth, (answer.kind, starts, truth)
+                inside += reported > 0
+    return inside
