@@ -575,7 +575,7 @@ class DeltaPublisher:
             return None, PartEntry(path=path, nbytes=len(data), sha256=sha256_hex(data), changed=changed)
 
         _, written = layout.agree(f"writing delta {version}", write, self._delta_group)
-        entry = _entry("delta", version, capture.fingerprint, [w for w in written if w is not None], split)
+        entry = ChainEntry.of_files("delta", version, capture.fingerprint, [w for w in written if w is not None], split)
 
         def commit() -> tuple[None, None]:
             if layout.rank == 0:
@@ -754,7 +754,8 @@ class DeltaPublisher:
                 f"the anchor of version {version} hashes to {got}, the chain says {expected} (a parameter "
                 "that is not trained changed, or the snapshot is not the published state)"
             )
-        return _entry("anchor", version, expected, [w for w, _ in written if w is not None], split), expected
+        files = [w for w, _ in written if w is not None]
+        return ChainEntry.of_files("anchor", version, expected, files, split), expected
 
     def _with_anchor(self, entry: ChainEntry) -> Pointer:
         """The pointer with a newly complete anchor, and the window of what it keeps (rank 0,
@@ -862,21 +863,6 @@ class DeltaPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _entry(kind: str, version: int, fp: str, files: list[PartEntry], split: bool) -> ChainEntry:
-    """The chain entry of a version from its written files (one, or one per part)."""
-    if split:
-        files.sort(key=lambda item: int(item.path.rsplit(".part", 1)[1].split(".")[0]))
-        return ChainEntry(
-            version=version, kind=kind, path="", nbytes=sum(f.nbytes for f in files), sha256="", fingerprint=fp,
-            changed=sum(f.changed for f in files), parts=tuple(files),
-        )
-    (only,) = files
-    return ChainEntry(
-        version=version, kind=kind, path=only.path, nbytes=only.nbytes, sha256=only.sha256, fingerprint=fp,
-        changed=only.changed,
-    )
 
 
 def _publish_options(options: PublishOptions | None, overrides: dict[str, Any]) -> PublishOptions:

@@ -263,18 +263,7 @@ class ViewChain:
         return out
 
     def _entry(self, kind: str, version: int, fp: str, written: list[PartEntry | None]) -> ChainEntry:
-        files = [w for w in written if w is not None]
-        if self.split:
-            files.sort(key=lambda item: int(item.path.rsplit(".part", 1)[1].split(".")[0]))
-            return ChainEntry(
-                version=version, kind=kind, path="", nbytes=sum(f.nbytes for f in files), sha256="", fingerprint=fp,
-                changed=sum(f.changed for f in files), parts=tuple(files),
-            )
-        (only,) = files
-        return ChainEntry(
-            version=version, kind=kind, path=only.path, nbytes=only.nbytes, sha256=only.sha256, fingerprint=fp,
-            changed=only.changed,
-        )
+        return ChainEntry.of_files(kind, version, fp, [w for w in written if w is not None], self.split)
 
     def _commit(self, what: str, pointer: Pointer) -> None:
         """Write the view's pointer (the commit point: rank 0 of a split layout, once every rank wrote)."""

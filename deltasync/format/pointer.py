@@ -157,6 +157,22 @@ class ChainEntry:
     """A version written by several writers: its part files, in part order. ``path`` and
     ``sha256`` are then empty and ``nbytes`` is the sum over the parts."""
 
+    @classmethod
+    def of_files(cls, kind: str, version: int, fingerprint: str, files: Sequence[PartEntry], split: bool) -> ChainEntry:
+        """The entry of a version from its written files: one, or (``split``) one per part, in
+        any order (they are listed in part order)."""
+        if split:
+            ordered = sorted(files, key=lambda item: int(item.path.rsplit(".part", 1)[1].split(".")[0]))
+            return cls(
+                version=version, kind=kind, path="", nbytes=sum(f.nbytes for f in ordered), sha256="",
+                fingerprint=fingerprint, changed=sum(f.changed for f in ordered), parts=tuple(ordered),
+            )
+        (only,) = files
+        return cls(
+            version=version, kind=kind, path=only.path, nbytes=only.nbytes, sha256=only.sha256,
+            fingerprint=fingerprint, changed=only.changed,
+        )
+
     @property
     def files(self) -> tuple[PartEntry, ...]:
         """The files of this version: its parts, or its one file."""
