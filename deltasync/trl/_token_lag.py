@@ -171,7 +171,16 @@ class TokenLagQueue:
         return int(self.queue.qsize())
 
     def get(self, *args: Any, **kwargs: Any) -> Any:
-        sample = self.queue.get(*args, **kwargs)
+        while True:
+            sample = self._judge(self.queue.get(*args, **kwargs))
+            if sample is not None:
+                return sample
+            # Every token it would train on is too old: it would add nothing to the loss, and a
+            # batch of such samples leaves TRL's loss with no token at all. Take the next one.
+            self.metrics["sample/dropped_all_masked"].append(1.0)
+
+    def _judge(self, sample: Any) -> Any:
+        """The sample, logged and masked; None when masking leaves it no token to train on."""
         stamps = getattr(sample, "token_versions", None)
         version = self.version = self.model_version()
         if stamps is None or version - sample.model_version > self.max_staleness:
@@ -186,8 +195,11 @@ class TokenLagQueue:
         if self.max_token_lag is not None:
             too_old = sampled & (version - stamps > self.max_token_lag)
             if too_old.any():
-                sample.completion_mask = np.where(too_old, 0, sample.completion_mask)
                 self.metrics["tokens/masked_share"].append(float(too_old.sum() / max(1, int(sampled.sum()))))
+                masked = np.where(too_old, 0, sample.completion_mask)
+                if not (masked > 0).any():
+                    return None
+                sample.completion_mask = masked
             else:
                 self.metrics["tokens/masked_share"].append(0.0)
         return sample

@@ -60,6 +60,19 @@ def test_the_queue_logs_lags_and_masks_tokens_older_than_the_limit():
     assert lag.qsize() == 0 and lag.version == 7
 
 
+def test_a_sample_with_every_token_too_old_is_skipped_not_trained_on_empty():
+    """Masking every token would leave the sample nothing to add to the loss (and a batch of
+    such samples no token at all, which TRL's loss cannot take): the queue takes the next."""
+    queue, metrics = Queue(), defaultdict(list)
+    queue.put(_sample([-1, 4, 4], [0, 1, 1], 4))  # lag 2 everywhere, within max_staleness=2
+    queue.put(_sample([-1, 5, 6], [0, 1, 1], 5))
+    lag = TokenLagQueue(queue, lambda: 6, metrics, max_staleness=2, max_token_lag=1)
+    taken = lag.get()
+    assert taken.token_versions.tolist() == [-1, 5, 6] and taken.completion_mask.tolist() == [0, 1, 1]
+    assert metrics["sample/dropped_all_masked"] == [1.0] and metrics["tokens/masked_share"] == [1.0, 0.0]
+    assert lag.qsize() == 0
+
+
 def test_the_config_checks_update_mode_and_max_token_lag():
     from deltasync import ConfigError
     from deltasync.trl import DeltaSyncConfig
