@@ -39,9 +39,9 @@ class Answer:
     """Per choice: ``[(version, first_token), ...]`` as the server reported it."""
 
 
-def ask(url: str, kind: str, prompt: list[int], max_tokens: int, progress: list[int] | None = None) -> Answer:
+def ask(url: str, kind: str, prompt: list[int], max_tokens: int, progress: dict[str, int] | None = None) -> Answer:
     """One request of ``kind`` (see :data:`KINDS`), greedy (``n2``: sampled), with token ids and
-    logprobs; a streamed one appends its token count so far to ``progress`` as chunks arrive."""
+    logprobs; a streamed one sets ``progress[kind]`` to its token count so far as chunks arrive."""
     answer = Answer(kind)
     chat = kind.startswith("chat")
     stream = kind.endswith("stream")
@@ -83,7 +83,7 @@ def ask(url: str, kind: str, prompt: list[int], max_tokens: int, progress: list[
             answer.tokens[0] += choice.get("token_ids") or []
             answer.logprobs[0] += _logprobs(choice, chat)
         if progress is not None:
-            progress.append(len(answer.tokens[0]))
+            progress[kind] = len(answer.tokens[0])
     assert comment is not None, answer.kind
     answer.starts = parse_token_versions(comment)
     return answer
@@ -116,8 +116,9 @@ class Requests:
     def __init__(self, url: str, prompt: list[int], max_tokens: int, kinds: tuple[str, ...] = KINDS) -> None:
         self.answers: list[Answer] = []
         self.errors: list[str] = []
-        self.progress: list[int] = []
-        """Token counts of the streamed requests, as their chunks arrive."""
+        self.streamed = [kind for kind in kinds if kind.endswith("stream")]
+        self.progress: dict[str, int] = {}
+        """Token counts of the streamed requests so far, by kind."""
         self.threads = [threading.Thread(target=self._run, args=(url, kind, prompt, max_tokens), daemon=True) for kind in kinds]
         for thread in self.threads:
             thread.start()
@@ -129,17 +130,46 @@ class Requests:
             self.errors.append(f"{kind}: {type(exc).__name__}: {exc}")
 
     def wait_tokens(self, count: int, timeout: float = 300.0) -> None:
-        """Wait until a streamed request has ``count`` tokens."""
+        """Wait until every streamed request has ``count`` tokens."""
         deadline = time.monotonic() + timeout
-        while not self.progress or self.progress[-1] < count:
-            assert time.monotonic() < deadline and not self.errors, (self.progress[-1:], self.errors)
+        while min((self.progress.get(kind, 0) for kind in self.streamed), default=count) < count:
+            assert time.monotonic() < deadline and not self.errors, (self.progress, self.errors)
             time.sleep(0.01)
+
+    def wait_running(self, url: str, count: int, timeout: float = 300.0) -> None:
+        """Wait until the server at ``url`` runs ``count`` requests (a choice of ``n`` counts once
+        each): the ones not streamed are generating too."""
+        deadline = time.monotonic() + timeout
+        while _gauge(url, "vllm:num_requests_running") < count:
+            assert time.monotonic() < deadline and not self.errors, (self.progress, self.errors)
+            time.sleep(0.01)
+
+    def most(self) -> int:
+        """The most tokens a streamed request has so far."""
+        return max(self.progress.values(), default=0)
 
     def join(self) -> list[Answer]:
         for thread in self.threads:
             thread.join(600)
         assert self.errors == [], self.errors
         return sorted(self.answers, key=lambda a: a.kind)
+
+
+def _gauge(url: str, name: str) -> float:
+    """The sum of a gauge's samples in the server's ``/metrics``."""
+    text = requests.get(url + "/metrics", timeout=60).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def straddling(answers: list[Answer]) -> int:
+    """How many choices the server says changed version strictly inside the answer (after the
+    first token, before the end)."""
+    return sum(
+        1
+        for answer in answers
+        for tokens, starts in zip(answer.tokens, answer.starts, strict=True)
+        if len(starts) > 1 and 0 < (starts[1][1] or 0) < len(tokens)
+    )
 
 
 def check_boundaries(reference_url: str, answers: list[Answer], first: int, second: int) -> int:

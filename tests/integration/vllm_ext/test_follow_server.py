@@ -280,7 +280,7 @@ def test_a_follower_tags_each_token_with_the_weights_that_sampled_it(lab, follow
     saved = {name: p.detach().clone() for name, p in lab.model.named_parameters()}
     prompt = list(range(3, 43))
     rounds = [Requests(server.url, prompt, max_tokens=800)]
-    rounds[0].wait_tokens(20)  # every request is generating
+    rounds[0].wait_tokens(20)  # every streamed request is generating
     with torch.no_grad():
         lab.model.get_parameter("model.layers.1.mlp.down_proj.weight")[:64] += 0.2
     second = lab.publisher.publish().version
@@ -289,7 +289,7 @@ def test_a_follower_tags_each_token_with_the_weights_that_sampled_it(lab, follow
     deadline = time.monotonic() + 240
     while _served(server)["version"] != second:
         assert time.monotonic() < deadline, f"the follower did not reach version {second}"
-        if (rounds[-1].progress or [0])[-1] >= 400 or not any(t.is_alive() for t in rounds[-1].threads):
+        if rounds[-1].most() >= 400 or not any(t.is_alive() for t in rounds[-1].threads):
             rounds.append(Requests(server.url, prompt, max_tokens=800))
         time.sleep(0.05)
     _wait([server], second, lab.fingerprint)
