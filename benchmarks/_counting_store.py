@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator
 from typing import Any, BinaryIO
 
-from deltasync._poll import pointer_tag
+from deltasync.reader.poll import pointer_tag
 from deltasync.format import POINTER_PATH
 from deltasync.stores import Store
 
@@ -117,7 +117,7 @@ class CountingStore:
 
     def change_tag(self, path: str) -> Hashable | None:
         """The inner store's metadata token of the pointer (one request), as
-        :func:`deltasync._poll.pointer_tag` reads it."""
+        :func:`deltasync.reader.poll.pointer_tag` reads it."""
         if path != POINTER_PATH:
             return None
         with self._request("stat"):

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from deltasync._chain import ChainReader
-from deltasync._parts import decode_version
+from deltasync.reader.chain import ChainReader
+from deltasync.reader.parts import decode_version
 from vllm_ext import DeltaWorkerExtension
 from vllm_ext._inplace import InPlaceState
 from vllm_ext._updater import updater_for

@@ -54,9 +54,9 @@ from safetensors.torch import save_file
 
 from _machine import machine
 
-from deltasync._checkpoint_layout import checkpoint_layout
-from deltasync._detector import BF16ChangeDetector, bf16_state_dict, named_parameters
-from deltasync._fingerprint import fingerprint, fingerprint_update
+from deltasync.trainer.checkpoint_layout import checkpoint_layout
+from deltasync.trainer.detector import BF16ChangeDetector, bf16_state_dict, named_parameters
+from deltasync.format.fingerprint import fingerprint, fingerprint_update
 from deltasync.format import CODECS, Change, decode_delta, encode_delta
 
 DEFAULT_LR = 2.9e-7

@@ -56,7 +56,7 @@ from _machine import machine
 from server import SHAPE, Trainer, log, tree_rss
 
 from deltasync import RolloutClient, bf16_state_dict, fingerprint
-from deltasync._serve import FOLLOW_ENV, FOLLOW_INTERVAL_ENV, PLAIN_GEMM_ENV, extension_args
+from deltasync.control.serve import FOLLOW_ENV, FOLLOW_INTERVAL_ENV, PLAIN_GEMM_ENV, extension_args
 from deltasync.examples.launcher import VLLMServer
 from deltasync.examples.tiny import build_tiny_model
 

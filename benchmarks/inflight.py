@@ -81,9 +81,9 @@ from _machine import machine
 from server import SHAPE, Trainer, log, server_env
 
 from deltasync import RolloutClient
-from deltasync._client import MAX_POLL_S
-from deltasync._env import TEST_HOOKS_ENV
-from deltasync._serve import extension_args
+from deltasync.control.client import MAX_POLL_S
+from deltasync.protocol.env import TEST_HOOKS_ENV
+from deltasync.control.serve import extension_args
 from deltasync.examples.launcher import VLLMServer
 from deltasync.examples.tiny import build_tiny_model
 

@@ -18,7 +18,7 @@ Three sweeps, each through the package's own code on a local bucket:
 3. **Followers**: 1, 8 and 64 followers (receivers in up to 8 processes, threads within) on one
    bucket, each through a :class:`_counting_store.CountingStore` that adds a request latency and
    counts requests and bytes. The trainer commits a version every ``--period`` seconds; each
-   follower polls with :class:`deltasync._poll.PollPolicy` (or a fixed poll, for comparison) and
+   follower polls with :class:`deltasync.reader.poll.PollPolicy` (or a fixed poll, for comparison) and
    stages and applies every version it sees: commit-to-staged p50 and p99, requests and bytes
    per follower per version. The policy's reads per follower-hour at real trainer steps come
    from the same policy driven by a simulated clock.
@@ -60,7 +60,7 @@ from _machine import machine
 from codec import ModelShape
 
 from deltasync import DeltaPublisher, DeltaReceiver
-from deltasync._poll import PointerWatch, PollOptions, PollPolicy
+from deltasync.reader.poll import PointerWatch, PollOptions, PollPolicy
 from deltasync.stores import LocalStore
 
 SIZES = {
@@ -162,7 +162,7 @@ def step(model: nn.Module, density: float, g: torch.Generator) -> None:
 @contextlib.contextmanager
 def timed_encode() -> Any:
     """Sum the seconds the publisher spends in ``encode_delta``."""
-    import deltasync._publisher as publisher_module
+    import deltasync.trainer.publisher as publisher_module
 
     original, spent = publisher_module.encode_delta, [0.0]
 
@@ -251,7 +251,7 @@ def read_phase(bucket: str, deltas: int, inplace: bool) -> dict[str, Any]:
 
 
 def inplace_phase(store: CountingStore, receiver: DeltaReceiver, first: int, last: int) -> dict[str, Any]:
-    from deltasync._chain import ChainReader, read_pointer
+    from deltasync.reader.chain import ChainReader, read_pointer
     from vllm_ext._inplace import InPlaceState
     from vllm_ext._weight_map import discover
 

@@ -53,7 +53,7 @@ except ImportError:  # a checkout without an install: import the package next to
 from _machine import machine
 
 from deltasync import DeltaPublisher, RolloutClient
-from deltasync._serve import extension_args
+from deltasync.control.serve import extension_args
 from deltasync.examples.launcher import VLLMServer
 from deltasync.examples.tiny import build_tiny_model
 

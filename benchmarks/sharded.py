@@ -80,7 +80,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, init_file: str, buck
     from torch.distributed.tensor import DTensor
 
     from deltasync import DeltaPublisher, DeltaReceiver, fingerprint
-    from deltasync._detector import named_parameters
+    from deltasync.trainer.detector import named_parameters
 
     torch.set_num_threads(1)
     dist.init_process_group(

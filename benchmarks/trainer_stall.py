@@ -59,11 +59,11 @@ try:
 except ImportError:  # a checkout without an install: import the package next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import deltasync._publisher as publisher_module
+import deltasync.trainer.publisher as publisher_module
 from _machine import machine
 from codec import DEFAULT_LR, ModelShape, SimulatedGradients, build_model, log, save_outputs
 from deltasync import DeltaPublisher, DeltaReceiver
-from deltasync._detector import named_parameters
+from deltasync.trainer.detector import named_parameters
 from deltasync.stores import LocalStore
 
 TARGETS = {

@@ -75,9 +75,9 @@ from codec import (
 )
 from safetensors.torch import save_file
 
-import deltasync._view_chain as view_chain_module
+import deltasync.trainer.view_chain as view_chain_module
 from deltasync import DeltaPublisher, DeltaReceiver
-from deltasync._detector import bf16_state_dict
+from deltasync.trainer.detector import bf16_state_dict
 from deltasync.format import Change
 from deltasync.views import SCHEMES, get_scheme
 
@@ -143,7 +143,7 @@ def make_trace(kind: str, model: nn.Module, generator: torch.Generator, args: ar
 
 
 def _named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    from deltasync._detector import named_parameters
+    from deltasync.trainer.detector import named_parameters
 
     return list(named_parameters(model))
 
@@ -394,7 +394,7 @@ def _capture_bf16_changes(captured: dict[str, dict[str, Change]]) -> Callable[[d
     """Record the bf16 chain's delta changes (the publisher module's ``encode_delta``, wrapped;
     restored by :func:`_restore_bf16_encode`) and return an encoder with the publisher's settings
     for subsets of changes (the bytes of parts of a delta)."""
-    import deltasync._publisher as publisher_module
+    import deltasync.trainer.publisher as publisher_module
 
     original = publisher_module.encode_delta
     settings: dict[str, Any] = {}

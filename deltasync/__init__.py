@@ -9,8 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._client import BaseRolloutClient, RolloutClient, ServerResult, ServerStatus, UpdateReport
-from ._errors import (
+from .errors import (
     AdapterError,
     AuthError,
     ConfigError,
@@ -22,45 +21,57 @@ from ._errors import (
     StoreError,
     VersionError,
 )
-from ._fingerprint import fingerprint
 from .format import Change, Pointer
-from ._receiver import DeltaReceiver, StagedUpdate
-from ._token_versions import (
+from .format.fingerprint import fingerprint
+from .protocol.token_versions import (
     TOKEN_VERSIONS_HEADER,
     TokenVersions,
     VersionedCompletion,
     parse_token_versions,
     version_of_token,
 )
+from .reader.receiver import DeltaReceiver, StagedUpdate
 from .stores import Store, open_store
 
 if TYPE_CHECKING:
-    from ._detector import BF16ChangeDetector, bf16_state_dict, checkpoint_name
-    from ._lora import AdapterRolloutClient, AdapterWeights, MergedLoraWeights, adapter_publisher, merged_publisher
-    from ._publisher import DeltaPublisher, PublishOptions, PublishResult
-    from ._sources import ModelWeights, SourceWeight, WeightSource
-    from ._view_export import export_checkpoint, write_view_checkpoint
+    from .control.client import BaseRolloutClient, RolloutClient, ServerResult, ServerStatus, UpdateReport
+    from .export import export_checkpoint, write_view_checkpoint
+    from .trainer.detector import BF16ChangeDetector, bf16_state_dict, checkpoint_name
+    from .trainer.lora import (
+        AdapterRolloutClient,
+        AdapterWeights,
+        MergedLoraWeights,
+        adapter_publisher,
+        merged_publisher,
+    )
+    from .trainer.publisher import DeltaPublisher, PublishOptions, PublishResult
+    from .trainer.sources import ModelWeights, SourceWeight, WeightSource
 
 # The trainer side's names load their modules on first use (PEP 562): a vLLM worker, which
 # imports the reader, the format and the protocol from this package, loads no publisher,
 # detector or weight source (tests/unit/test_imports.py checks it).
 _TRAINER_SIDE = {
-    "BF16ChangeDetector": "._detector",
-    "bf16_state_dict": "._detector",
-    "checkpoint_name": "._detector",
-    "AdapterRolloutClient": "._lora",
-    "AdapterWeights": "._lora",
-    "MergedLoraWeights": "._lora",
-    "adapter_publisher": "._lora",
-    "merged_publisher": "._lora",
-    "DeltaPublisher": "._publisher",
-    "PublishOptions": "._publisher",
-    "PublishResult": "._publisher",
-    "ModelWeights": "._sources",
-    "SourceWeight": "._sources",
-    "WeightSource": "._sources",
-    "export_checkpoint": "._view_export",
-    "write_view_checkpoint": "._view_export",
+    "BaseRolloutClient": ".control.client",
+    "RolloutClient": ".control.client",
+    "ServerResult": ".control.client",
+    "ServerStatus": ".control.client",
+    "UpdateReport": ".control.client",
+    "BF16ChangeDetector": ".trainer.detector",
+    "bf16_state_dict": ".trainer.detector",
+    "checkpoint_name": ".trainer.detector",
+    "AdapterRolloutClient": ".trainer.lora",
+    "AdapterWeights": ".trainer.lora",
+    "MergedLoraWeights": ".trainer.lora",
+    "adapter_publisher": ".trainer.lora",
+    "merged_publisher": ".trainer.lora",
+    "DeltaPublisher": ".trainer.publisher",
+    "PublishOptions": ".trainer.publisher",
+    "PublishResult": ".trainer.publisher",
+    "ModelWeights": ".trainer.sources",
+    "SourceWeight": ".trainer.sources",
+    "WeightSource": ".trainer.sources",
+    "export_checkpoint": ".export",
+    "write_view_checkpoint": ".export",
 }
 
 

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ._errors import DeltaSyncError, NotFoundError, VersionError
+from .errors import DeltaSyncError, NotFoundError, VersionError
 from .format import HISTORY_PATH, POINTER_PATH, Pointer, get_codec, read_header
 
 __all__ = ["main"]
@@ -102,8 +102,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 @_command("verify")
 def _verify(args: argparse.Namespace) -> int:
-    from ._chain import ChainReader
-    from ._receiver import DeltaReceiver
+    from .reader.chain import ChainReader
+    from .reader.receiver import DeltaReceiver
 
     receiver = DeltaReceiver(args.bucket)
     pointer = receiver.pointer()
@@ -252,7 +252,7 @@ def _plot(records: list[dict], path: str) -> None:
 
 @_command("export")
 def _export(args: argparse.Namespace) -> int:
-    from ._view_export import export_checkpoint
+    from .export import export_checkpoint
 
     what = f"view {args.view}" if args.view else "the bf16 chain"
     receiver = export_checkpoint(args.bucket, args.out, view=args.view, version=args.version, like=args.like,
@@ -305,14 +305,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    from ._serve import add_parser
+    from .control.serve import add_parser
 
     add_parser(sub)
 
 
 @_command("serve")
 def _serve(args: argparse.Namespace) -> int:
-    from ._serve import run
+    from .control.serve import run
 
     return run(args)
 

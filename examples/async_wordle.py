@@ -67,8 +67,8 @@ from trl.experimental.async_grpo.async_rollout_worker import (
     _chain_to_sequences,
 )
 
-from deltasync._auth import TOKEN_ENV
-from deltasync._serve import BUCKET_ENV, FOLLOW_ENV, PLAIN_GEMM_ENV, extension_args
+from deltasync.protocol.auth import TOKEN_ENV
+from deltasync.control.serve import BUCKET_ENV, FOLLOW_ENV, PLAIN_GEMM_ENV, extension_args
 from deltasync.examples.launcher import stop_process_group, wait_healthy
 from deltasync.examples.wordle import WordleEnvClient, WordleObservation, episode_rewards
 

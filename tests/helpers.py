@@ -9,7 +9,7 @@ import threading
 import torch
 
 from deltasync import NotFoundError, StoreError
-from deltasync._chain import bits
+from deltasync.reader.chain import bits
 from deltasync.stores import LocalStore
 
 def small_transformer(seed: int = 0) -> torch.nn.Module:

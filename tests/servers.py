@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import requests
 
-from deltasync._serve import extension_args as _production_extension_args
+from deltasync.control.serve import extension_args as _production_extension_args
 from deltasync.examples.launcher import VLLMServer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ TEST_EXTENSION = "vllm_ext.testing.TestingWorkerExtension"
 
 
 def extension_args(**kwargs: Any) -> list[str]:
-    """deltasync's vLLM flags (``deltasync._serve.extension_args``, same keywords) with the test
+    """deltasync's vLLM flags (``deltasync.control.serve.extension_args``, same keywords) with the test
     worker extension in place of the production one. Its RPCs also need ``DELTASYNC_TEST_HOOKS=1``."""
     args = _production_extension_args(**kwargs)
     args[args.index("--worker-extension-cls") + 1] = TEST_EXTENSION

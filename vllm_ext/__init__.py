@@ -25,7 +25,7 @@ Start a server that follows a bucket (``deltasync serve`` fills all of this in):
   backend (the worker extension imports it in every worker), and it loads no trainer-side
   module of deltasync (no publisher, detector or weight source).
 - :class:`vllm_ext._config.ServerConfig` reads the server's ``DELTASYNC_*`` environment once
-  (the names are in :mod:`deltasync._env`); :mod:`vllm_ext.testing` holds the test-only worker
+  (the names are in :mod:`deltasync.protocol.env`); :mod:`vllm_ext.testing` holds the test-only worker
   extension, which only the test suite loads.
 
 The trainer drives all of it with :class:`deltasync.RolloutClient`. This package never
@@ -38,8 +38,8 @@ from ._engine import DeltaWeightTransferEngine
 from ._extension import DeltaWorkerExtension
 from ._lora import LoraSyncMiddleware
 from ._middleware import TokenMiddleware
-from ._update_route import UpdateMiddleware
 from ._plain_gemm import PLAIN_GEMM_ENV, install_plain_gemm
+from ._update_route import UpdateMiddleware
 
 __all__ = [
     "BACKEND",

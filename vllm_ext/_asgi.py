@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from deltasync._auth import TOKEN_ENV, bearer_matches
+from deltasync.protocol import TOKEN_ENV, bearer_matches
 
 __all__ = ["answer", "error_body", "header", "read_body", "refused", "unauthorized"]
 

@@ -1,6 +1,6 @@
 """What a server reads from its environment, read in one place, once, at start-up.
 
-The variables are named in :mod:`deltasync._env`; ``deltasync serve`` writes them. Every part
+The variables are named in :mod:`deltasync.protocol.env`; ``deltasync serve`` writes them. Every part
 of ``vllm_ext`` (workers, middleware, follow mode, the plain-GEMM switch) takes its settings
 from :meth:`ServerConfig.from_env`, never from ``os.environ`` itself.
 """
@@ -11,7 +11,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deltasync._env import (
+from deltasync.errors import ConfigError
+from deltasync.protocol import (
     BUCKET_ENV,
     DEFAULT_FOLLOW_INTERVAL,
     DEFAULT_STAGING_NICE,
@@ -24,11 +25,10 @@ from deltasync._env import (
     TEST_HOOKS_ENV,
     TOKEN_ENV,
     UPDATE_MODE_ENV,
+    VIEW_ENV,
     UpdateMode,
     check_update_mode,
-    VIEW_ENV,
 )
-from deltasync._errors import ConfigError
 
 from ._cpus import STAGING_CPUS_PATTERN
 

@@ -20,7 +20,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from deltasync._messages import check_version
+from deltasync.protocol import check_version
 
 from ._updater import WorkerUpdater, updater_for
 

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from deltasync import IntegrityError
-from deltasync._chain import ChainReader, Overlay
-from deltasync._fingerprint import fingerprint_add, fingerprint_move, fingerprint_share
-from deltasync._messages import Heal
+from deltasync.format.fingerprint import fingerprint_add, fingerprint_move, fingerprint_share
+from deltasync.protocol import Heal
+from deltasync.reader import ChainReader, Overlay
 
 from ._cpus import enter_background
 from ._quantized import LiveFlat
@@ -285,7 +285,7 @@ class InPlaceState:
     def read(self, name: str, index: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Live int16 bits at the sorted checkpoint indices ``index`` of ``name`` that this rank
         holds: ``(positions in index, bits)``, each element once; positions None when it holds
-        them all (the chain reader's :data:`~deltasync._chain.BaseRead`)."""
+        them all (the chain reader's :data:`~deltasync.reader.chain.BaseRead`)."""
         pieces = self.map.pieces.get(name, [])
         if len(pieces) == 1:  # the common case: one box of one parameter (hits come sorted, once each)
             hit, dst = pieces[0].locate(index, sorted_index=True)

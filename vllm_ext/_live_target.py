@@ -18,18 +18,18 @@ from typing import Any
 import torch
 
 from deltasync import DeltaReceiver, IntegrityError, NotFoundError
-from deltasync._chain import ChainReader
-from deltasync._errors import UpdateError
-from deltasync._messages import Heal
+from deltasync.errors import UpdateError
+from deltasync.protocol import Heal
+from deltasync.reader import ChainReader
 
-from ._config import ServerConfig
 from ._checkpoint import ServedCheckpoint
+from ._config import ServerConfig
 from ._inplace import InPlaceState, LiveStaged, release_freed_memory, release_later
 from ._plain_gemm import PLAIN_GEMM_ENV, plain_gemm_enabled
+from ._quantized import load_time_params
 from ._ranks import agree, gather, rank_index
 from ._reload import reload_groups, reload_weights
 from ._target import Applied, Refused, UpdateTarget
-from ._quantized import load_time_params
 from ._weight_map import discover
 
 __all__ = ["LiveTarget", "plan_in_place"]

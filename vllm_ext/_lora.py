@@ -39,14 +39,13 @@ from typing import Any
 import torch
 
 from deltasync import AuthError, DeltaReceiver, DeltaSyncError, StagedUpdate, VersionError
-from deltasync._auth import check_update_tag
-from deltasync._env import BUCKET_ENV
-from deltasync._lora_rules import (
+from deltasync.protocol import BUCKET_ENV, check_update_tag, check_version
+from deltasync.protocol.lora import (
     ADAPTER_CONFIG_KEY,
     BASE_FINGERPRINT_KEY,
+    LORA_NAME_RE,
     STATUS_ROUTE,
     UPDATE_ROUTE,
-    LORA_NAME_RE,
     AdapterError,
     adapter_modules,
     adapter_rank,
@@ -54,7 +53,6 @@ from deltasync._lora_rules import (
     check_adapter_modules,
     fingerprint_sum,
 )
-from deltasync._messages import check_version
 
 from ._asgi import answer, error_body, read_body, refused
 from ._checkpoint import resolve_model_dir

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from deltasync import fingerprint
-from deltasync._errors import AdapterError
-
+from deltasync.errors import AdapterError
 
 __all__ = ["find_lora", "held_lora_tensor", "lora_fingerprint", "lora_modules", "lora_problem"]
 

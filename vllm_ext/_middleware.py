@@ -26,9 +26,8 @@ import re
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
-from deltasync._auth import bearer_matches
-from deltasync._env import PUBLIC_ROUTES_ENV, TOKEN_ENV
-from deltasync._errors import ConfigError
+from deltasync.errors import ConfigError
+from deltasync.protocol import PUBLIC_ROUTES_ENV, TOKEN_ENV, bearer_matches
 
 from ._asgi import header, unauthorized
 from ._config import ServerConfig

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from deltasync._env import PLAIN_GEMM_ENV
+from deltasync.protocol import PLAIN_GEMM_ENV
 
 from ._config import ServerConfig
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deltasync._collective import failures, gather_objects
+from deltasync.collective import failures, gather_objects
 
 __all__ = ["agree", "gather", "is_last_rank", "parallel_groups", "rank_index"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from deltasync import DeltaReceiver, StagedUpdate
-from deltasync._errors import UpdateError
+from deltasync.errors import UpdateError
 
 from ._checkpoint import ServedCheckpoint
 from ._inplace import wait_for_device

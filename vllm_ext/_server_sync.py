@@ -16,9 +16,9 @@ Both run in the API-server process, where vLLM's pause and resume live:
   pointer or file that is corrupt, hostile or truncated, changes nothing served: the error is
   kept in :attr:`ServerSync.last_error` (see ``GET /deltasync/status``) and the reads back off
   (doubling up to :data:`MAX_BACKOFF`) until the bucket is sound again. The reads are timed by
-  :class:`deltasync._poll.PollPolicy`: every ``interval`` seconds until the trainer's commit
+  :class:`deltasync.reader.poll.PollPolicy`: every ``interval`` seconds until the trainer's commit
   rhythm is known, then quiet until the next commit is due and every ``interval`` while it is,
-  backing off while the trainer is late or idle. :class:`deltasync._poll.PointerWatch` reads the
+  backing off while the trainer is late or idle. :class:`deltasync.reader.poll.PointerWatch` reads the
   pointer conditionally (a metadata read while it is unchanged) where the store can tell.
 
 The push route (``POST /deltasync/update``), the follower and the status route are wired in by
@@ -42,12 +42,21 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from deltasync import DeltaReceiver
-from deltasync._client import MAX_POLL_S
-from deltasync._auth import update_tag
-from deltasync._poll import PointerWatch, PollOptions, PollPolicy
-from deltasync._errors import ConfigError, UpdateError
-from deltasync._messages import UpdateAnswer, WorkerStatus
-from deltasync._env import DEFAULT_FOLLOW_INTERVAL, FOLLOW_ENV, FOLLOW_INTERVAL_ENV, UPDATE_MODE_ENV, UPDATE_MODES, UpdateMode, check_update_mode
+from deltasync.errors import ConfigError, UpdateError
+from deltasync.protocol import (
+    DEFAULT_FOLLOW_INTERVAL,
+    FOLLOW_ENV,
+    FOLLOW_INTERVAL_ENV,
+    MAX_POLL_S,
+    UPDATE_MODE_ENV,
+    UPDATE_MODES,
+    UpdateAnswer,
+    UpdateMode,
+    WorkerStatus,
+    check_update_mode,
+    update_tag,
+)
+from deltasync.reader import PointerWatch, PollOptions, PollPolicy
 
 from ._config import ServerConfig
 from ._token_versions import TokenVersionLog
@@ -146,7 +155,7 @@ class ServerSync:
         # (60 s and 120 s at the default 2 s): a short interval asks for quick updates.
         i = follow.interval
         self.poll = PollPolicy(PollOptions(interval=i, max_interval=max(i, min(MAX_BACKOFF, 30 * i)), idle_after=60 * i))
-        """When follow mode reads the pointer next (see :class:`deltasync._poll.PollPolicy`)."""
+        """When follow mode reads the pointer next (see :class:`deltasync.reader.poll.PollPolicy`)."""
         self.tokens = TokenVersionLog()
         """Where each version began in each tracked request (every apply goes through it)."""
         from . import _metrics

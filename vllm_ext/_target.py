@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from deltasync import DeltaReceiver
-from deltasync._messages import Heal
+from deltasync.protocol import Heal
 
 from ._ranks import agree
 

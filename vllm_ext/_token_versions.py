@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltasync._token_versions import TokenVersions
+from deltasync.protocol import TokenVersions
 
 __all__ = ["ENGINE_METHOD", "TokenVersionLog", "install_engine_core_method"]
 

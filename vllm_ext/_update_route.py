@@ -19,7 +19,7 @@ process instead, and adds:
 - the response header ``x-deltasync-version`` on completions and chat completions: the version
   served when the request was admitted (``none`` before the first update); and where each
   version began in each choice's tokens, ``x-deltasync-token-versions`` (a header, or an SSE
-  comment before ``data: [DONE]``; see :mod:`deltasync._token_versions` and
+  comment before ``data: [DONE]``; see :mod:`deltasync.protocol.token_versions` and
   :mod:`vllm_ext._token_versions`).
 - ``deltasync_*`` metrics on vLLM's ``/metrics``.
 
@@ -34,10 +34,17 @@ import json
 import logging
 from typing import Any
 
-from deltasync._auth import bearer_matches
-from deltasync._client import STATUS_ROUTE, UPDATE_ROUTE, VERSION_HEADER
-from deltasync._env import check_update_mode
-from deltasync._token_versions import TOKEN_VERSIONS_HEADER, format_token_versions
+from deltasync.protocol import (
+    INFERENCE_ROUTES,
+    STATUS_ROUTE,
+    TOKEN_VERSIONS_HEADER,
+    UPDATE_ROUTE,
+    VERSION_HEADER,
+    VERSIONS_HEADER,
+    bearer_matches,
+    check_update_mode,
+    format_token_versions,
+)
 
 from ._asgi import answer, error_body, header, read_body, refused, unauthorized
 from ._config import ServerConfig
@@ -50,13 +57,10 @@ logger = logging.getLogger(__name__)
 
 #: The routes whose responses carry :data:`VERSION_HEADER` and :data:`VERSIONS_HEADER`, and
 #: whose requests are salted with the version they are admitted at.
-_INFERENCE_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+_INFERENCE_ROUTES = INFERENCE_ROUTES
 #: vLLM's routes that can change the weights behind the flow (the "delta" backend's apply).
 _WEIGHT_ROUTES = frozenset({"/collective_rpc", "/update_weights", "/finish_weight_update"})
 _APPLY_METHODS = frozenset({"deltasync_apply"})
-#: The first and last version that produced a response's tokens: a header of non-streamed
-#: answers, an SSE comment just before ``data: [DONE]`` of streamed ones.
-VERSIONS_HEADER = "x-deltasync-versions"
 
 
 class UpdateMiddleware:

@@ -22,16 +22,23 @@ from weakref import WeakKeyDictionary
 import torch
 
 from deltasync import ConfigError, DeltaReceiver, DeltaSyncError, VersionError
-from deltasync._auth import check_update_tag
-from deltasync._env import BUCKET_ENV, TEST_HOOKS_ENV
-from deltasync._errors import UpdateError
+from deltasync.errors import UpdateError
+from deltasync.protocol import (
+    BUCKET_ENV,
+    TEST_HOOKS_ENV,
+    Heal,
+    PrefetchState,
+    UpdateAnswer,
+    WorkerStatus,
+    check_update_tag,
+    check_version,
+)
 from deltasync.views.serving import resolve_view
-from deltasync._messages import Heal, PrefetchState, UpdateAnswer, WorkerStatus, check_version
 
 from ._checkpoint import ServedCheckpoint
 from ._config import ServerConfig
-from ._cpus import configure as configure_background_cpus
 from ._cpus import Background, enter_background
+from ._cpus import configure as configure_background_cpus
 from ._live_target import LiveTarget, plan_in_place
 from ._ranks import agree, is_last_rank
 from ._reload_target import ReloadTarget
@@ -105,7 +112,7 @@ class WorkerUpdater:
     # ------------------------------------------------------------------ public
 
     def status(self) -> dict[str, Any]:
-        """What this worker serves: a :class:`~deltasync._messages.WorkerStatus` as plain data
+        """What this worker serves: a :class:`~deltasync.protocol.messages.WorkerStatus` as plain data
         (the answer of ``deltasync_status``).
 
         ``fingerprint`` is that of the weights served: in "in-place" mode hashed from the live
@@ -135,7 +142,7 @@ class WorkerUpdater:
 
     def prefetch(self, version: object, auth: object = None) -> dict[str, Any]:
         """Start staging ``version`` in a background thread; the engine keeps generating.
-        Returns a :class:`~deltasync._messages.PrefetchState` as plain data."""
+        Returns a :class:`~deltasync.protocol.messages.PrefetchState` as plain data."""
         self.target.settle()
         try:
             version = check_version(version)
@@ -184,7 +191,7 @@ class WorkerUpdater:
 
     def update(self, version: object, auth: object = None) -> dict[str, Any]:
         """Stage, check and apply ``version``; returns what was done (a
-        :class:`~deltasync._messages.UpdateAnswer` as plain data).
+        :class:`~deltasync.protocol.messages.UpdateAnswer` as plain data).
 
         On any failure the served weights and version stay those from before the call, and
         :class:`UpdateError` is raised (by the last worker only: see :meth:`_fail`).

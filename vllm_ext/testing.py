@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from deltasync._env import TEST_HOOKS_ENV
-from deltasync._errors import ConfigError, UpdateError
+from deltasync.errors import ConfigError, UpdateError
+from deltasync.protocol import TEST_HOOKS_ENV
 
 from ._config import ServerConfig
 from ._extension import DeltaWorkerExtension, updater_of

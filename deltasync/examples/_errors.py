@@ -1,12 +1,12 @@
 """The examples' errors: the process launcher's and the Wordle environment's.
 
 Each is a :class:`deltasync.DeltaSyncError`, so one ``except`` still catches every error of the
-package; the core's own errors stay in ``deltasync._errors``.
+package; the core's own errors stay in ``deltasync.errors``.
 """
 
 from __future__ import annotations
 
-from .._errors import DeltaSyncError
+from ..errors import DeltaSyncError
 
 __all__ = ["ServerError", "VLLMServerError", "WordleRequestError", "WordleServerError"]
 

@@ -28,7 +28,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
-from .._errors import DeltaSyncError
+from ..errors import DeltaSyncError
 
 __all__ = ["NOISE", "NOISE_LOGS", "add_parser", "run", "reward_target_letter", "silence_noise"]
 
@@ -142,13 +142,13 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     from .. import open_store
-    from .._env import BUCKET_ENV, PLAIN_GEMM_ENV
-    from .._serve import extension_args
+    from ..control.serve import extension_args
+    from ..protocol.env import BUCKET_ENV, PLAIN_GEMM_ENV
     from .launcher import VLLMServer
     from .tiny import build_tiny_model, fit_tiny_model
 
     if args.steps < 1:
-        from .._errors import ConfigError
+        from ..errors import ConfigError
 
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     out = Path(args.output).resolve()

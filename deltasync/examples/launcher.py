@@ -24,7 +24,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 from ._errors import ServerError, VLLMServerError  # re-exported; defined with the examples' other errors
 
 __all__ = ["ServerError", "VLLMServer", "VLLMServerError", "free_port", "stop_process_group", "wait_healthy"]

@@ -16,7 +16,7 @@ import os
 import pathlib
 from collections.abc import Sequence
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = [
     "TINY_SHAPE",

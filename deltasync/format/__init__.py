@@ -45,6 +45,7 @@ from .header import (
     with_extra_metadata,
 )
 from .limited_json import MAX_COUNT, check_hex, check_int, parse_json
+from .manifest import manifest_digest, tensors_manifest
 from .pointer import (
     DATA_PATH_RE,
     HISTORY_PATH,
@@ -53,6 +54,8 @@ from .pointer import (
     MAX_PARTS,
     MAX_POINTER_BYTES,
     POINTER_PATH,
+    VIEW_NAME_RE,
+    VIEWS_PREFIX,
     ChainEntry,
     PartEntry,
     Pointer,
@@ -61,12 +64,9 @@ from .pointer import (
     delta_path,
     part_path,
     sha256_hex,
-    VIEWS_PREFIX,
-    VIEW_NAME_RE,
-    view_prefix,
     view_names,
+    view_prefix,
 )
-from .manifest import manifest_digest, tensors_manifest
 from .versions import (
     CHAIN_FORMAT_VERSION,  # noqa: F401  (exported: versions.__all__ below)
     FORMAT_NAME,  # noqa: F401  (exported: versions.__all__ below)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._errors import FormatError
+from ..errors import FormatError
 from .container import TensorChunks, load_tensors, safetensors_stream
 from .dtypes import ELEMENT_DTYPES
 from .header import FileHeader, read_header, with_extra_metadata
@@ -31,7 +31,7 @@ def encode_anchor(
     checkpoint name.
 
     ``extra_metadata``: further metadata keys, each starting with ``x-`` (e.g. the PEFT
-    adapter config of an adapter bucket, see :mod:`deltasync._lora`); readers that do not
+    adapter config of an adapter bucket, see :mod:`deltasync.trainer.lora`); readers that do not
     know a key ignore it. ``manifest``: the state's manifest digest
     (:mod:`deltasync.format.manifest`), written to the metadata."""
     for name, tensor in state.items():
@@ -77,7 +77,7 @@ def anchor_stream(
 
     A single-file anchor holds every parameter whole, in its shape; a part holds a 1-D slice
     of each parameter (format version 2). The bytes are those :func:`encode_anchor` and
-    :func:`~deltasync._parts.encode_anchor_part` give, without the whole file in memory.
+    :func:`~deltasync.reader.parts.encode_anchor_part` give, without the whole file in memory.
     """
     ordered = sorted(sources, key=lambda s: s.name)
     if parts is None and any(s.begin != 0 or s.end != math.prod(s.shape) for s in ordered):

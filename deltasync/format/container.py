@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as _st_load
 
-from .._errors import FormatError
+from ..errors import FormatError
 from .limited_json import MAX_COUNT, check_int
 
 __all__ = [

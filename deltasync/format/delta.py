@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .._errors import FormatError
+from ..errors import FormatError
 from .codecs import CODECS, BaseLookup, Change, DeltaContext, get_codec
 from .container import load_safetensors, safetensors_bytes
 from .header import FileHeader, read_header

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .._errors import FormatError
+from ..errors import FormatError
 
 __all__ = [
     "ELEMENT_DTYPES",

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import FormatError
+from ..errors import FormatError
 from .codecs import CODECS
 from .container import MAX_HEADER_BYTES, check_tensor_table
 from .limited_json import FINGERPRINT_RE, MAX_INT_DIGITS, SHA256_RE, check_hex, parse_json

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import FormatError
+from ..errors import FormatError
 
 __all__ = [
     "MAX_COUNT",

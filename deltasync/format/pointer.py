@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .._errors import FormatError
+from ..errors import FormatError
 from .limited_json import FINGERPRINT_RE, SHA256_RE, check_hex, check_int, parse_json
 from .versions import (
     CHAIN_FORMAT_VERSION,

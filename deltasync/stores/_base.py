@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import BinaryIO, Protocol, runtime_checkable
 
-from .._errors import ConfigError, DeltaSyncError, StoreError
+from ..errors import ConfigError, DeltaSyncError, StoreError
 
 __all__ = [
     "BoundedReadStore",

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.core import url_to_fs
 
-from .._errors import ConfigError, NotFoundError, StoreError
+from ..errors import ConfigError, NotFoundError, StoreError
 from ._base import LimitedReads, check_path, check_prefix, reading
 
 __all__ = ["FsspecStore", "check_protocol"]

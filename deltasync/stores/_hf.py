@@ -16,13 +16,13 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from huggingface_hub.errors import BucketBatchError, BucketNotFoundError, EntryNotFoundError
 
-from .._errors import ConfigError, NotFoundError, StoreError
+from ..errors import ConfigError, NotFoundError, StoreError
 from ._base import LimitedReads, check_path, check_prefix, reading
 
 if TYPE_CHECKING:

@@ -8,11 +8,11 @@ import re
 import secrets
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import BinaryIO
 
-from .._errors import NotFoundError, StoreError
+from ..errors import NotFoundError, StoreError
 from ._base import LimitedReads, check_path, check_prefix, reading
 
 __all__ = ["LocalStore"]

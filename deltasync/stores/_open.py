@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from urllib.parse import unquote, urlsplit
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 from ._base import Store
 from ._fsspec import FsspecStore, check_protocol
 from ._hf import HfBucketStore

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 
 _SUPPORTED = ((1, 16), (1, 17))  # [min, max) of TRL's (major, minor)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-from .._env import TOKEN_ENV, UPDATE_MODES
-from .._errors import ConfigError
-from .._publisher import PublishOptions
+from ..errors import ConfigError
+from ..protocol.env import TOKEN_ENV, UPDATE_MODES
+from ..trainer.publisher import PublishOptions
 
 __all__ = ["DeltaSyncConfig"]
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .._client import BaseRolloutClient, RolloutClient
-from .._errors import ConfigError
-from .._lora import (
+from ..control.client import BaseRolloutClient, RolloutClient
+from ..errors import ConfigError
+from ..trainer.lora import (
     AdapterError,
     AdapterRolloutClient,
     adapter_config,
@@ -27,7 +27,7 @@ from .._lora import (
     server_lora_config,
     server_lora_modules,
 )
-from .._publisher import DeltaPublisher, PublishOptions
+from ..trainer.publisher import DeltaPublisher, PublishOptions
 from ._config import DeltaSyncConfig
 
 __all__ = ["PEFT_SYNC_MODES", "choose_peft_sync", "start_peft_sync"]
@@ -42,7 +42,7 @@ PEFT_SYNC_MODES = ("adapter", "merged")
 def choose_peft_sync(trainer: Any, config: DeltaSyncConfig) -> str | None:
     """The sync mode for the trainer's model: None (not PEFT), "adapter" or "merged".
 
-    Raises :class:`~deltasync.ConfigError` (an :class:`~deltasync._lora.AdapterError` for the
+    Raises :class:`~deltasync.ConfigError` (an :class:`~deltasync.trainer.lora.AdapterError` for the
     adapter's and server's LoRA limits) before training when the mode cannot work.
     """
     from accelerate.utils import broadcast_object_list, is_peft_model

@@ -27,8 +27,8 @@ from trl.experimental.async_grpo.async_rollout_worker import (
     _AsyncRolloutLoop,
 )
 
-from .._errors import FormatError
-from .._token_versions import (
+from ..errors import FormatError
+from ..protocol.token_versions import (
     TOKEN_VERSIONS_HEADER,
     parse_token_versions,
     version_of_token,

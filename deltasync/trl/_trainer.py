@@ -23,9 +23,9 @@ from trl.experimental.async_grpo.async_rollout_worker import (
     _AsyncRolloutLoop as _TRLLoop,
 )
 
-from .._client import BaseRolloutClient, RolloutClient, ServerResult, UpdateReport
-from .._errors import ConfigError
-from .._publisher import DeltaPublisher, PublishFuture, PublishResult
+from ..control.client import BaseRolloutClient, RolloutClient, ServerResult, UpdateReport
+from ..errors import ConfigError
+from ..trainer.publisher import DeltaPublisher, PublishFuture, PublishResult
 from ._config import DeltaSyncConfig
 from ._cpu_compat import async_grpo_cpu_patches, bf16_training_available, has_cuda
 from ._lora import choose_peft_sync, start_peft_sync

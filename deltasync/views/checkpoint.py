@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["COPIED_FILES", "write_checkpoint"]
 

@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import torch
 
-from .._errors import ConfigError, FormatError
+from ..errors import ConfigError, FormatError
 
 __all__ = ["SCHEMES", "ViewScheme", "check_codes", "check_scale", "from_quantization_config", "get_scheme"]
 

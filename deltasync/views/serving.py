@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["checkpoint_view", "resolve_view", "check_bucket_has_view"]
 

@@ -11,7 +11,7 @@ checkpoint, the checkpoint's module names are the ones matched and returned:
 
 - **Fused MoE experts.** transformers 5 keeps experts fused (Qwen3-MoE's
   ``mlp.experts.gate_up_proj`` of shape ``(experts, 2 * inter, hidden)``); checkpoints hold them per
-  expert (``mlp.experts.{e}.gate_proj.weight``, see ``deltasync._checkpoint_layout``). llm-compressor
+  expert (``mlp.experts.{e}.gate_proj.weight``, see ``deltasync.trainer.checkpoint_layout``). llm-compressor
   linearizes such experts into per-expert ``nn.Linear`` modules of those names before it quantizes,
   so here every 2-D per-expert checkpoint tensor of a fused (3-D) parameter is a Linear target
   named by its checkpoint module (``mlp.experts.{e}.gate_proj``), ignorable by that name.
@@ -74,7 +74,7 @@ def _targets(model: torch.nn.Module, ignore: Sequence[str]) -> list[_Target]:
     from compressed_tensors.utils.match import is_match
 
     # The trainer's model: imported here, so that a server reading views loads no trainer-side code.
-    from .._checkpoint_layout import checkpoint_layout, find_pretrained
+    from ..trainer.checkpoint_layout import checkpoint_layout, find_pretrained
 
     if isinstance(ignore, str):
         ignore = [ignore]

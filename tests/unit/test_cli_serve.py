@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from deltasync import ConfigError
-from deltasync._serve import serve_command
+from deltasync.control.serve import serve_command
 from deltasync.cli import main
 
 EXTENSION = ["--worker-extension-cls", "vllm_ext.DeltaWorkerExtension",
@@ -91,7 +91,7 @@ def test_a_quantized_checkpoint_follows_its_view_and_contradictions_are_refused(
     from helpers import small_transformer
 
     from deltasync import DeltaPublisher
-    from deltasync._env import VIEW_ENV
+    from deltasync.protocol.env import VIEW_ENV
     from deltasync.views import get_scheme
 
     fp8 = _quantized_checkpoint(tmp_path / "fp8", get_scheme("FP8_DYNAMIC").quantization_config(["lm_head"]))

@@ -22,7 +22,7 @@ from deltasync import (
     UpdateReport,
     VersionError,
 )
-from deltasync._auth import bearer_matches, update_tag
+from deltasync.protocol.auth import bearer_matches, update_tag
 from deltasync.examples.launcher import free_port
 
 
@@ -379,7 +379,7 @@ def test_the_adapter_clients_old_mode_and_served_calls_warn_and_work_as_before()
 def test_waiting_for_staging_backs_off(monkeypatch):
     """Each status read is a call into every worker between two engine steps: the wait starts at
     ``poll`` and doubles up to MAX_POLL_S, so a staging of seconds costs a handful of reads."""
-    import deltasync._client as client_module
+    import deltasync.control.client as client_module
 
     server = FakeServer("http://a:8000", version=2)
     answer = server.handle

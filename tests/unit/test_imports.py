@@ -31,23 +31,27 @@ OPTIONAL = ("trl", "transformers", "peft", "accelerate", "datasets", "openenv", 
 
 #: Import layers, lowest first: a module may import its own layer and those below, never above.
 LAYERS = (
-    ("deltasync._errors", "deltasync._env", "deltasync._fingerprint", "deltasync._collective", "deltasync._memory"),
+    ("deltasync.errors", "deltasync.protocol.env", "deltasync.protocol.routes", "deltasync.format.fingerprint",
+     "deltasync.collective", "deltasync.trainer.memory"),
     # The format's foundations: the codecs know no file header, no pointer.
     ("deltasync.format.versions", "deltasync.format.limited_json", "deltasync.format.container",
      "deltasync.format.dtypes", "deltasync.format.codecs"),
-    ("deltasync.format", "deltasync._auth", "deltasync._messages", "deltasync._lora_rules", "deltasync._token_versions", "deltasync.stores"),
-    ("deltasync._sharded", "deltasync._parts", "deltasync._client", "deltasync._checkpoint_layout", "deltasync._sources"),
+    ("deltasync.format", "deltasync.protocol.auth", "deltasync.protocol.messages", "deltasync.protocol.lora",
+     "deltasync.protocol.token_versions", "deltasync.stores"),
+    # The protocol as both sides import it; the foundations of the trainer and reader sides.
+    ("deltasync.protocol", "deltasync.trainer.sharded", "deltasync.reader.parts", "deltasync.control.client",
+     "deltasync.trainer.checkpoint_layout", "deltasync.trainer.sources"),
     # Quantized views: schemes (compressed-tensors, imported lazily), targets, checkpoint writer.
     ("deltasync.views",),
-    ("deltasync._chain", "deltasync._poll"),
-    ("deltasync._detector", "deltasync._receiver", "deltasync._view_chain"),
-    ("deltasync._publisher",),
-    ("deltasync._lora", "deltasync._view_export"),
+    ("deltasync.reader.chain", "deltasync.reader.poll"),
+    ("deltasync.trainer.detector", "deltasync.reader.receiver", "deltasync.trainer.view_chain"),
+    ("deltasync.reader", "deltasync.trainer.publisher"),
+    ("deltasync.trainer", "deltasync.control", "deltasync.export"),
     ("deltasync",),
     # The integrations: each uses the core, neither the other.
     ("deltasync.trl", "vllm_ext"),
     # The commands and the examples.
-    ("deltasync.cli", "deltasync._serve", "deltasync.examples"),
+    ("deltasync.cli", "deltasync.control.serve", "deltasync.examples"),
 )  # fmt: skip
 _CORE_CHECK = """
 import importlib, pkgutil, sys
@@ -217,9 +221,8 @@ def test_no_import_runs_from_a_lower_layer_to_a_higher_one() -> None:
     assert not upward and not crossed, upward + crossed
 
 
-# Trainer-side modules of deltasync: a vLLM worker must not load them.
-TRAINER_SIDE = ("deltasync._publisher", "deltasync._detector", "deltasync._sources", "deltasync._sharded",
-                "deltasync._checkpoint_layout", "deltasync._lora", "deltasync.trl")  # fmt: skip
+# The trainer's packages of deltasync (its weights and its client): a vLLM worker loads none of them.
+TRAINER_SIDE = ("deltasync.trainer", "deltasync.control", "deltasync.trl")
 
 
 def test_import_vllm_ext_loads_no_trainer_side_module_and_patches_nothing() -> None:
@@ -241,3 +244,20 @@ def test_import_vllm_ext_loads_no_trainer_side_module_and_patches_nothing() -> N
     loaded, before, after = proc.stdout.splitlines()[-3:]
     assert loaded == "[]", loaded
     assert (before, after) == ("dispatch_cpu_unquantized_gemm", "dispatch_plain_gemm")
+
+
+def test_vllm_ext_uses_only_public_names_of_deltasync() -> None:
+    """The server side imports deltasync's declared surface: no module or name of it that starts
+    with an underscore (the protocol, the reader, the format and the errors are public)."""
+    private = []
+    for path in sorted((REPO_ROOT / "vllm_ext").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "deltasync":
+                names = [node.module or "", *(a.name for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "deltasync"]
+            else:
+                continue
+            if any(part.startswith("_") for name in names for part in name.split(".")):
+                private.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not private, private

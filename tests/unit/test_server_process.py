@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 
-from deltasync._errors import ConfigError
+from deltasync.errors import ConfigError
 from deltasync.examples.launcher import VLLMServer, VLLMServerError, _group_alive
 
 # A stand-in for the API server: serves /health (after HEALTH_DELAY s, unless it is

@@ -10,7 +10,7 @@ import pytest
 import torch
 from servers import REPO_ROOT
 
-from deltasync._errors import ConfigError
+from deltasync.errors import ConfigError
 from deltasync.examples.tiny import CHATML_SPECIAL_TOKENS, QWEN2_5_CHAT_TEMPLATE, TINY_SHAPE, build_tiny_model, fit_tiny_model
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..._auth import TOKEN_ENV
-from ..._errors import ConfigError
+from ...errors import ConfigError
+from ...protocol.auth import TOKEN_ENV
 from ._hub import deploy_spaces
 from ._plan import SpacesConfig
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..._errors import ConfigError
+from ...errors import ConfigError
 from ._plan import SpacesConfig, SpacesPlan, Step, build_plan, find_repo_root, shared_token
 
 _PLACEHOLDER_NAMESPACE = "your-namespace"

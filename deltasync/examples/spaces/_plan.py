@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..._errors import ConfigError
-from ..._env import BUCKET_ENV, DEFAULT_FOLLOW_INTERVAL, FOLLOW_ENV, FOLLOW_INTERVAL_ENV, TOKEN_ENV
+from ...errors import ConfigError
+from ...protocol.env import BUCKET_ENV, DEFAULT_FOLLOW_INTERVAL, FOLLOW_ENV, FOLLOW_INTERVAL_ENV, TOKEN_ENV
 
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
 #: The rollout server's interval when ``follow_interval`` is None (``vllm_ext``'s default).

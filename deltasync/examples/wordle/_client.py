@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import WordleServerError
+
 try:
     from openenv.core.client_types import StepResult
     from openenv.core.env_client import EnvClient

@@ -10,7 +10,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 from importlib import resources
 
-from ..._errors import ConfigError, FormatError
+from ...errors import ConfigError, FormatError
 from .._errors import WordleRequestError
 
 WORD_LENGTH = 5

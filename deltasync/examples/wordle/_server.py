@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..._errors import ConfigError
+from ...errors import ConfigError
 from .._errors import WordleRequestError
+
 try:
     import uvicorn
     from fastapi import FastAPI, Request
@@ -36,9 +37,9 @@ from ._rules import (
     WORD_LENGTH,
     GuessOutcome,
     RewardWeights,
-    clip,
     allowed_words,
     answer_words,
+    clip,
     draw_secret,
     judge_guess,
 )

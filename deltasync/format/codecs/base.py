@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from ..._errors import FormatError
+from ...errors import FormatError
 
 __all__ = ["Change", "BaseLookup", "Table", "DeltaContext", "Codec", "check_index", "known_numel"]
 
@@ -29,7 +29,7 @@ class Change:
     """Positions (into ``index``) whose value did not decode to an element of the dtype (a
     one-byte code whose coded difference leaves its byte); a reader that holds one of those
     elements refuses the delta. A reader that holds only some elements decodes the others
-    against zeros, so only it can tell (see :meth:`deltasync._chain.Overlay.advance`)."""
+    against zeros, so only it can tell (see :meth:`deltasync.reader.chain.Overlay.advance`)."""
 
 
 BaseLookup = Callable[[str, torch.Tensor], torch.Tensor]

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..._errors import FormatError
+from ...errors import FormatError
 from ..dtypes import ELEMENT_DTYPES
 from .base import Change, Codec, DeltaContext, Table, check_index, known_numel
 

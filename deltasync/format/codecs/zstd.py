@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import zstandard
 
-from ..._errors import FormatError
+from ...errors import FormatError
 from ..dtypes import ELEMENT_DTYPES, from_lanes, lanes
 from .base import Change, Codec, DeltaContext, Table, known_numel
 

@@ -18,7 +18,7 @@ from lora_helpers import TOKEN, greedy_for, lora_model, make_trl_trainer, train,
 from servers import SERVER_START_TIMEOUT, extension_args, requires_vllm, running_server, server_env
 
 from deltasync import AdapterRolloutClient, fingerprint
-from deltasync._lora import ADAPTER_CONFIG_KEY, adapter_publisher, adapter_state_dict
+from deltasync.trainer.lora import ADAPTER_CONFIG_KEY, adapter_publisher, adapter_state_dict
 from deltasync.examples.launcher import VLLMServer
 
 pytestmark = [pytest.mark.server, requires_vllm]
@@ -163,7 +163,7 @@ def test_adapter_on_a_module_vllm_does_not_serve_is_refused(lab) -> None:
     # The bucket claims q_proj and v_proj, but its tensors put LoRA on lm_head too: the server
     # checks the tensors it would load against what its vLLM serves LoRA on.
     from deltasync import AdapterWeights, DeltaPublisher
-    from deltasync._lora import BASE_FINGERPRINT_KEY, adapter_config, base_fingerprint
+    from deltasync.trainer.lora import BASE_FINGERPRINT_KEY, adapter_config, base_fingerprint
 
     model = lora_model(lab.model_dir, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
     # The adapter's own source, without adapter_publisher's checks of its config.

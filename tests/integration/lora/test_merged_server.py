@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from servers import SERVER_START_TIMEOUT, requires_vllm, running_server, server_env
 
 from deltasync import RolloutClient, fingerprint
-from deltasync._lora import merged_publisher, merged_state_dict
-from deltasync._serve import extension_args
+from deltasync.trainer.lora import merged_publisher, merged_state_dict
+from deltasync.control.serve import extension_args
 from deltasync.examples.launcher import VLLMServer
 
 pytestmark = [pytest.mark.server, requires_vllm]

@@ -15,7 +15,7 @@ import torch
 
 from deltasync import DeltaReceiver, fingerprint, open_store
 from deltasync.format import POINTER_PATH, Pointer, read_metadata
-from deltasync._lora import (
+from deltasync.trainer.lora import (
     ADAPTER_CONFIG_KEY,
     BASE_FINGERPRINT_KEY,
     adapter_publisher,

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from servers import greedy, requires_vllm, running_server, server_env
 
 from deltasync import DeltaReceiver, fingerprint
-from deltasync._serve import extension_args
+from deltasync.control.serve import extension_args
 
 pytestmark = [pytest.mark.server, pytest.mark.trainer, requires_vllm]
 

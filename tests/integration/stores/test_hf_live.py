@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from deltasync._errors import NotFoundError
+from deltasync.errors import NotFoundError
 from deltasync.stores import HfBucketStore, open_store
 
 pytestmark = pytest.mark.live

@@ -14,7 +14,7 @@ from servers import requires_vllm, running_server, server_env
 
 from deltasync import DeltaReceiver, PublishOptions, RolloutClient, bf16_state_dict, fingerprint
 from deltasync.examples.demo import reward_target_letter
-from deltasync._serve import extension_args
+from deltasync.control.serve import extension_args
 
 pytestmark = [pytest.mark.server, pytest.mark.trainer, requires_vllm]
 

@@ -30,8 +30,8 @@ from servers import (
 )
 
 from deltasync import RolloutClient
-from deltasync._auth import update_tag
-from deltasync._serve import extension_args
+from deltasync.protocol.auth import update_tag
+from deltasync.control.serve import extension_args
 from deltasync.examples.launcher import VLLMServer
 
 pytestmark = [pytest.mark.server, requires_vllm]

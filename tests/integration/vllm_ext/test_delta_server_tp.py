@@ -19,7 +19,7 @@ import torch
 from servers import greedy, requires_vllm, running_server
 
 from deltasync import DeltaPublisher, RolloutClient, bf16_state_dict, fingerprint
-from deltasync._serve import extension_args
+from deltasync.control.serve import extension_args
 
 pytestmark = [
     pytest.mark.server,

@@ -20,7 +20,7 @@ from helpers import tiny_grpo_args
 from servers import PROMPTS, SERVER_START_TIMEOUT, Trainer, greedy, requires_vllm, running_server
 
 from deltasync import DeltaPublisher, RolloutClient
-from deltasync._serve import extension_args
+from deltasync.control.serve import extension_args
 from deltasync.stores import LocalStore
 
 pytestmark = [pytest.mark.server, requires_vllm]

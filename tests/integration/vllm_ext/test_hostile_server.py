@@ -106,7 +106,7 @@ def bucket(request, tiny_model_factory, tmp_path_factory):
 def server(tiny_model_factory, bucket):
     extra_env, extra_args = MODES[bucket.mode]
     env = {"DELTASYNC_BUCKET": str(bucket.root), "DELTASYNC_TOKEN": TOKEN, **extra_env}
-    from deltasync._serve import extension_args
+    from deltasync.control.serve import extension_args
 
     with running_server(
         tiny_model_factory(seed=0), env=env, extra_args=[*extra_args, *extension_args()],
@@ -315,8 +315,8 @@ def test_a_corrupt_or_missing_delta_beside_an_anchor_is_healed_visibly(bucket, s
     """A delta file that is corrupt (then one that is deleted) with an anchor of its version
     beside it: the update loads the anchor and is exact, and the heal is seen: in the update's
     answer, in the status route (``last_heal``, typed, naming the file) and on ``/metrics``."""
-    from deltasync._client import STATUS_ROUTE
-    from deltasync._messages import ServedBody
+    from deltasync.control.client import STATUS_ROUTE
+    from deltasync.protocol.messages import ServedBody
 
     # In place, the plain CPU GEMM was installed where the server started (the plugin entry point).
     assert client.status()[server.url].mode == bucket.mode

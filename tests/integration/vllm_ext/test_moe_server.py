@@ -19,7 +19,7 @@ from moe_helpers import moe_model, routed_step
 from servers import PROMPTS, SERVER_START_TIMEOUT, TP2, fresh_greedy, greedy, requires_vllm, running_server
 
 from deltasync import DeltaPublisher, RolloutClient
-from deltasync._serve import extension_args
+from deltasync.control.serve import extension_args
 from deltasync.examples.tiny import build_tiny_moe_model
 
 pytestmark = [pytest.mark.server, requires_vllm]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import FiveMethodStore, GatedStore, small_transformer, train_step
 
-import deltasync._detector as detector_module
+import deltasync.trainer.detector as detector_module
 from deltasync import BF16ChangeDetector, DeltaPublisher, DeltaReceiver, StoreError, bf16_state_dict, fingerprint, open_store
 from deltasync.format import POINTER_PATH, Pointer
 

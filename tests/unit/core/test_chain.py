@@ -12,7 +12,7 @@ import torch
 from helpers import checkpoint_model, edit_bits, publish_chain, replace_file, same_state
 
 from deltasync import DeltaPublisher, DeltaReceiver, IntegrityError, VersionError, fingerprint, open_store
-from deltasync._chain import ChainReader, Overlay, bits, read_pointer
+from deltasync.reader.chain import ChainReader, Overlay, bits, read_pointer
 
 SHAPES = {"a.weight": (8, 6), "b.weight": (7,)}
 
@@ -140,7 +140,7 @@ def test_a_patch_merges_later_changes_as_a_dense_replay_would(seed) -> None:
     """Merging sorted changes into a patch gives exactly the last value written at each element,
     on random overlapping sets (empty ones, disjoint ones, full overlaps), and leaves the merged
     tensors as they were."""
-    from deltasync._chain import Patch
+    from deltasync.reader.chain import Patch
 
     g = torch.Generator().manual_seed(seed)
     size = 200

@@ -9,8 +9,8 @@ from helpers import small_transformer, train_step
 from moe_helpers import assert_saved, moe_model, routed_step, saved_state
 
 from deltasync import ConfigError, DeltaPublisher, DeltaReceiver
-from deltasync._checkpoint_layout import checkpoint_layout
-from deltasync._detector import named_parameters
+from deltasync.trainer.checkpoint_layout import checkpoint_layout
+from deltasync.trainer.detector import named_parameters
 from deltasync.format import Change
 from deltasync.examples.tiny import build_tiny_moe_model
 
@@ -182,8 +182,8 @@ def test_merged_lora_on_a_moe_model_is_save_pretrained_of_the_merge(tmp_path, mo
 def test_a_rank_holding_part_of_a_transposed_checkpoint_tensor_is_refused() -> None:
     """Split anchors hold one range of each checkpoint tensor per rank: rows of a transposed
     tensor are not one, so such a sharding is refused naming the parameter; whole is fine."""
-    from deltasync._checkpoint_layout import CheckpointLayout, Piece
-    from deltasync._sharded import OwnedSlice, ShardLayout
+    from deltasync.trainer.checkpoint_layout import CheckpointLayout, Piece
+    from deltasync.trainer.sharded import OwnedSlice, ShardLayout
 
     layout = CheckpointLayout([Piece("w.t", "w", (3, 4), 0, (1, 3))])  # w is (4, 3) in memory
     assert not layout.identity

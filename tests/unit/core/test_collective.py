@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed
 
-from deltasync._collective import failures, gather_objects
+from deltasync.collective import failures, gather_objects
 
 
 def test_gather_orders_ranks_with_the_first_group_fastest(monkeypatch) -> None:

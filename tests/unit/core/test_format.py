@@ -26,7 +26,7 @@ from helpers import old_pointer
 from deltasync import DeltaReceiver, DeltaSyncError, FormatError, IntegrityError, Pointer, VersionError
 from deltasync import format as F
 from deltasync.format.codecs import zstd as Z
-from deltasync._fingerprint import fingerprint, fingerprint_update
+from deltasync.format.fingerprint import fingerprint, fingerprint_update
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "protocol.md"
 BUCKET = "memory://example"

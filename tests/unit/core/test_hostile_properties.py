@@ -21,8 +21,8 @@ from safetensors.torch import load as st_load
 
 from deltasync import DeltaSyncError, FormatError, Pointer
 from deltasync import format as F
-from deltasync._fingerprint import fingerprint, fingerprint_update
-from deltasync._chain import Patch
+from deltasync.format.fingerprint import fingerprint, fingerprint_update
+from deltasync.reader.chain import Patch
 
 BUDGET = settings(
     max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]

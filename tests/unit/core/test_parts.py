@@ -26,9 +26,9 @@ from deltasync import (
     fingerprint,
     open_store,
 )
-from deltasync._fingerprint import fingerprint_slice_share, format_fingerprint
+from deltasync.format.fingerprint import fingerprint_slice_share, format_fingerprint
 from deltasync.format import ChainEntry, Change, PartEntry, encode_delta, part_path, read_header, sha256_hex
-from deltasync._parts import AnchorSlice, decode_version, encode_anchor_part, fetch_version
+from deltasync.reader.parts import AnchorSlice, decode_version, encode_anchor_part, fetch_version
 from deltasync.cli import main
 
 

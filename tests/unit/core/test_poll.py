@@ -10,7 +10,7 @@ import torch
 from helpers import small_transformer, train_step
 
 from deltasync import ConfigError, DeltaPublisher, NotFoundError, VersionError
-from deltasync._poll import PointerWatch, PollOptions, PollPolicy, pointer_tag
+from deltasync.reader.poll import PointerWatch, PollOptions, PollPolicy, pointer_tag
 from deltasync.stores import FsspecStore, LocalStore
 
 
@@ -142,7 +142,7 @@ def test_the_watch_reads_the_pointer_whole_only_when_it_changed(tmp_path, kind):
 
 
 def store_version(store) -> int:
-    from deltasync._chain import read_pointer
+    from deltasync.reader.chain import read_pointer
 
     return read_pointer(store).version
 

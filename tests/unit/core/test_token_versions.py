@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from deltasync import FormatError, RolloutClient, parse_token_versions, version_of_token
-from deltasync._token_versions import format_token_versions
+from deltasync.protocol.token_versions import format_token_versions
 
 
 def test_the_header_and_the_comment_parse_to_one_list_per_choice():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from deltasync import format as F
-from deltasync._fingerprint import fingerprint, fingerprint_update
+from deltasync.format.fingerprint import fingerprint, fingerprint_update
 from deltasync.format import Change
 from deltasync.format.dtypes import from_lanes, lanes
 
@@ -102,7 +102,7 @@ def test_a_reader_of_some_elements_refuses_only_codes_it_holds_that_leave_their_
     import pytest
 
     from deltasync import FormatError
-    from deltasync._chain import Overlay
+    from deltasync.reader.chain import Overlay
 
     state, changes, _, _ = example()
     dtypes = {n: t.dtype for n, t in state.items()}

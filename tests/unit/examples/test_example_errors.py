@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import deltasync
-import deltasync._errors
+import deltasync.errors
 import deltasync.examples
 
 
@@ -11,7 +11,7 @@ def test_the_examples_errors_are_deltasync_errors_and_not_the_cores() -> None:
     for name in deltasync.examples.__all__:
         error = getattr(deltasync.examples, name)
         assert issubclass(error, deltasync.DeltaSyncError), name
-        assert not hasattr(deltasync._errors, name), name
+        assert not hasattr(deltasync.errors, name), name
     from deltasync.examples.launcher import ServerError, VLLMServerError
     from deltasync.examples.wordle import WordleRequestError, WordleServerError
 

@@ -22,7 +22,7 @@ from deltasync import (  # noqa: E402
     fingerprint,
 )
 from deltasync.format import read_metadata  # noqa: E402
-from deltasync._lora import (  # noqa: E402
+from deltasync.trainer.lora import (  # noqa: E402
     ADAPTER_CONFIG_KEY,
     BASE_FINGERPRINT_KEY,
     AdapterError,
@@ -38,7 +38,7 @@ from deltasync._lora import (  # noqa: E402
     merged_publisher,
     merged_state_dict,
 )
-from deltasync._serve import serve_command  # noqa: E402
+from deltasync.control.serve import serve_command  # noqa: E402
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_factory):

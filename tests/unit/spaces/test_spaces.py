@@ -16,7 +16,7 @@ import pytest
 import yaml
 from servers import REPO_ROOT
 
-from deltasync._errors import ConfigError
+from deltasync.errors import ConfigError
 from deltasync.examples.spaces import SpacesConfig, deploy_spaces, space_files, space_url
 from deltasync.cli import main as cli_main
 
@@ -209,7 +209,7 @@ def test_rollout_start_follows_the_bucket_when_the_variable_says_so(tmp_path: Pa
     assert argv[:6] == ["-m", "deltasync.cli", "serve", "m", "--bucket", "/tmp/b"]
     assert argv[6:6 + len(follow)] == follow and argv.count("--follow") == len(follow[:1])
     # What `deltasync serve` makes of those arguments: the variables vllm_ext reads.
-    from deltasync._serve import serve_command
+    from deltasync.control.serve import serve_command
 
     interval = float(follow[2]) if len(follow) > 2 else None
     _, env = serve_command("m", "/tmp/b", environ={}, follow=bool(follow), follow_interval=interval)
@@ -299,7 +299,7 @@ def test_deploy_makes_exactly_the_expected_calls(tmp_path: Path) -> None:
     assert rollout["Dockerfile"] == (SPACES / "vllm" / "Dockerfile").read_bytes()
     assert rollout["README.md"] == (SPACES / "vllm" / "README.md").read_bytes()
     assert rollout["spaces/vllm/start.sh"] == (SPACES / "vllm" / "start.sh").read_bytes()
-    assert "vllm_ext/_middleware.py" in rollout and "deltasync/_serve.py" in rollout
+    assert "vllm_ext/_middleware.py" in rollout and "deltasync/control/serve.py" in rollout
     assert wordle["Dockerfile"] == (SPACES / "wordle" / "Dockerfile").read_bytes()
     assert "spaces/wordle/app.py" in wordle and "vllm_ext/__init__.py" not in wordle
 

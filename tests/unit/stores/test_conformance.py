@@ -14,7 +14,7 @@ from fake_hf import BUCKET_ID, USED_METHODS, FakeBucketApi
 from helpers import FiveMethodStore
 from huggingface_hub import HfApi
 
-from deltasync._errors import ConfigError, NotFoundError, StoreError
+from deltasync.errors import ConfigError, NotFoundError, StoreError
 from deltasync.stores import (
     BoundedReadStore,
     FsspecStore,

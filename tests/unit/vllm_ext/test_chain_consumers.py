@@ -21,8 +21,8 @@ from servers import requires_vllm
 from test_weight_map_unit import SHAPES, ToyModel
 
 from deltasync import DeltaReceiver, IntegrityError, fingerprint, open_store
-from deltasync._chain import ChainReader, read_pointer
-from deltasync._lora import ADAPTER_CONFIG_KEY, BASE_FINGERPRINT_KEY
+from deltasync.reader.chain import ChainReader, read_pointer
+from deltasync.trainer.lora import ADAPTER_CONFIG_KEY, BASE_FINGERPRINT_KEY
 
 pytestmark = requires_vllm
 

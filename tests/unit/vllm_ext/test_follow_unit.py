@@ -14,7 +14,7 @@ from servers import requires_vllm
 from test_update_route import TOKEN, Engine, _post
 
 from deltasync import DeltaPublisher
-from deltasync._auth import update_tag
+from deltasync.protocol.auth import update_tag
 
 pytestmark = requires_vllm
 

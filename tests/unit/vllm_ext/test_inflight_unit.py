@@ -178,7 +178,7 @@ def test_token_version_log_tells_finished_requests_from_ones_sent_after_the_writ
 def test_an_apply_behind_the_flow_leaves_the_start_unknown_for_requests_it_straddles():
     """vLLM's own weight routes change the weights without the engine core's count: a request
     sent before shows the new version at an unknown token ('?'), one sent after at token 0."""
-    from deltasync._token_versions import format_token_versions
+    from deltasync.protocol.token_versions import format_token_versions
     from vllm_ext._token_versions import TokenVersionLog
 
     sent: list[str] = []

@@ -8,8 +8,8 @@ import pytest
 from servers import TEST_EXTENSION, extension_args
 
 from deltasync import ConfigError
-from deltasync._serve import extension_args as production_extension_args
-from deltasync._serve import serve_command
+from deltasync.control.serve import extension_args as production_extension_args
+from deltasync.control.serve import serve_command
 from vllm_ext import DeltaWorkerExtension
 from vllm_ext import testing
 from vllm_ext.testing import TestingWorkerExtension

@@ -18,8 +18,8 @@ from helpers import small_transformer
 from servers import requires_vllm
 
 from deltasync import DeltaPublisher, bf16_state_dict, fingerprint
-from deltasync._auth import update_tag
-from deltasync._messages import PrefetchState, UpdateAnswer, WorkerStatus
+from deltasync.protocol.auth import update_tag
+from deltasync.protocol.messages import PrefetchState, UpdateAnswer, WorkerStatus
 
 pytestmark = requires_vllm
 

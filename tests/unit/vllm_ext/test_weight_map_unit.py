@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltasync import fingerprint
-from deltasync._fingerprint import fingerprint_add, fingerprint_share
+from deltasync.format.fingerprint import fingerprint_add, fingerprint_share
 
 pytest.importorskip("vllm")
 

@@ -5,7 +5,7 @@ tensor, a DTensor under FSDP2, or a value computed when read, such as a merged L
 and says which trainable parameters an optimizer step must touch for the weight to change.
 :class:`~deltasync.BF16ChangeDetector` and :class:`~deltasync.DeltaPublisher` take any source;
 a plain ``nn.Module`` is read through :class:`ModelWeights`. The PEFT sources (merged weights,
-the adapter alone) are in :mod:`deltasync._lora`.
+the adapter alone) are in :mod:`deltasync.trainer.lora`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ._errors import ConfigError
-from ._sharded import ShardLayout, check_not_zero3, shard_layout
+from ..errors import ConfigError
+from .sharded import ShardLayout, check_not_zero3, shard_layout
 
 __all__ = ["SourceWeight", "WeightSource", "ModelWeights", "weight_source", "checkpoint_name", "named_parameters"]
 

@@ -1,7 +1,7 @@
 """What both sides of an adapter sync agree on: the anchor metadata keys, the routes, the name
 rule, and the checks of an adapter's config and modules against what vLLM serves.
 
-The trainer side (:mod:`deltasync._lora`: the adapter's weights, publishers and client) and the
+The trainer side (:mod:`deltasync.trainer.lora`: the adapter's weights, publishers and client) and the
 server side (``vllm_ext.LoraSyncMiddleware``) both import this module; it imports neither torch
 nor PEFT, so a vLLM worker checks adapters without loading any trainer-side code.
 """
@@ -13,8 +13,9 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ._errors import AdapterError
-from ._fingerprint import format_fingerprint, parse_fingerprint
+from ..errors import AdapterError
+from ..format.fingerprint import format_fingerprint, parse_fingerprint
+from .routes import LORA_STATUS_ROUTE, LORA_UPDATE_ROUTE
 
 __all__ = [
     "ADAPTER_CONFIG_KEY",
@@ -38,9 +39,9 @@ ADAPTER_CONFIG_KEY = "x-peft-config"
 BASE_FINGERPRINT_KEY = "x-base-fingerprint"
 #: Ranks vLLM builds stacked LoRA buffers for (``--max-lora-rank`` takes only these).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-#: Routes of ``vllm_ext.LoraSyncMiddleware``.
-UPDATE_ROUTE = "/deltasync/lora/update"
-STATUS_ROUTE = "/deltasync/lora/status"
+#: Routes of ``vllm_ext.LoraSyncMiddleware`` (defined in :mod:`deltasync.protocol.routes`).
+UPDATE_ROUTE = LORA_UPDATE_ROUTE
+STATUS_ROUTE = LORA_STATUS_ROUTE
 
 #: What an adapter name may be (vLLM serves it as a model name).
 LORA_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")

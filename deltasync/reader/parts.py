@@ -7,7 +7,7 @@ and SHA-256) and then :func:`iter_delta_parts` (each part decoded and checked ag
 entry and the other parts) or :func:`decode_version` (the whole version assembled: full anchor
 tensors, or one merged :class:`Change` per parameter). Anchors, the big files, are read by
 :func:`fetch_anchor` straight from the store into their tensors, checked as they stream.
-:class:`~deltasync._chain.ChainReader` reads a whole chain with them.
+:class:`~deltasync.reader.chain.ChainReader` reads a whole chain with them.
 """
 
 from __future__ import annotations
@@ -17,15 +17,14 @@ import hashlib
 import io
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, BinaryIO, NoReturn
 
 import torch
 
-from ._errors import FormatError, IntegrityError
-from .format.dtypes import ELEMENT_DTYPES
-from .format import (
+from ..errors import FormatError, IntegrityError
+from ..format import (
     AnchorSource,
     BaseLookup,
     ChainEntry,
@@ -40,10 +39,11 @@ from .format import (
     sha256_hex,
     tensor_spans,
 )
-from .stores import open_read, read_limited
+from ..format.dtypes import ELEMENT_DTYPES
+from ..stores import open_read, read_limited
 
 if TYPE_CHECKING:
-    from .stores import Store
+    from ..stores import Store
 
 __all__ = [
     "Anchor",

@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._collective import failures, gather_objects
-from ._errors import ConfigError, PublishError
+from ..collective import failures, gather_objects
+from ..errors import ConfigError, PublishError
 
 __all__ = ["ShardLayout", "OwnedSlice", "shard_layout", "solo_layout", "check_not_zero3"]
 

@@ -1,7 +1,7 @@
 """Processes agreeing with each other: every rank's small outcome, and the failures among them.
 
 One definition for both sides: the trainer's ranks agree before a version is committed
-(:meth:`deltasync._sharded.ShardLayout.agree`), and the workers of a vLLM engine agree before
+(:meth:`deltasync.trainer.sharded.ShardLayout.agree`), and the workers of a vLLM engine agree before
 any of them touches its model (``vllm_ext._ranks``). Objects go over the groups' CPU side
 (``all_gather_object``): they must be small and picklable.
 """

@@ -9,11 +9,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from ._chain import Patch
-from ._errors import ConfigError
-from .format import Change
-from ._sharded import OwnedSlice, ShardLayout
-from ._sources import SourceWeight, WeightSource, checkpoint_name, named_parameters, weight_source
+from ..errors import ConfigError
+from ..format import Change
+from ..reader.chain import Patch
+from .sharded import OwnedSlice, ShardLayout
+from .sources import SourceWeight, WeightSource, checkpoint_name, named_parameters, weight_source
 
 __all__ = ["BF16ChangeDetector", "checkpoint_name", "named_parameters", "bf16_state_dict"]
 
@@ -55,10 +55,10 @@ class BF16ChangeDetector:
     receivers hold, not against the state before the last optimizer step, several optimizer
     steps between publishes, gradient accumulation and skipped steps are all exact.
 
-    The weights come from a :class:`~deltasync._sources.WeightSource`: a plain module's
-    parameters (:class:`~deltasync._sources.ModelWeights`, what a module passed as ``model``
+    The weights come from a :class:`~deltasync.trainer.sources.WeightSource`: a plain module's
+    parameters (:class:`~deltasync.trainer.sources.ModelWeights`, what a module passed as ``model``
     is read through), a LoRA model's merged weights or its adapter alone
-    (:mod:`deltasync._lora`), or a source of one's own. A weight is tracked when a trainable
+    (:mod:`deltasync.trainer.lora`), or a source of one's own. A weight is tracked when a trainable
     parameter in the optimizer (any trainable one, without an optimizer) steps it; the others
     never appear in deltas, only in anchors. With an ``optimizer``, a post-step hook records
     which weights a step touched (one of their parameters had a gradient); only those are

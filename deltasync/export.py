@@ -8,9 +8,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ._publisher import DeltaPublisher
-from ._receiver import DeltaReceiver
-from ._view_chain import read_view_config
+from .reader.receiver import DeltaReceiver
+from .trainer.publisher import DeltaPublisher
+from .trainer.view_chain import read_view_config
 
 __all__ = ["export_checkpoint", "write_view_checkpoint"]
 
@@ -30,7 +30,7 @@ def export_checkpoint(
     receiver.apply(staged)
     config = read_view_config(staged.anchor_metadata)
     if view is not None and config is None:
-        from ._errors import FormatError
+        from .errors import FormatError
 
         raise FormatError(f"{receiver.store.url}: the anchor of view {view} carries no quantization_config")
     state = receiver.state_dict()

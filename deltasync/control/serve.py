@@ -14,7 +14,8 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from ._env import (
+from ..errors import ConfigError
+from ..protocol.env import (
     BUCKET_ENV,
     FOLLOW_ENV,
     FOLLOW_INTERVAL_ENV,
@@ -22,11 +23,10 @@ from ._env import (
     TOKEN_ENV,
     UPDATE_MODE_ENV,
     UPDATE_MODES,
-    check_update_mode,
     VIEW_ENV,
+    check_update_mode,
 )
-from ._errors import ConfigError
-from .views.serving import check_bucket_has_view, checkpoint_view, resolve_view
+from ..views.serving import check_bucket_has_view, checkpoint_view, resolve_view
 
 __all__ = [
     "BUCKET_ENV",
@@ -84,7 +84,7 @@ def serve_command(
     variable ``token_env``, default ``DELTASYNC_TOKEN``), the token middleware; sets
     ``VLLM_SERVER_DEV_MODE=1``, ``DELTASYNC_BUCKET`` and ``DELTASYNC_TOKEN``. ``vllm_args``
     follow unchanged. ``follow``: the server reads the bucket's pointer (every ``follow_interval``
-    seconds, default 2, while a version is due: see :mod:`deltasync._poll`) and brings itself to
+    seconds, default 2, while a version is due: see :mod:`deltasync.reader.poll`) and brings itself to
     each newer version, with no request from the trainer (``DELTASYNC_FOLLOW=1``). ``view``: the
     quantized view to follow; a local checkpoint folder whose ``config.json`` has a ``quantization_config`` follows its own view
     (``view`` may name it again, never another), refused at once when the bucket holds versions
@@ -132,7 +132,7 @@ def serve_command(
     served = checkpoint_view(model) if os.path.isdir(model) else None
     chosen = resolve_view(view, served, model) if os.path.isdir(model) else view
     if chosen is not None:
-        from .stores import open_store
+        from ..stores import open_store
 
         check_bucket_has_view(open_store(bucket), chosen, model)
         env[VIEW_ENV] = chosen

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from ._errors import FormatError, VersionError
+from ..errors import FormatError, VersionError
 
 __all__ = ["Heal", "PrefetchState", "ServedBody", "UpdateAnswer", "WorkerStatus", "check_version"]
 

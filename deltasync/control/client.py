@@ -38,10 +38,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._auth import update_tag
-from ._errors import ConfigError, FormatError
-from ._messages import ServedBody, check_version
-from ._token_versions import VersionedCompletion, versioned_completion
+from ..errors import ConfigError, FormatError
+from ..protocol.auth import update_tag
+from ..protocol.messages import ServedBody, check_version
+from ..protocol.routes import MAX_POLL_S, STATUS_ROUTE, UPDATE_ROUTE, VERSION_HEADER
+from ..protocol.token_versions import VersionedCompletion, versioned_completion
 
 if TYPE_CHECKING:
     import httpx
@@ -61,16 +62,6 @@ __all__ = [
     "check_update_mode",
 ]
 
-#: The longest wait between two status reads of :meth:`RolloutClient.wait_prefetched` (and of
-#: the server's own wait for its workers' staging), which start fast and back off to it.
-MAX_POLL_S = 0.4
-
-#: The one-request update route of ``vllm_ext.UpdateMiddleware`` (stage, pause, apply, resume).
-UPDATE_ROUTE = "/deltasync/update"
-#: What a server with ``vllm_ext.UpdateMiddleware`` serves, and its follow mode, as JSON.
-STATUS_ROUTE = "/deltasync/status"
-#: The response header of completions: the version served when the request was admitted.
-VERSION_HEADER = "x-deltasync-version"
 
 _T = TypeVar("_T")
 

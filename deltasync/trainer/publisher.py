@@ -13,11 +13,8 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
-from ._checkpoint_layout import checkpoint_layout
-from ._detector import BF16ChangeDetector
-from ._errors import ConfigError, DeltaSyncError, IntegrityError, NotFoundError, PublishError
-from ._fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
-from .format import (
+from ..errors import ConfigError, DeltaSyncError, IntegrityError, NotFoundError, PublishError
+from ..format import (
     CODECS,
     HISTORY_PATH,
     MAX_ANCHORS,
@@ -33,23 +30,26 @@ from .format import (
     anchor_stream,
     check_int,
     delta_path,
-    manifest_digest,
     encode_delta,
     get_codec,
+    manifest_digest,
     parse_json,
     part_path,
     sha256_hex,
 )
-from ._memory import release_free_memory
-from ._sharded import ShardLayout, solo_layout
-from ._sources import WeightSource, weight_source
-from ._view_chain import ViewChain
-from .stores import TempCleaningStore, open_store, read_limited, write_stream
+from ..format.fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
+from ..stores import TempCleaningStore, open_store, read_limited, write_stream
+from .checkpoint_layout import checkpoint_layout
+from .detector import BF16ChangeDetector
+from .memory import release_free_memory
+from .sharded import ShardLayout, solo_layout
+from .sources import WeightSource, weight_source
+from .view_chain import ViewChain
 
 if TYPE_CHECKING:
     import os
 
-    from .stores import Store
+    from ..stores import Store
 
 __all__ = ["PublishOptions", "PublishResult", "PublishFuture", "DeltaPublisher"]
 
@@ -95,7 +95,7 @@ class PublishOptions:
     """Quantized views to publish beside the bf16 chain, by compressed-tensors preset scheme
     name (``("FP8_DYNAMIC",)``; :data:`deltasync.views.SCHEMES` lists them). Each is an exact
     chain of its own in ``views/<NAME>/``, which quantized rollout servers follow (see
-    :mod:`deltasync._view_chain`); the bf16 chain is unchanged."""
+    :mod:`deltasync.trainer.view_chain`); the bf16 chain is unchanged."""
     view_ignore: tuple[str, ...] = ("lm_head",)
     """Layers the views leave in bf16, as llm-compressor's ``ignore`` takes them (module names,
     or ``re:`` patterns)."""
@@ -124,7 +124,7 @@ class PublishOptions:
         if len(set(self.views)) != len(self.views):
             raise ConfigError(f"views lists a scheme twice: {self.views}")
         if self.views:
-            from .views import get_scheme  # compressed-tensors is needed only for views
+            from ..views import get_scheme  # compressed-tensors is needed only for views
 
             for name in self.views:
                 get_scheme(name)
@@ -233,7 +233,7 @@ class DeltaPublisher:
     Versions hold the weights as ``save_pretrained`` writes them: for a transformers model whose
     layout in memory differs from its checkpoint (MoE experts fused in memory, per expert on
     disk), names, shapes and element order are the checkpoint's (see
-    :mod:`deltasync._checkpoint_layout`), while changes are detected on the live parameters.
+    :mod:`deltasync.trainer.checkpoint_layout`), while changes are detected on the live parameters.
 
     The first version a publisher writes has an anchor and no delta: version 0 in an empty
     bucket, or the version after the newest committed one in a bucket that already holds
@@ -245,8 +245,8 @@ class DeltaPublisher:
     Args:
         bucket: a path, URL (``file://``, ``hf://buckets/ns/name``, ``s3://``, ``memory://``)
             or a :class:`~deltasync.stores.Store`.
-        model: the model being trained, or a weight source (:mod:`deltasync._sources`; the LoRA
-            publishers of :mod:`deltasync._lora` pass one).
+        model: the model being trained, or a weight source (:mod:`deltasync.trainer.sources`; the LoRA
+            publishers of :mod:`deltasync.trainer.lora` pass one).
         optimizer: its optimizer (a hook records which parameters each step touched).
         options: how versions are written (:class:`PublishOptions`; default: its defaults).
         **overrides: single fields of :class:`PublishOptions` (``anchor_every=5``), applied on
@@ -310,7 +310,7 @@ class DeltaPublisher:
         if not self.options.views:
             return []
         layout = self._layout
-        from .views import get_scheme, ignore_list, quantized_names
+        from ..views import get_scheme, ignore_list, quantized_names
 
         shapes = {name: owned.shape for name, owned in layout.slices.items()}
         module = source.checkpoint_model if isinstance(source.checkpoint_model, torch.nn.Module) else None

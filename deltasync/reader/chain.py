@@ -23,16 +23,25 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._errors import FormatError, IntegrityError, NotFoundError, VersionError
-from ._fingerprint import fingerprint
-from .format.dtypes import from_lanes, lanes, read_lanes, write_lanes
-from .format import MAX_POINTER_BYTES, POINTER_PATH, ChainEntry, Change, FileHeader, Pointer, read_header, tensors_manifest
-from ._messages import check_version
-from ._parts import Anchor, decode_version, fetch_anchor, fetch_version
-from .stores import read_limited
+from ..errors import FormatError, IntegrityError, NotFoundError, VersionError
+from ..format import (
+    MAX_POINTER_BYTES,
+    POINTER_PATH,
+    ChainEntry,
+    Change,
+    FileHeader,
+    Pointer,
+    read_header,
+    tensors_manifest,
+)
+from ..format.dtypes import from_lanes, lanes, read_lanes, write_lanes
+from ..format.fingerprint import fingerprint
+from ..protocol.messages import check_version
+from ..stores import read_limited
+from .parts import Anchor, decode_version, fetch_anchor, fetch_version
 
 if TYPE_CHECKING:
-    from .stores import Store
+    from ..stores import Store
 
 __all__ = ["BaseRead", "ChainReader", "check_view_values", "DeltaStep", "Move", "Overlay", "Patch", "bits", "read_pointer"]
 
@@ -196,7 +205,7 @@ def check_view_values(items: Iterable[tuple[str, torch.Tensor]], where: str) -> 
     """Refuse codes and scales a quantized view cannot hold (:func:`deltasync.views.check_codes`,
     :func:`~deltasync.views.check_scale`): a NaN fp8 code, a scale that is NaN, infinite, zero
     or negative. ``items``: a view's tensors (or new values) by name."""
-    from .views.schemes import check_codes, check_scale
+    from ..views.schemes import check_codes, check_scale
 
     try:
         for name, values in items:

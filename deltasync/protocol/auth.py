@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from ._env import TOKEN_ENV
-from ._errors import AuthError
+from ..errors import AuthError
+from .env import TOKEN_ENV
 
 __all__ = ["TOKEN_ENV", "update_tag", "check_update_tag", "bearer_matches"]
 

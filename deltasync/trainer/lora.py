@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._client import (
+from ..control.client import (
     BaseRolloutClient,
     RequestError,
     RolloutClient,
@@ -38,11 +38,9 @@ from ._client import (
     UpdateReport,
     check_update_mode,
 )
-from ._detector import BF16ChangeDetector
-from ._sharded import ShardLayout, check_not_zero3, shard_layout
-from ._errors import AdapterError, ConfigError
-from ._fingerprint import fingerprint, fingerprint_slice_share, format_fingerprint
-from ._lora_rules import (
+from ..errors import AdapterError, ConfigError
+from ..format.fingerprint import fingerprint, fingerprint_slice_share, format_fingerprint
+from ..protocol.lora import (
     ADAPTER_CONFIG_KEY,
     BASE_FINGERPRINT_KEY,
     LORA_NAME_RE,
@@ -56,13 +54,15 @@ from ._lora_rules import (
     check_adapter_modules,
     check_server_lora,
 )
-from ._publisher import DeltaPublisher
-from ._sources import SourceWeight, WeightSource, checkpoint_name
+from .detector import BF16ChangeDetector
+from .publisher import DeltaPublisher
+from .sharded import ShardLayout, check_not_zero3, shard_layout
+from .sources import SourceWeight, WeightSource, checkpoint_name
 
 if TYPE_CHECKING:
     import os
 
-    from .stores import Store
+    from ..stores import Store
 
 __all__ = [
     "ADAPTER_CONFIG_KEY",
@@ -402,7 +402,7 @@ class AdapterRolloutClient(BaseRolloutClient):
         lora_name: the name adapters are served under (TRL's rollout worker requests
             ``<lora_name>-v<model_version>``).
         keep: adapter versions each server keeps loaded (TRL: ``max_staleness + 1``).
-        Others: as :class:`~deltasync._client.BaseRolloutClient`.
+        Others: as :class:`~deltasync.control.client.BaseRolloutClient`.
     """
 
     def __init__(self, urls: Any, token: str | None = None, *, lora_name: str = "trl-policy", keep: int = 2, **kwargs: Any) -> None:

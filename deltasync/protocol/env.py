@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from ._errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = [
     "BUCKET_ENV",
@@ -39,7 +39,7 @@ TOKEN_ENV = "DELTASYNC_TOKEN"
 FOLLOW_ENV = "DELTASYNC_FOLLOW"
 #: Seconds between two reads of the bucket's pointer in follow mode while a version is due
 #: (``--follow-interval``; between versions the reads follow the trainer's rhythm, see
-#: ``deltasync._poll``).
+#: ``deltasync.reader.poll``).
 FOLLOW_INTERVAL_ENV = "DELTASYNC_FOLLOW_INTERVAL"
 #: Its default: a version that comes when due is seen at most 2 s (1 s on average) after its
 #: commit.

@@ -30,11 +30,11 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from ._chain import read_pointer
-from ._env import DEFAULT_FOLLOW_INTERVAL
-from ._errors import ConfigError, NotFoundError
-from .format import POINTER_PATH, Pointer
-from .stores import Store
+from ..errors import ConfigError, NotFoundError
+from ..format import POINTER_PATH, Pointer
+from ..protocol.env import DEFAULT_FOLLOW_INTERVAL
+from ..stores import Store
+from .chain import read_pointer
 
 __all__ = ["PointerWatch", "PollOptions", "PollPolicy", "pointer_tag"]
 
@@ -159,8 +159,8 @@ def pointer_tag(store: Store, path: str = POINTER_PATH) -> Hashable | None:
     own = getattr(store, "change_tag", None)
     if callable(own):
         return own(path)  # type: ignore[no-any-return]
-    from .stores import FsspecStore, HfBucketStore, LocalStore
-    from .stores._sub import SubStore
+    from ..stores import FsspecStore, HfBucketStore, LocalStore
+    from ..stores._sub import SubStore
 
     if isinstance(store, SubStore):
         return pointer_tag(store.parent, store.prefix + path)

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from ._errors import ConfigError
-from .format import Change
-from ._sharded import OwnedSlice, ShardLayout
+from ..errors import ConfigError
+from ..format import Change
+from .sharded import OwnedSlice, ShardLayout
 
 __all__ = ["CheckpointLayout", "Piece", "checkpoint_layout", "find_pretrained"]
 

@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import FormatError
+from ..errors import FormatError
+from .routes import TOKEN_VERSIONS_HEADER, VERSION_HEADER
 
 __all__ = [
     "TOKEN_VERSIONS_HEADER",
@@ -33,8 +34,6 @@ __all__ = [
     "versioned_completion",
 ]
 
-#: The response header (non-streamed) and SSE comment name (streamed) of the per-token versions.
-TOKEN_VERSIONS_HEADER = "x-deltasync-token-versions"
 
 #: One choice's list: ``[(version, first_token), ...]``; ``version`` None is the checkpoint the
 #: server started with, ``first_token`` None a start the server could not take exactly.
@@ -128,7 +127,7 @@ def versioned_completion(body: dict[str, Any], headers: Mapping[str, str]) -> Ve
     Raises :class:`~deltasync.FormatError` when the headers lack the versions (a server without
     ``vllm_ext.UpdateMiddleware``), naming the header."""
     value = headers.get(TOKEN_VERSIONS_HEADER)
-    admitted = headers.get("x-deltasync-version")
+    admitted = headers.get(VERSION_HEADER)
     if value is None or admitted is None:
         raise FormatError(
             f"the answer has no {TOKEN_VERSIONS_HEADER} header: the server needs vllm_ext.UpdateMiddleware "

@@ -11,19 +11,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._chain import ChainReader, Overlay, Patch, read_pointer
-from ._errors import ConfigError, FormatError, IntegrityError, NotFoundError, VersionError
-from ._fingerprint import fingerprint, fingerprint_update
-from ._messages import Heal
-from .format import POINTER_PATH, Pointer, tensors_manifest, view_prefix
-from .format.dtypes import read_lanes
-from .stores import open_store
-from .stores._sub import sub_store
+from ..errors import ConfigError, FormatError, IntegrityError, NotFoundError, VersionError
+from ..format import POINTER_PATH, Pointer, tensors_manifest, view_prefix
+from ..format.dtypes import read_lanes
+from ..format.fingerprint import fingerprint, fingerprint_update
+from ..protocol.messages import Heal
+from ..stores import open_store
+from ..stores._sub import sub_store
+from .chain import ChainReader, Overlay, Patch, read_pointer
 
 if TYPE_CHECKING:
     import os
 
-    from .stores import Store
+    from ..stores import Store
 
 __all__ = ["DeltaReceiver", "StagedUpdate"]
 

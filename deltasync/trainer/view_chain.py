@@ -34,9 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._errors import ConfigError, IntegrityError
-from ._fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
-from .format import (
+from ..errors import ConfigError, IntegrityError
+from ..format import (
     POINTER_PATH,
     AnchorSource,
     ChainEntry,
@@ -52,13 +51,14 @@ from .format import (
     sha256_hex,
     view_prefix,
 )
-from .stores import write_stream
-from .stores._sub import sub_store
+from ..format.fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
+from ..stores import write_stream
+from ..stores._sub import sub_store
 
 if TYPE_CHECKING:
-    from ._sharded import ShardLayout
-    from .stores import Store
-    from .views import ViewScheme
+    from ..stores import Store
+    from ..views import ViewScheme
+    from .sharded import ShardLayout
 
 __all__ = ["ViewChain", "view_tensor_names", "read_view_config", "CONFIG_KEY", "VIEW_KEY"]
 
@@ -104,7 +104,7 @@ class ViewChain:
     (``ViewScheme.quantize_rows``; for block scales the ranks first all-reduce the blocks'
     abs-max), keeps their codes and the scale rows it owns, and writes part ``r`` of every
     anchor and delta; rank 0 commits the view's pointer once every rank wrote. Every step runs
-    through :meth:`~deltasync._sharded.ShardLayout.agree` over ``group``, so a failure on one
+    through :meth:`~deltasync.trainer.sharded.ShardLayout.agree` over ``group``, so a failure on one
     rank fails the version on every rank alike.
 
     Args:
