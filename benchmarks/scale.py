@@ -162,9 +162,9 @@ def step(model: nn.Module, density: float, g: torch.Generator) -> None:
 @contextlib.contextmanager
 def timed_encode() -> Any:
     """Sum the seconds the publisher spends in ``encode_delta``."""
-    import deltasync.trainer.publisher as publisher_module
+    import deltasync.trainer.writer as writer_module
 
-    original, spent = publisher_module.encode_delta, [0.0]
+    original, spent = writer_module.encode_delta, [0.0]
 
     def encode(*args: Any, **kwargs: Any) -> bytes:
         start = time.perf_counter()
@@ -173,11 +173,11 @@ def timed_encode() -> Any:
         finally:
             spent[0] += time.perf_counter() - start
 
-    publisher_module.encode_delta = encode
+    writer_module.encode_delta = encode
     try:
         yield spent
     finally:
-        publisher_module.encode_delta = original
+        writer_module.encode_delta = original
 
 
 def publish_phase(bucket: str, shape: ModelShape, densities: list[float], seed: int) -> dict[str, Any]:

@@ -59,7 +59,7 @@ try:
 except ImportError:  # a checkout without an install: import the package next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import deltasync.trainer.publisher as publisher_module
+import deltasync.trainer.writer as writer_module
 from _machine import machine
 from codec import DEFAULT_LR, ModelShape, SimulatedGradients, build_model, log, save_outputs
 from deltasync import DeltaPublisher, DeltaReceiver
@@ -337,8 +337,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     timers = Timers()
     # encode_delta runs in a publisher's background thread; the thread says whose.
-    publisher_module.encode_delta = timers.wrap(
-        "encode", publisher_module.encode_delta, lambda a, k: k.get("version")
+    writer_module.encode_delta = timers.wrap(
+        "encode", writer_module.encode_delta, lambda a, k: k.get("version")
     )
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="deltasync-stall-bench-", dir=args.workdir) as tmp:

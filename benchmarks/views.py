@@ -391,12 +391,12 @@ _PUBLISHER_ENCODE: list[Any] = []
 
 
 def _capture_bf16_changes(captured: dict[str, dict[str, Change]]) -> Callable[[dict[str, Change]], bytes]:
-    """Record the bf16 chain's delta changes (the publisher module's ``encode_delta``, wrapped;
+    """Record the bf16 chain's delta changes (the publisher's writer module's ``encode_delta``, wrapped;
     restored by :func:`_restore_bf16_encode`) and return an encoder with the publisher's settings
     for subsets of changes (the bytes of parts of a delta)."""
-    import deltasync.trainer.publisher as publisher_module
+    import deltasync.trainer.writer as writer_module
 
-    original = publisher_module.encode_delta
+    original = writer_module.encode_delta
     settings: dict[str, Any] = {}
 
     def probe(changes: dict[str, Change], **kwargs: Any) -> bytes:
@@ -409,8 +409,8 @@ def _capture_bf16_changes(captured: dict[str, dict[str, Change]]) -> Callable[[d
         kw = {k: settings[k] for k in ("version", "anchor", "codec", "total", "fingerprint", "base_fingerprint", "level")}
         return original(changes, **kw)
 
-    _PUBLISHER_ENCODE[:] = [publisher_module, original]
-    publisher_module.encode_delta = probe  # type: ignore[assignment]
+    _PUBLISHER_ENCODE[:] = [writer_module, original]
+    writer_module.encode_delta = probe  # type: ignore[assignment]
     return encode
 
 

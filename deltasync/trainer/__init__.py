@@ -2,7 +2,9 @@
 
 - :mod:`.detector`: :class:`~.detector.BF16ChangeDetector`, the exact change finder;
 - :mod:`.sources`: where weights come from (a model, an adapter, merged LoRA);
-- :mod:`.publisher`: :class:`~.publisher.DeltaPublisher`, the writer of versions;
+- :mod:`.publisher`: :class:`~.publisher.DeltaPublisher`, the writer of versions, through its
+  parts :mod:`.capture`, :mod:`.writer`, :mod:`.anchors`, :mod:`.retention` and
+  :mod:`.view_publishing`;
 - :mod:`.sharded`: several trainer processes (FSDP2, HSDP, DDP);
 - :mod:`.checkpoint_layout`: live parameters in checkpoint layout;
 - :mod:`.view_chain`: the quantized views beside the bf16 chain;

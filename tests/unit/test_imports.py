@@ -44,7 +44,11 @@ LAYERS = (
     # Quantized views: schemes (compressed-tensors, imported lazily), targets, checkpoint writer.
     ("deltasync.views",),
     ("deltasync.reader.chain", "deltasync.reader.poll"),
-    ("deltasync.trainer.detector", "deltasync.reader.receiver", "deltasync.trainer.view_chain"),
+    ("deltasync.trainer.detector", "deltasync.reader.receiver", "deltasync.trainer.view_chain",
+     "deltasync.trainer.retention"),
+    # The publisher's parts (capture, writer, anchor schedule, views), then the publisher.
+    ("deltasync.trainer.capture", "deltasync.trainer.writer"),
+    ("deltasync.trainer.anchors", "deltasync.trainer.view_publishing"),
     ("deltasync.reader", "deltasync.trainer.publisher"),
     ("deltasync.trainer", "deltasync.control", "deltasync.export"),
     ("deltasync",),
