@@ -35,10 +35,10 @@ from .stores import Store, open_store
 
 if TYPE_CHECKING:
     from .control.client import BaseRolloutClient, RolloutClient, ServerResult, ServerStatus, UpdateReport
+    from .control.lora_client import AdapterRolloutClient
     from .export import export_checkpoint, write_view_checkpoint
     from .trainer.detector import BF16ChangeDetector, bf16_state_dict, checkpoint_name
     from .trainer.lora import (
-        AdapterRolloutClient,
         AdapterWeights,
         MergedLoraWeights,
         adapter_publisher,
@@ -47,19 +47,20 @@ if TYPE_CHECKING:
     from .trainer.publisher import DeltaPublisher, PublishOptions, PublishResult
     from .trainer.sources import ModelWeights, SourceWeight, WeightSource
 
-# The trainer side's names load their modules on first use (PEP 562): a vLLM worker, which
-# imports the reader, the format and the protocol from this package, loads no publisher,
-# detector or weight source (tests/unit/test_imports.py checks it).
+# The trainer side's names (the control plane's clients too) load their modules on first use
+# (PEP 562): a vLLM worker, which imports the reader, the format and the protocol from this
+# package, loads no publisher, detector, weight source or client (tests/unit/test_imports.py
+# checks it).
 _TRAINER_SIDE = {
     "BaseRolloutClient": ".control.client",
     "RolloutClient": ".control.client",
     "ServerResult": ".control.client",
     "ServerStatus": ".control.client",
     "UpdateReport": ".control.client",
+    "AdapterRolloutClient": ".control.lora_client",
     "BF16ChangeDetector": ".trainer.detector",
     "bf16_state_dict": ".trainer.detector",
     "checkpoint_name": ".trainer.detector",
-    "AdapterRolloutClient": ".trainer.lora",
     "AdapterWeights": ".trainer.lora",
     "MergedLoraWeights": ".trainer.lora",
     "adapter_publisher": ".trainer.lora",

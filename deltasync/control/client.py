@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -43,6 +42,8 @@ from ..protocol.auth import update_tag
 from ..protocol.messages import ServedBody, check_version
 from ..protocol.routes import MAX_POLL_S, STATUS_ROUTE, UPDATE_ROUTE, VERSION_HEADER
 from ..protocol.token_versions import VersionedCompletion, versioned_completion
+from .http import RequestError, ServerHandle, error_text
+from .vllm_routes import update_through_vllm_routes
 
 if TYPE_CHECKING:
     import httpx
@@ -153,90 +154,10 @@ class ServerStatus:
     ``fingerprint`` is then the view's (``DeltaPublisher.view_fingerprint``)."""
 
 
-class RequestError(Exception):
-    """One HTTP call failed; the message names the route and carries the server's words."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        """The HTTP status the server answered with; None when no answer came."""
-
-
-class ServerHandle:
-    """HTTP calls to one server, each failure turned into a :class:`RequestError`."""
-
-    def __init__(self, client: httpx.Client, url: str) -> None:
-        self.client = client
-        self.url = url
-
-    def post(self, route: str, *, body: Any = None, params: dict[str, str] | None = None, attempts: int = 1) -> Any:
-        """POST; ``attempts`` > 1 retries transport errors (only for calls that are safe to repeat)."""
-        return self.call("POST", route, body=body, params=params, attempts=attempts)
-
-    def call(self, method: str, route: str, *, body: Any = None, params: dict[str, str] | None = None,
-             attempts: int = 1) -> Any:  # fmt: skip
-        """One request; failures become :class:`RequestError` (see :meth:`post`)."""
-        import httpx
-
-        for attempt in range(attempts):
-            try:
-                response = self.client.request(method, self.url + route, json=body, params=params)
-                break
-            except httpx.TransportError as exc:
-                # After a 500, vLLM's server closes the connection; a request sent on it
-                # right away fails without reaching the server. A retry opens a new one.
-                if attempt + 1 < attempts:
-                    time.sleep(0.1 * (attempt + 1))
-                    continue
-                raise RequestError(f"{method} {route}: {type(exc).__name__}: {str(exc) or 'no answer'}") from exc
-            except httpx.HTTPError as exc:
-                raise RequestError(f"{method} {route}: {type(exc).__name__}: {exc}") from exc
-        if response.status_code >= 400:
-            status = response.status_code
-            raise RequestError(f"{method} {route}: HTTP {status}: {_error_text(response)}", status)
-        if not response.content:
-            return None
-        try:
-            return response.json()
-        except ValueError:
-            return response.text
-
-    def rpc(self, method: str, args: Sequence[Any], timeout: float, *, attempts: int = 1) -> list[Any]:
-        body = {"method": method, "args": list(args), "timeout": timeout}
-        answer = self.post("/collective_rpc", body=body, attempts=attempts)
-        results = answer.get("results") if isinstance(answer, dict) else None
-        if not isinstance(results, list) or not results:
-            raise RequestError(f"POST /collective_rpc ({method}): unexpected answer {answer!r}")
-        for rank, result in enumerate(results):
-            if not isinstance(result, dict):
-                raise RequestError(f"POST /collective_rpc ({method}): worker {rank} answered {result!r}")
-        return results
-
-
 def check_update_mode(mode: object) -> None:
     """Raise :class:`ConfigError` unless ``mode`` is an update mode :meth:`RolloutClient.update` takes."""
     if mode not in (None, "pause", "inflight"):
         raise ConfigError(f"mode must be 'pause', 'inflight' or None (the server's own), got {mode!r}")
-
-
-def _error_text(response: httpx.Response) -> str:
-    """The message in a vLLM / FastAPI error body, else the body itself."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip()[:4000] or response.reason_phrase
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        if "detail" in body:
-            detail = body["detail"]
-            return detail if isinstance(detail, str) else json.dumps(detail)
-        if body.get("message"):
-            return str(body["message"])
-    return json.dumps(body)[:4000]
 
 
 def _combine(url: str, workers: list[dict[str, Any]]) -> ServerStatus:
@@ -444,7 +365,7 @@ class RolloutClient(BaseRolloutClient):
         except httpx.HTTPError as exc:
             raise RequestError(f"POST {route}: {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 400:
-            raise RequestError(f"POST {route}: HTTP {response.status_code}: {_error_text(response)}", response.status_code)
+            raise RequestError(f"POST {route}: HTTP {response.status_code}: {error_text(response)}", response.status_code)
         return versioned_completion(response.json(), response.headers)
 
     # ------------------------------------------------------------------ per server
@@ -475,31 +396,7 @@ class RolloutClient(BaseRolloutClient):
                     if answer.get("noop") is True and result.ok:  # already served: nothing was done
                         result = replace(result, kind="none", nbytes=0, stage_s=0.0, apply_s=0.0, paused_s=0.0)
                 return result
-            start = time.perf_counter()
-        refused_pause = False
-        try:
-            try:
-                server.post("/pause", params={"mode": "keep", "clear_cache": "true"})
-            except RequestError as exc:
-                refused_pause = exc.status is not None  # an answer, so certainly not paused
-                raise
-            self._start_update(server)
-            try:
-                server.post("/update_weights", body={"update_info": {"version": version, "auth": tag}})
-            except RequestError:
-                _close_session(server)
-                raise
-            server.post("/finish_weight_update", body={"weight_version": str(version)})
-        except RequestError as exc:
-            error = str(exc)
-        finally:
-            try:
-                server.post("/resume", attempts=3)
-            except RequestError as exc:
-                if not refused_pause:
-                    error = f"{error}; then " if error else ""
-                    error += f"{exc} (the server may still be paused)"
-            paused_s = time.perf_counter() - start
+        error, paused_s = update_through_vllm_routes(server, version, tag)
         return self._report(server, version, error, paused_s)
 
     def _report(self, server: ServerHandle, version: int, error: str | None, paused_s: float) -> ServerResult:
@@ -525,18 +422,6 @@ class RolloutClient(BaseRolloutClient):
             paused_s=paused_s,
             error=error,
         )
-
-    @staticmethod
-    def _start_update(server: ServerHandle) -> None:
-        try:
-            server.post("/start_weight_update")
-        except RequestError as exc:
-            if "already active" not in str(exc):
-                raise
-            # A client that died between start and finish left a session open. The delta
-            # engine loads nothing between the calls, so closing it is safe.
-            _close_session(server)
-            server.post("/start_weight_update")
 
     def _prefetch_one(self, server: ServerHandle, version: int, tag: str | None) -> ServerResult:
         try:
@@ -581,20 +466,6 @@ class RolloutClient(BaseRolloutClient):
         except RequestError as exc:
             return ServerStatus(url=server.url, ok=False, error=str(exc))
         return _combine(server.url, workers)
-
-def _close_session(server: ServerHandle) -> None:
-    """End a weight-update session that may be open on some of the server's workers.
-
-    vLLM closes the session of a worker whose update raised, but with several workers
-    only the last one raises (see ``vllm_ext``); the others still hold theirs. Closing
-    without a version leaves the served version's label alone; the workers without a
-    session refuse, and that refusal means nothing here.
-    """
-    try:
-        server.post("/finish_weight_update", attempts=3)
-    except RequestError:
-        pass
-
 
 def _last_update(state: ServerStatus, version: int) -> dict[str, Any]:
     """The workers' record of the update to ``version`` (slowest worker's times)."""

@@ -1,8 +1,8 @@
 """What both sides of an adapter sync agree on: the anchor metadata keys, the routes, the name
 rule, and the checks of an adapter's config and modules against what vLLM serves.
 
-The trainer side (:mod:`deltasync.trainer.lora`: the adapter's weights, publishers and client) and the
-server side (``vllm_ext.LoraSyncMiddleware``) both import this module; it imports neither torch
+The trainer side (:mod:`deltasync.trainer.lora`: the adapter's weights and publishers;
+:mod:`deltasync.control.lora_client`: its client) and the server side (``vllm_ext.LoraSyncMiddleware``) both import this module; it imports neither torch
 nor PEFT, so a vLLM worker checks adapters without loading any trainer-side code.
 """
 

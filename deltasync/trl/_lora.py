@@ -14,18 +14,16 @@ import logging
 from typing import Any
 
 from ..control.client import BaseRolloutClient, RolloutClient
+from ..control.lora_client import AdapterRolloutClient, server_lora_config, server_lora_modules
 from ..errors import ConfigError
 from ..trainer.lora import (
     AdapterError,
-    AdapterRolloutClient,
     adapter_config,
     adapter_publisher,
     check_adapter_config,
     check_server_lora,
     lora_targets,
     merged_publisher,
-    server_lora_config,
-    server_lora_modules,
 )
 from ..trainer.publisher import DeltaPublisher, PublishOptions
 from ._config import DeltaSyncConfig

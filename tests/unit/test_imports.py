@@ -40,15 +40,15 @@ LAYERS = (
      "deltasync.protocol.token_versions", "deltasync.stores"),
     # The protocol as both sides import it; the foundations of the trainer and reader sides.
     ("deltasync.protocol", "deltasync.trainer.sharded", "deltasync.reader.parts", "deltasync.control.client",
+     "deltasync.control.http", "deltasync.control.vllm_routes", "deltasync.control.lora_client",
      "deltasync.trainer.checkpoint_layout", "deltasync.trainer.sources"),
     # Quantized views: schemes (compressed-tensors, imported lazily), targets, checkpoint writer.
     ("deltasync.views",),
     ("deltasync.reader.chain", "deltasync.reader.poll"),
-    ("deltasync.trainer.detector", "deltasync.reader.receiver", "deltasync.trainer.view_chain",
-     "deltasync.trainer.retention"),
-    # The publisher's parts (capture, writer, anchor schedule, views), then the publisher.
-    ("deltasync.trainer.capture", "deltasync.trainer.writer"),
-    ("deltasync.trainer.anchors", "deltasync.trainer.view_publishing"),
+    ("deltasync.trainer.detector", "deltasync.reader.receiver", "deltasync.trainer.view_chain"),
+    # The publisher's parts: capture, writer, anchor schedule, retention, views.
+    ("deltasync.trainer.capture", "deltasync.trainer.writer", "deltasync.trainer.anchors",
+     "deltasync.trainer.retention", "deltasync.trainer.view_publishing"),
     ("deltasync.reader", "deltasync.trainer.publisher"),
     ("deltasync.trainer", "deltasync.control", "deltasync.export"),
     ("deltasync",),
