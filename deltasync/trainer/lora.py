@@ -27,6 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+# The adapter client is the control plane's (deltasync.control.lora_client); importable from here as before.
+from ..control.lora_client import AdapterRolloutClient as AdapterRolloutClient
+from ..control.lora_client import server_lora_config as server_lora_config
+from ..control.lora_client import server_lora_modules as server_lora_modules
 from ..errors import AdapterError, ConfigError
 from ..format.fingerprint import fingerprint, fingerprint_slice_share, format_fingerprint
 from ..protocol.lora import (
@@ -370,12 +374,3 @@ def merged_publisher(
 ) -> DeltaPublisher:
     """A :class:`DeltaPublisher` of the merged weights (merged mode), for a server without LoRA."""
     return DeltaPublisher(bucket, MergedLoraWeights(model, adapter), optimizer, **options)  # type: ignore[arg-type]
-
-
-def __getattr__(name: str) -> Any:
-    # The adapter client moved to the control plane; it is still importable from here.
-    if name in ("AdapterRolloutClient", "server_lora_config", "server_lora_modules"):
-        from ..control import lora_client
-
-        return getattr(lora_client, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
