@@ -7,7 +7,8 @@
   :mod:`.view_publishing`;
 - :mod:`.sharded`: several trainer processes (FSDP2, HSDP, DDP);
 - :mod:`.checkpoint_layout`: live parameters in checkpoint layout;
-- :mod:`.view_chain`: the quantized views beside the bf16 chain;
+- :mod:`.view_chain`: the quantized views beside the bf16 chain; :mod:`.view_targets`: which
+  weights of a model a scheme quantizes;
 - :mod:`.lora`: adapters and merged LoRA.
 
 Rollout servers never import this package (tests/unit/test_imports.py checks it).

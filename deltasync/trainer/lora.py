@@ -27,10 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-# The adapter client is the control plane's (deltasync.control.lora_client); importable from here as before.
-from ..control.lora_client import AdapterRolloutClient as AdapterRolloutClient
-from ..control.lora_client import server_lora_config as server_lora_config
-from ..control.lora_client import server_lora_modules as server_lora_modules
 from ..errors import AdapterError, ConfigError
 from ..format.fingerprint import fingerprint, fingerprint_slice_share, format_fingerprint
 from ..protocol.lora import (

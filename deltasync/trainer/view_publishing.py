@@ -64,7 +64,8 @@ class ViewPublisher:
         whose Linear layers the views quantize, but those ``ignore`` names)."""
         if not names:
             return []
-        from ..views import get_scheme, ignore_list, quantized_names
+        from ..views import get_scheme
+        from .view_targets import ignore_list, quantized_names
 
         shapes = {name: owned.shape for name, owned in layout.slices.items()}
         module = model if isinstance(model, torch.nn.Module) else None

@@ -1,6 +1,7 @@
 """Quantized views of the policy: compressed-tensors' preset schemes (FP8_DYNAMIC, FP8_BLOCK, W8A8)
-computed from bf16 weights exactly as llm-compressor writes them, which weights they quantize,
-and a checkpoint writer that vLLM and transformers load.
+computed from bf16 weights exactly as llm-compressor writes them, a checkpoint writer that vLLM
+and transformers load, and which view a server serves. Which weights of a trainer's model a
+scheme quantizes is the trainer's (:mod:`deltasync.trainer.view_targets`).
 
 compressed-tensors is imported only when a view is computed (``pip install 'deltasync[views]'``).
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 from .checkpoint import write_checkpoint
 from .schemes import SCHEMES, ViewScheme, check_codes, check_scale, from_quantization_config, get_scheme, scale_name
 from .serving import check_bucket_has_view, checkpoint_view, resolve_view
-from .targets import ignore_list, quantized_names
 
 __all__ = [
     "SCHEMES",
@@ -19,8 +19,6 @@ __all__ = [
     "check_scale",
     "from_quantization_config",
     "get_scheme",
-    "ignore_list",
-    "quantized_names",
     "scale_name",
     "write_checkpoint",
     "check_bucket_has_view",

@@ -123,7 +123,7 @@ class ViewScheme:
         self, tensors: Iterable[tuple[str, torch.Tensor]], quantized: Container[str]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The view's checkpoint, streamed: each (name, tensor) of ``tensors`` (a bf16 checkpoint) as
-        it is, except names in ``quantized`` (see :func:`deltasync.views.quantized_names`), which
+        it is, except names in ``quantized`` (see :func:`deltasync.trainer.view_targets.quantized_names`), which
         become ``name`` (the codes) followed by its :func:`scale_name` (the scale)."""
         for name, tensor in tensors:
             if name in quantized:
@@ -204,7 +204,7 @@ class ViewScheme:
     def quantization_config(self, ignore: Sequence[str]) -> dict[str, Any]:
         """The ``quantization_config`` llm-compressor writes into config.json for this preset
         (targets ``["Linear"]``) and ``ignore`` (module names and ``re:`` patterns, written as
-        given; :func:`deltasync.views.ignore_list` gives the expanded list llm-compressor writes).
+        given; :func:`deltasync.trainer.view_targets.ignore_list` gives the expanded list llm-compressor writes).
         Built and serialized by compressed-tensors' ``QuantizationConfig`` and ``ModelCompressor``."""
         _ct()
         import json

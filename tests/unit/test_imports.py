@@ -42,10 +42,11 @@ LAYERS = (
     ("deltasync.protocol", "deltasync.trainer.sharded", "deltasync.reader.parts", "deltasync.control.client",
      "deltasync.control.http", "deltasync.control.vllm_routes", "deltasync.control.lora_client",
      "deltasync.trainer.checkpoint_layout", "deltasync.trainer.sources"),
-    # Quantized views: schemes (compressed-tensors, imported lazily), targets, checkpoint writer.
+    # Quantized views: schemes (compressed-tensors, imported lazily), checkpoint writer, serving.
     ("deltasync.views",),
     ("deltasync.reader.chain", "deltasync.reader.poll"),
-    ("deltasync.trainer.detector", "deltasync.reader.receiver", "deltasync.trainer.view_chain"),
+    ("deltasync.trainer.detector", "deltasync.reader.receiver", "deltasync.trainer.view_chain",
+     "deltasync.trainer.view_targets"),
     # The publisher's parts: capture, writer, anchor schedule, retention, views.
     ("deltasync.trainer.capture", "deltasync.trainer.writer", "deltasync.trainer.anchors",
      "deltasync.trainer.retention", "deltasync.trainer.view_publishing"),

@@ -48,7 +48,7 @@ def test_views_ignore_norms_and_embedding_but_quantize_every_projection() -> Non
     import torch
     from codec import ModelShape, build_model
 
-    from deltasync.views import quantized_names
+    from deltasync.trainer.view_targets import quantized_names
 
     model = views.linearize(build_model(ModelShape().scaled(0.01), torch.Generator().manual_seed(0)))
     names = [n for n, _ in model.named_parameters()]

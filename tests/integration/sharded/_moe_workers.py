@@ -91,7 +91,7 @@ def _run(rank: int, world: int, root: Path, model_dir: Path, parallel: str, step
         assert_saved(receiver, want)
         assert result.fingerprint == fingerprint(want)
         if view_receivers:  # per-expert checkpoint tensors, quantized by the rank holding the expert
-            from deltasync.views import quantized_names
+            from deltasync.trainer.view_targets import quantized_names
 
             targets = targets or quantized_names(reference, list(want), ("lm_head",))
             assert any(".experts." in name for name in targets), sorted(targets)

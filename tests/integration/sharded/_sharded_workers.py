@@ -320,7 +320,8 @@ def expected_view(view: str, bf16: dict[str, torch.Tensor], targets: set[str] | 
     """The view of a full bf16 state, by the definition: compressed-tensors' quantization of every
     target (each Linear's weight but ``lm_head``; default: :func:`view_model`'s) of the whole
     tensor, the rest in bf16."""
-    from deltasync.views import get_scheme, quantized_names
+    from deltasync.trainer.view_targets import quantized_names
+    from deltasync.views import get_scheme
 
     global _VIEW_TARGETS
     if targets is None:

@@ -103,7 +103,8 @@ def _update(client: RolloutClient, version: int, **kwargs):
 def _view_state_is_the_quantization_of_the_bf16_state(world, view: str) -> None:
     """The view's committed state, read back, is compressed-tensors' quantization of the bf16 one."""
     from deltasync import DeltaReceiver
-    from deltasync.views import get_scheme, quantized_names
+    from deltasync.trainer.view_targets import quantized_names
+    from deltasync.views import get_scheme
 
     bf16 = DeltaReceiver(world.bucket)
     bf16.sync()

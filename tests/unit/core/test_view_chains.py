@@ -17,7 +17,8 @@ from deltasync import ConfigError, DeltaPublisher, DeltaReceiver, FormatError, V
 from deltasync.cli import main as cli
 from deltasync.format import POINTER_PATH, Change, Pointer, encode_delta, sha256_hex, view_names, view_prefix
 from deltasync.stores._sub import sub_store
-from deltasync.views import get_scheme, quantized_names
+from deltasync.trainer.view_targets import quantized_names
+from deltasync.views import get_scheme
 
 FP8, W8A8 = "FP8_DYNAMIC", "W8A8"
 
@@ -283,7 +284,7 @@ def test_moe_views_quantize_each_expert_as_the_checkpoint_holds_it(tmp_path):
     from moe_helpers import moe_model, routed_step, saved_state
 
     from deltasync.examples.tiny import build_tiny_moe_model
-    from deltasync.views import ignore_list
+    from deltasync.trainer.view_targets import ignore_list
 
     model = moe_model(build_tiny_moe_model(tmp_path / "moe", num_experts=4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -9,7 +9,8 @@ import re
 import pytest
 import torch
 
-from deltasync.views import SCHEMES, from_quantization_config, get_scheme, ignore_list, quantized_names
+from deltasync.trainer.view_targets import ignore_list, quantized_names
+from deltasync.views import SCHEMES, from_quantization_config, get_scheme
 
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("transformers")

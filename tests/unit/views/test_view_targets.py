@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import small_transformer
 
-from deltasync.views import ignore_list, quantized_names
+from deltasync.trainer.view_targets import ignore_list, quantized_names
 
 pytest.importorskip("compressed_tensors")
 

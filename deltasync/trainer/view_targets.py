@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .schemes import _ct
+from ..views.schemes import _ct
 
 __all__ = ["ignore_list", "quantized_names"]
 
@@ -74,7 +74,7 @@ def _targets(model: torch.nn.Module, ignore: Sequence[str]) -> list[_Target]:
     from compressed_tensors.utils.match import is_match
 
     # The trainer's model: imported here, so that a server reading views loads no trainer-side code.
-    from ..trainer.checkpoint_layout import checkpoint_layout, find_pretrained
+    from .checkpoint_layout import checkpoint_layout, find_pretrained
 
     if isinstance(ignore, str):
         ignore = [ignore]
