@@ -136,13 +136,18 @@ class Requests:
             assert time.monotonic() < deadline and not self.errors, (self.progress, self.errors)
             time.sleep(0.01)
 
-    def wait_running(self, url: str, count: int, timeout: float = 300.0) -> None:
+    def wait_running(self, url: str, count: int, timeout: float = 60.0) -> bool:
         """Wait until the server at ``url`` runs ``count`` requests (a choice of ``n`` counts once
-        each): the ones not streamed are generating too."""
+        each), so the ones not streamed are generating too; False if that did not happen within
+        ``timeout`` (a machine short of CPU may admit a request late: the caller checks what
+        the server says of each answer)."""
         deadline = time.monotonic() + timeout
-        while _gauge(url, "vllm:num_requests_running") < count:
-            assert time.monotonic() < deadline and not self.errors, (self.progress, self.errors)
+        while running(url) < count:
+            assert not self.errors, (self.progress, self.errors)
+            if time.monotonic() > deadline:
+                return False
             time.sleep(0.01)
+        return True
 
     def most(self) -> int:
         """The most tokens a streamed request has so far."""
@@ -155,10 +160,11 @@ class Requests:
         return sorted(self.answers, key=lambda a: a.kind)
 
 
-def _gauge(url: str, name: str) -> float:
-    """The sum of a gauge's samples in the server's ``/metrics``."""
+def running(url: str) -> float:
+    """How many requests the server at ``url`` runs now (vLLM's ``num_requests_running`` gauge)."""
+    name = "vllm:num_requests_running"
     text = requests.get(url + "/metrics", timeout=60).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
 
 
 def straddling(answers: list[Answer]) -> int:
