@@ -174,7 +174,8 @@ class LiveTarget(UpdateTarget):
             # the next call of any kind waits for it (``settle``) before trusting the state.
             self.live.start_full_hash()
         else:
-            release_later(staged.writes, applied.undo, background=self.live.background)  # after the pause: freeing tens of MB is not free
+            # After the pause: freeing tens of MB is not free.
+            release_later(staged.writes, applied.undo, background=self.live.background)
 
     def settle(self) -> None:
         """Finish the full hash of the served weights started after an anchor."""
