@@ -6,24 +6,14 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 
 from .errors import DeltaSyncError, NotFoundError, VersionError
 from .format import HISTORY_PATH, POINTER_PATH, Pointer, get_codec, read_header
 
 __all__ = ["main"]
-
-_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
-
-
-def _command(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
-    def register(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-        _COMMANDS[name] = func
-        return func
-
-    return register
-
 
 def _human(nbytes: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -57,7 +47,6 @@ def _read_file(target: str) -> tuple[bytes, str]:
 # --------------------------------------------------------------------------- inspect
 
 
-@_command("inspect")
 def _inspect(args: argparse.Namespace) -> int:
     from safetensors.torch import load
 
@@ -100,7 +89,6 @@ def _inspect(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- verify
 
 
-@_command("verify")
 def _verify(args: argparse.Namespace) -> int:
     from .reader.chain import ChainReader
     from .reader.receiver import DeltaReceiver
@@ -188,7 +176,6 @@ def _history(bucket: str) -> tuple[Pointer, list[dict]]:
     return pointer, [records[v] for v in sorted(records) if v <= pointer.version]
 
 
-@_command("stats")
 def _stats(args: argparse.Namespace) -> int:
     _, records = _history(args.bucket)
     rows = []
@@ -250,7 +237,6 @@ def _plot(records: list[dict], path: str) -> None:
 # --------------------------------------------------------------------------- export
 
 
-@_command("export")
 def _export(args: argparse.Namespace) -> int:
     from .export import export_checkpoint
 
@@ -297,7 +283,6 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     add_parser(sub)
 
 
-@_command("demo")
 def _demo(args: argparse.Namespace) -> int:
     from .examples.demo import run
 
@@ -310,7 +295,6 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     add_parser(sub)
 
 
-@_command("serve")
 def _serve(args: argparse.Namespace) -> int:
     from .control.serve import run
 
@@ -323,14 +307,19 @@ def _spaces_parser(sub: argparse._SubParsersAction) -> None:
     add_parser(sub)
 
 
-@_command("spaces")
 def _spaces(args: argparse.Namespace) -> int:
     from .examples.spaces import run
 
     return run(args)
 
 
-_EXTRA_PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [_demo_parser, _serve_parser, _spaces_parser]
+_EXTRA_PARSERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_demo_parser, _serve_parser, _spaces_parser)
+
+#: The function each command runs.
+_COMMANDS: Mapping[str, Callable[[argparse.Namespace], int]] = MappingProxyType({
+    "inspect": _inspect, "verify": _verify, "stats": _stats, "export": _export,
+    "demo": _demo, "serve": _serve, "spaces": _spaces,
+})  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,7 +5,9 @@ OpenMP cores (``VLLM_CPU_OMP_THREADS_BIND``) and leaves others to the API server
 engine core. A prefetch thread started in the worker inherits that binding, so staging a
 version would take turns with the forward passes on the same core, and generation would slow
 by as much as staging costs. Each of deltasync's background threads (prefetch, the served
-hash, freeing memory) calls :func:`enter_background` first, which does two things.
+hash, freeing memory) calls :meth:`BackgroundPolicy.enter` first, which does two things. The
+worker's updater holds the policy (made from its :class:`~vllm_ext._config.ServerConfig`) and
+hands it to its in-place state.
 
 It moves the thread, as ``DELTASYNC_STAGING_CPUS`` says
 (:class:`vllm_ext._config.ServerConfig.staging_cpus`):
@@ -27,8 +29,8 @@ it takes what they leave, and a version takes longer to stage where no core is i
 streams longer to generate (``benchmarks/inflight.py`` measures both). ``idle`` goes further:
 Linux SCHED_IDLE, below nice 19, which serving preempts at once.
 
-:func:`configure` also shortens the worker's interpreter switch interval to
-:data:`SWITCH_INTERVAL_S`. A background thread shares the worker's interpreter lock with the
+:func:`shorten_switch_interval` (the updater calls it when it starts) sets the worker's
+interpreter switch interval to :data:`SWITCH_INTERVAL_S`. A background thread shares the worker's interpreter lock with the
 forward pass, which gives it up during each torch operation and needs it back between them. A
 thread that holds it keeps it until it waits on something or the switch interval (5 ms by
 default) asks it to give it up, so each handoff could stall the forward pass for that long.
@@ -37,7 +39,6 @@ Where no other thread wants the lock, the interval changes nothing.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
@@ -45,16 +46,15 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 __all__ = [
     "STAGING_CPUS_PATTERN",
     "SWITCH_INTERVAL_S",
     "Background",
-    "configure",
+    "BackgroundPolicy",
     "engine_free_cpus",
-    "enter_background",
     "parse_cpu_list",
+    "shorten_switch_interval",
 ]
 
 logger = logging.getLogger(__name__)
@@ -93,27 +93,6 @@ def engine_free_cpus() -> frozenset[int] | None:
     return frozenset(free) or None
 
 
-@functools.cache
-def _target(setting: str) -> frozenset[int] | None:
-    if setting == "inherit":
-        return None
-    cpus = engine_free_cpus() if setting == "auto" else parse_cpu_list(setting)
-    if cpus is not None:
-        logger.info("deltasync: background work (staging, hashing) runs on CPUs %s", sorted(cpus))
-    return cpus
-
-
-_setting: list[Any] = ["auto", 0]
-
-
-def configure(setting: str, nice: int | str = 0) -> None:
-    """This worker's ``staging_cpus`` and ``staging_nice`` (its
-    :class:`~vllm_ext._config.ServerConfig`'s, set once by the updater when it starts); and the
-    worker's interpreter switch interval (see the module)."""
-    _setting[:] = [setting, nice]
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-
-
 @dataclass(frozen=True)
 class Background:
     """Where a background thread runs: ``cpus`` it was moved to (None: it stayed on the
@@ -126,37 +105,66 @@ class Background:
     normal priority wants the CPU."""
 
 
-def enter_background(*, behind: bool = True) -> Background:
-    """Move the calling thread (only) to the configured CPUs and, where ``behind``, lower its
-    priority by the configured nice value. Call it first thing in a background thread.
+def shorten_switch_interval() -> None:
+    """Set this worker's interpreter switch interval to :data:`SWITCH_INTERVAL_S` (see the module)."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
-    Work that something waits for (the served hash after an anchor, which the next call of any
-    kind settles) passes ``behind=False``: a thread cannot raise its priority again."""
-    setting, nice = _setting
-    nice = nice if behind else 0
-    thread = threading.current_thread().name
-    tid = threading.get_native_id()
-    idle = False
-    if nice == "idle":
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            idle = True
-        except (OSError, AttributeError) as exc:  # AttributeError: not Linux
-            logger.warning("deltasync: cannot schedule %s as SCHED_IDLE (%s)", thread, exc)
-    elif nice:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-        except OSError as exc:
-            logger.warning("deltasync: cannot lower the priority of %s (%s)", thread, exc)
-    try:
-        now = os.getpriority(os.PRIO_PROCESS, tid)
-    except OSError:
-        now = 0
-    cpus = _target(setting)
-    if cpus is not None:
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except OSError as exc:  # e.g. CPUs outside the container's set
-            logger.warning("deltasync: cannot move %s to CPUs %s (%s)", thread, sorted(cpus), exc)
+
+class BackgroundPolicy:
+    """Where and at what priority a worker's background threads run: its
+    :class:`~vllm_ext._config.ServerConfig`'s ``staging_cpus`` (``setting``) and ``staging_nice``
+    (``nice``), held by the worker's updater and its in-place state.
+
+    The CPUs a setting names are looked up once, by the first thread that enters the background.
+    """
+
+    def __init__(self, setting: str = "auto", nice: int | str = 0) -> None:
+        self.setting = setting
+        self.nice = nice
+        self._cpus: tuple[frozenset[int] | None] | None = None
+        """The CPUs ``setting`` names, once looked up (a 1-tuple: None is an answer too)."""
+
+    def cpus(self) -> frozenset[int] | None:
+        """The CPUs background threads move to (None: they stay on the worker's)."""
+        if self._cpus is None:
             cpus = None
-    return Background(None if cpus is None else tuple(sorted(cpus)), now, idle)
+            if self.setting != "inherit":
+                cpus = engine_free_cpus() if self.setting == "auto" else parse_cpu_list(self.setting)
+            if cpus is not None:
+                logger.info("deltasync: background work (staging, hashing) runs on CPUs %s", sorted(cpus))
+            self._cpus = (cpus,)
+        return self._cpus[0]
+
+    def enter(self, *, behind: bool = True) -> Background:
+        """Move the calling thread (only) to :meth:`cpus` and, where ``behind``, lower its
+        priority by ``nice``. Call it first thing in a background thread.
+
+        Work that something waits for (the served hash after an anchor, which the next call of
+        any kind settles) passes ``behind=False``: a thread cannot raise its priority again."""
+        nice: int | str = self.nice if behind else 0
+        thread = threading.current_thread().name
+        tid = threading.get_native_id()
+        idle = False
+        if nice == "idle":
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                idle = True
+            except (OSError, AttributeError) as exc:  # AttributeError: not Linux
+                logger.warning("deltasync: cannot schedule %s as SCHED_IDLE (%s)", thread, exc)
+        elif nice:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + int(nice))
+            except OSError as exc:
+                logger.warning("deltasync: cannot lower the priority of %s (%s)", thread, exc)
+        try:
+            now = os.getpriority(os.PRIO_PROCESS, tid)
+        except OSError:
+            now = 0
+        cpus = self.cpus()
+        if cpus is not None:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError as exc:  # e.g. CPUs outside the container's set
+                logger.warning("deltasync: cannot move %s to CPUs %s (%s)", thread, sorted(cpus), exc)
+                cpus = None
+        return Background(None if cpus is None else tuple(sorted(cpus)), now, idle)

@@ -38,7 +38,7 @@ from deltasync.format.fingerprint import fingerprint_add, fingerprint_move, fing
 from deltasync.protocol import Heal
 from deltasync.reader import ChainReader, Overlay
 
-from ._cpus import enter_background
+from ._cpus import BackgroundPolicy
 from ._quantized import LiveFlat
 from ._weight_map import Piece, WeightMap
 
@@ -66,14 +66,15 @@ def release_freed_memory() -> None:
         pass
 
 
-def release_later(*objects: Any) -> None:
+def release_later(*objects: Any, background: BackgroundPolicy) -> None:
     """Drop ``objects`` (containers of tensors, emptied) and give the memory back to the system
-    in a background thread, so that the caller (inside a pause) does not wait for either."""
+    in a background thread (run as ``background`` says), so that the caller (inside a pause)
+    does not wait for either."""
     held = list(objects)
     del objects
 
     def run() -> None:
-        enter_background()
+        background.enter()
         for obj in held:
             obj.clear()
         held.clear()
@@ -155,6 +156,7 @@ class InPlaceState:
             pairs (whole modules: see :func:`~vllm_ext._reload.reload_groups`); raises on failure.
         groups: checkpoint names -> the names to send so that each touched module is whole.
         dtypes: each checkpoint name's element dtype, for a quantized view (None: all bf16).
+        background: where and at what priority its background threads run.
     """
 
     def __init__(
@@ -169,8 +171,10 @@ class InPlaceState:
         reload: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
         groups: Callable[[list[str]], list[str]] | None = None,
         dtypes: Mapping[str, torch.dtype] | None = None,
+        background: BackgroundPolicy | None = None,
     ) -> None:
         self.map = weight_map
+        self.background = background or BackgroundPolicy()
         self.gather = gather
         self.load_dense = load_dense
         self.reload = reload
@@ -252,7 +256,7 @@ class InPlaceState:
         job: dict[str, Any] = {"share": None, "error": None}
 
         def run() -> None:
-            enter_background(behind=False)  # settled by the next call: not behind serving
+            self.background.enter(behind=False)  # settled by the next call: not behind serving
             try:
                 job["share"] = self.local_share()
             except Exception as exc:  # noqa: BLE001  (reported by settle)
@@ -465,7 +469,7 @@ class InPlaceState:
     def commit(self, version: int, fingerprint: str) -> None:
         self.version, self.fingerprint, self.tainted = version, fingerprint, None
 
-    # ------------------------------------------------------------------ tests and checks
+    # ------------------------------------------------------------------ checks
 
     def verify(self) -> dict[str, Any]:
         """Recompute the served fingerprint in full; a mismatch taints the state."""
@@ -475,17 +479,3 @@ class InPlaceState:
             self.tainted = f"verify found fingerprint {served}, expected {self.fingerprint}"
             self.fingerprint = served
         return {"ok": ok, "fingerprint": served, "version": self.version}
-
-    def poke(self, name: str, index: int, bits: int) -> bool:
-        """Test hook: set one live element's bf16 bit pattern (on this rank, if held here)."""
-        idx = torch.tensor([index], dtype=torch.int64)
-        done = False
-        for piece in self.map.pieces.get(name, []):
-            hit, dst = piece.locate(idx)
-            if hit.numel():
-                signed = bits - 0x10000 if bits >= 0x8000 else bits
-                flat = self.flat[piece.param]
-                flat.write(dst.to(flat.device), torch.tensor([signed], dtype=torch.int16, device=flat.device))
-                wait_for_device([flat.tensor])
-                done = True
-        return done

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from deltasync.reader import ChainReader
 
 from ._checkpoint import ServedCheckpoint
 from ._config import ServerConfig
+from ._cpus import BackgroundPolicy
 from ._inplace import InPlaceState, LiveStaged, release_freed_memory, release_later
 from ._plain_gemm import PLAIN_GEMM_ENV, plain_gemm_enabled
 from ._quantized import load_time_params
@@ -44,17 +44,14 @@ class LiveTarget(UpdateTarget):
         live: this rank's served weights, mapped onto the checkpoint.
         checkpoint: what every anchor loaded densely must fit.
         rank: this worker's global rank (named in messages).
-        after_write: called after a delta is written (a test hook may raise there).
     """
 
     answer_mode = "in-place"
 
-    def __init__(self, live: InPlaceState, checkpoint: ServedCheckpoint, rank: int,
-                 after_write: Callable[[], None]) -> None:  # fmt: skip
+    def __init__(self, live: InPlaceState, checkpoint: ServedCheckpoint, rank: int) -> None:
         self.live = live
         self.checkpoint = checkpoint
         self.rank = rank
-        self.after_write = after_write
         self.receiver: DeltaReceiver | None = None
         """The server's receiver, used only to read and check files (known from the first staging on)."""
 
@@ -145,7 +142,6 @@ class LiveTarget(UpdateTarget):
         try:
             if staged.kind == "delta":
                 applied.undo = self.live.write(staged)
-                self.after_write()
             elif staged.kind == "anchor":
                 what = "loading"
                 self.live.load_anchor(staged.dense.tensors())
@@ -178,7 +174,8 @@ class LiveTarget(UpdateTarget):
             # the next call of any kind waits for it (``settle``) before trusting the state.
             self.live.start_full_hash()
         else:
-            release_later(staged.writes, applied.undo)  # after the pause: freeing tens of MB is not free
+            # After the pause: freeing tens of MB is not free.
+            release_later(staged.writes, applied.undo, background=self.live.background)
 
     def settle(self) -> None:
         """Finish the full hash of the served weights started after an anchor."""
@@ -191,10 +188,12 @@ class LiveTarget(UpdateTarget):
 
 
 def plan_in_place(
-    model: torch.nn.Module, vllm_config: Any, packed: dict[str, list[str]], checkpoint: ServedCheckpoint
+    model: torch.nn.Module, vllm_config: Any, packed: dict[str, list[str]], checkpoint: ServedCheckpoint,
+    background: BackgroundPolicy | None = None,
 ) -> tuple[InPlaceState | None, dict[str, str]]:
     """Map the checkpoint onto the live weights: the in-place state (None: reload mode, when
-    no name maps) and the parameters that fall back to the layerwise reload, with why."""
+    no name maps) and the parameters that fall back to the layerwise reload, with why.
+    ``background``: where the state's background threads run (default: :class:`BackgroundPolicy`'s)."""
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
 
@@ -243,7 +242,7 @@ def plan_in_place(
         model, weight_map, gather, rank_index(), load_dense,
         host={n: expected[n] for n in host}, reload=reload_host,
         groups=lambda changed: reload_groups(changed, host, packed, landing),
-        dtypes=checkpoint.dtypes if quantized else None,
+        dtypes=checkpoint.dtypes if quantized else None, background=background,
     )  # fmt: skip
     if host:
         name, why = next(iter(sorted(fallback.items())))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import sys
 
 import torch
 
@@ -29,20 +30,23 @@ from ._config import ServerConfig
 __all__ = ["PLAIN_GEMM_ENV", "install_plain_gemm", "plain_gemm_enabled"]
 
 
-_installed = False
+#: The vLLM module whose CPU GEMM dispatch is replaced.
+_UTILS = "vllm.model_executor.layers.utils"
 
 
 def plain_gemm_enabled() -> bool:
-    """Whether this process keeps plain CPU linear weights (the switch is on and installed)."""
-    return _installed
+    """Whether this process keeps plain CPU linear weights: whether the dispatch vLLM holds now
+    is this module's (nothing is installed where vLLM's module is not even imported)."""
+    utils = sys.modules.get(_UTILS)
+    return utils is not None and getattr(utils.dispatch_cpu_unquantized_gemm, "__module__", None) == __name__
 
 
 def install_plain_gemm(environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
-    """Replace vLLM's CPU GEMM dispatch when the switch is on; returns whether it is installed."""
-    global _installed
+    """Replace vLLM's CPU GEMM dispatch when the switch is on; returns whether it is installed.
+    Safe to repeat: a dispatch already installed stays (see :func:`plain_gemm_enabled`)."""
     value = ServerConfig.from_env(environ).plain_gemm
-    if _installed or value in ("", "0"):
-        return _installed
+    if value in ("", "0") or plain_gemm_enabled():
+        return plain_gemm_enabled()
     patterns = None if value == "1" else [p.strip() for p in value.split(",") if p.strip()]
     from vllm.model_executor.layers import utils
 
@@ -59,5 +63,4 @@ def install_plain_gemm(environ: os._Environ[str] | dict[str, str] = os.environ) 
         packed(layer, remove_weight)  # conv and expert weights keep their own kernels
 
     utils.dispatch_cpu_unquantized_gemm = dispatch_plain_gemm
-    _installed = True
     return True

@@ -17,7 +17,6 @@ import threading
 import time
 from dataclasses import replace
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import torch
 
@@ -37,8 +36,7 @@ from deltasync.views.serving import resolve_view
 
 from ._checkpoint import ServedCheckpoint
 from ._config import ServerConfig
-from ._cpus import Background, enter_background
-from ._cpus import configure as configure_background_cpus
+from ._cpus import Background, BackgroundPolicy, shorten_switch_interval
 from ._live_target import LiveTarget, plan_in_place
 from ._ranks import agree, is_last_rank
 from ._reload_target import ReloadTarget
@@ -81,7 +79,9 @@ class WorkerUpdater:
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, config: ServerConfig | None = None) -> None:
         self.config = config or ServerConfig.from_env()
-        configure_background_cpus(self.config.staging_cpus, self.config.staging_nice)
+        self.background = BackgroundPolicy(self.config.staging_cpus, self.config.staging_nice)
+        """Where and at what priority this worker's background threads run."""
+        shorten_switch_interval()
         self.model = model
         self.vllm_config = vllm_config
         packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", None) or {})
@@ -96,11 +96,11 @@ class WorkerUpdater:
         """The last version built from an anchor because a delta file was corrupt or missing."""
         self._receiver: DeltaReceiver | None = None
         self._prefetch: _Prefetch | None = None
-        live, self.fallback = plan_in_place(model, vllm_config, packed, self.checkpoint)
+        live, self.fallback = plan_in_place(model, vllm_config, packed, self.checkpoint, self.background)
         """Checkpoint names rebuilt through vLLM's layerwise reload, and why."""
         self.target: UpdateTarget = (
             ReloadTarget(model, vllm_config, packed, self.checkpoint) if live is None
-            else LiveTarget(live, self.checkpoint, self.rank, _no_hook)  # vllm_ext.testing may set one
+            else LiveTarget(live, self.checkpoint, self.rank)
         )  # fmt: skip
 
     @property
@@ -295,7 +295,7 @@ class WorkerUpdater:
         return staged
 
     def _run_prefetch(self, job: _Prefetch, receiver: DeltaReceiver) -> None:
-        job.background = enter_background()
+        job.background = self.background.enter()
         try:
             staged = self.target.stage(job.version, receiver)
         except Exception as exc:  # noqa: BLE001  (reported through status; update re-stages)
@@ -304,23 +304,25 @@ class WorkerUpdater:
         job.staged, job.state = staged, "ready"
 
 
-def _no_hook() -> None:
-    pass
-
-
 def _version_or_none(version: object) -> int | None:
     """``version`` as an answer carries it: an integer, or None for anything else."""
     return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
-_UPDATERS: WeakKeyDictionary[torch.nn.Module, WorkerUpdater] = WeakKeyDictionary()
-_UPDATERS_LOCK = threading.Lock()
+#: The attribute of a worker's model that holds the worker's updater.
+UPDATER_ATTR = "_deltasync_updater"
 
 
 def updater_for(model: torch.nn.Module, vllm_config: Any) -> WorkerUpdater:
-    """The updater of ``model`` (one per worker), created on first use."""
-    with _UPDATERS_LOCK:
-        updater = _UPDATERS.get(model)
-        if updater is None:
-            updater = _UPDATERS[model] = WorkerUpdater(model, vllm_config)
-        return updater
+    """The updater of ``model`` (one per worker), created on first use and held by the model.
+
+    The worker extension and the "delta" weight-transfer engine of a worker both reach its
+    model (the engine is given nothing else), so the model holds the one updater they share:
+    one receiver, one served state. Both run on the worker's main thread (vLLM creates the
+    engine when the model is loaded and runs every ``collective_rpc`` there), so the first
+    use creates it once."""
+    updater = vars(model).get(UPDATER_ATTR)
+    if updater is None:
+        updater = WorkerUpdater(model, vllm_config)
+        setattr(model, UPDATER_ATTR, updater)  # a plain attribute: not a parameter, buffer or module
+    return updater

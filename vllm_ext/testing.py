@@ -4,12 +4,18 @@ The servers the test suite starts load :class:`TestingWorkerExtension` in place 
 :class:`~vllm_ext.DeltaWorkerExtension` (``tests/servers.py``: ``extension_args``); production
 (``deltasync serve``, the demo, the Spaces) never does, so these RPCs do not exist there. They
 run only with ``DELTASYNC_TEST_HOOKS=1`` in the server's environment too.
+
+Every test hook lives here, none on a production class: :func:`poke` damages an
+:class:`~vllm_ext._inplace.InPlaceState`'s live weights, :func:`fail_after_write` makes its next
+write fail once it has written (the production classes are used as they are, through their own
+methods and attributes).
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,11 +25,12 @@ from deltasync.protocol import TEST_HOOKS_ENV
 
 from ._config import ServerConfig
 from ._extension import DeltaWorkerExtension, updater_of
+from ._inplace import InPlaceState, LiveStaged, wait_for_device
 from ._live_target import LiveTarget
 from ._lora_worker import find_lora, held_lora_tensor
 from ._updater import WorkerUpdater
 
-__all__ = ["TEST_EXTENSION", "TestingWorkerExtension"]
+__all__ = ["TEST_EXTENSION", "TestingWorkerExtension", "fail_after_write", "poke"]
 
 #: The ``--worker-extension-cls`` value of a test server.
 TEST_EXTENSION = "vllm_ext.testing.TestingWorkerExtension"
@@ -39,21 +46,14 @@ class TestingWorkerExtension(DeltaWorkerExtension):
     def deltasync_test_poke(self, name: str, index: int, bits: int) -> bool:
         """Set one live element's bf16 bit pattern (in-place mode); False on a rank that does not hold it."""
         target = _live_target(updater_of(self))
-        return target.live.poke(name, index, bits)
+        return poke(target.live, name, index, bits)
 
     def deltasync_test_fail_after_write(self, rank: int) -> None:
         """Make the next in-place write fail on ``rank`` after it has written."""
         updater = updater_of(self)
         target = _live_target(updater)
-        if rank != updater.rank:
-            return
-        after_write = target.after_write
-
-        def fail_once() -> None:
-            target.after_write = after_write
-            raise UpdateError(f"a failure injected after rank {updater.rank} wrote (test hook)")
-
-        target.after_write = fail_once
+        if rank == updater.rank:
+            fail_after_write(target.live, f"a failure injected after rank {updater.rank} wrote (test hook)")
 
     def deltasync_test_tensor_bytes(self) -> dict[str, int]:
         """Bytes of CPU tensors alive in this process, beyond the model's parameters, that are
@@ -97,6 +97,38 @@ class TestingWorkerExtension(DeltaWorkerExtension):
         taken = list(steps)
         del steps[: len(taken)]
         return taken
+
+
+def poke(live: InPlaceState, name: str, index: int, bits: int) -> bool:
+    """Set element ``index`` of checkpoint tensor ``name`` to the bf16 bit pattern ``bits`` in
+    ``live``'s weights, behind its back (wherever this rank holds it); False where it holds none."""
+    idx = torch.tensor([index], dtype=torch.int64)
+    done = False
+    for piece in live.map.pieces.get(name, []):
+        hit, dst = piece.locate(idx)
+        if hit.numel():
+            signed = bits - 0x10000 if bits >= 0x8000 else bits
+            flat = live.flat[piece.param]
+            flat.write(dst.to(flat.device), torch.tensor([signed], dtype=torch.int16, device=flat.device))
+            wait_for_device([flat.tensor])
+            done = True
+    return done
+
+
+def fail_after_write(live: InPlaceState, message: str) -> None:
+    """Make ``live``'s next :meth:`~vllm_ext._inplace.InPlaceState.write` raise
+    :class:`~deltasync.errors.UpdateError` (``message``) once it has written, carrying its undo
+    log as a failed write does; the writes after it work again."""
+    write: Callable[[LiveStaged], Any] = live.write
+
+    def fail_once(staged: LiveStaged) -> Any:
+        del live.write  # the class's method again
+        undo = write(staged)
+        exc = UpdateError(message)
+        exc.undo = undo  # type: ignore[attr-defined]
+        raise exc
+
+    live.write = fail_once  # type: ignore[method-assign]
 
 
 def _timed(method: Any, into: list[list[float]]) -> Any:

@@ -29,11 +29,6 @@ from ._errors import ServerError, VLLMServerError  # re-exported; defined with t
 
 __all__ = ["ServerError", "VLLMServer", "VLLMServerError", "free_port", "stop_process_group", "wait_healthy"]
 
-# Servers started and not yet stopped, ended at interpreter exit so that an aborted
-# test run does not leave 3 GiB processes behind.
-_LIVE: set[VLLMServer] = set()
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """Return a TCP port on ``host`` that is free at the time of the call."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -139,7 +134,7 @@ class VLLMServer:
         Safe to call more than once, and after the server died on its own.
         """
         proc, self._proc = self._proc, None
-        _LIVE.discard(self)
+        atexit.unregister(self._stop_at_exit)
         if proc is not None:
             stop_process_group(proc, grace)
         if self._own_log and self.log_file is not None:
@@ -171,6 +166,9 @@ class VLLMServer:
 
     # -- internals --------------------------------------------------------------------
 
+    def _stop_at_exit(self) -> None:
+        self.stop(grace=5.0)
+
     def _environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
@@ -201,12 +199,14 @@ class VLLMServer:
             )
         finally:
             log.close()
-        _LIVE.add(self)
+        # Ended at interpreter exit if it is still running then, so that an aborted test run
+        # does not leave 3 GiB processes behind.
+        atexit.register(self._stop_at_exit)
         try:
             self._wait_healthy(timeout)
         except BaseException:
             proc, self._proc = self._proc, None
-            _LIVE.discard(self)
+            atexit.unregister(self._stop_at_exit)
             if proc is not None:
                 stop_process_group(proc, grace=10.0)
             raise
@@ -305,8 +305,3 @@ def stop_process_group(proc: subprocess.Popen[bytes], grace: float) -> None:
     while _group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)
 
-
-@atexit.register
-def _stop_live_servers() -> None:
-    for server in list(_LIVE):
-        server.stop(grace=5.0)

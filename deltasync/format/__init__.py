@@ -14,7 +14,11 @@ per concern, lowest first:
 - :mod:`~deltasync.format.codecs`: the registry of delta codecs, one module each
   (:mod:`~deltasync.format.codecs.raw`, :mod:`~deltasync.format.codecs.zstd`), and
   :class:`Change`;
-- :mod:`~deltasync.format.pointer`: the pointer (``latest.json``) and the data files' paths;
+- :mod:`~deltasync.format.paths`: the paths of the pointer, the history, the data files and
+  the views;
+- :mod:`~deltasync.format.pointer_checks`: a pointer's JSON checked, within limits, before
+  anything is built from it;
+- :mod:`~deltasync.format.pointer`: the pointer (``latest.json``) and its entries;
 - :mod:`~deltasync.format.header`: the metadata every anchor and delta carries;
 - :mod:`~deltasync.format.anchors` and :mod:`~deltasync.format.delta`: the two kinds of file.
 """

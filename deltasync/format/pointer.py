@@ -1,20 +1,44 @@
-"""The pointer (``latest.json``, the commit point) and the paths of the files it names.
+"""The pointer (``latest.json``, the commit point) and the entries of the files it names.
 
-docs/protocol.md describes the pointer's fields; a reader checks every one of them
-(types and ranges first, then how they fit together) before it builds anything from them.
+docs/protocol.md describes the pointer's fields; a reader checks every one of them (types and
+ranges first, :mod:`~deltasync.format.pointer_checks`, then how they fit together, here)
+before it builds anything from them. The paths of the files live in
+:mod:`~deltasync.format.paths`; both modules' names are importable from here too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import FormatError
-from .limited_json import FINGERPRINT_RE, SHA256_RE, check_hex, check_int, parse_json
+from .limited_json import parse_json
+from .paths import (
+    DATA_PATH_RE,
+    HISTORY_PATH,
+    POINTER_PATH,
+    VIEW_NAME_RE,
+    VIEWS_PREFIX,
+    anchor_path,
+    data_path_version,
+    delta_path,
+    part_path,
+    view_names,
+    view_prefix,
+)
+from .pointer_checks import (
+    _SLACK,  # noqa: F401  (importable from here, as benchmarks/hostile_pointer.py does of every version)
+    BYTES_PER_COMMA,  # noqa: F401  (as _SLACK)
+    BYTES_PER_CONTAINER,  # noqa: F401  (as _SLACK)
+    MAX_ANCHORS,
+    MAX_PARTS,
+    MAX_POINTER_BYTES,
+    check_density,
+    check_pointer_body,
+)
 from .versions import (
     CHAIN_FORMAT_VERSION,
     FORMAT_NAME,
@@ -45,76 +69,8 @@ __all__ = [
     "view_names",
 ]
 
-POINTER_PATH = "latest.json"
-HISTORY_PATH = "history.jsonl"
-MAX_POINTER_BYTES = 32 << 20
-"""The largest pointer a reader accepts (a 1000-version chain is about 250 KB)."""
 MAX_HISTORY_BYTES = 64 << 20
 """The largest history a publisher reads back; a longer one is ignored (it is informative only)."""
-
-#: The fewest bytes a pointer spends per JSON object or array, and per comma (checked before
-#: parsing, so that a pointer filled with ``{}`` or ``0`` costs a reader no more than a few
-#: times its size): an entry takes about 180 bytes (a part 140) with one object and 6 commas,
-#: so a real pointer has one object per 140 bytes and one comma per 25.
-BYTES_PER_CONTAINER = 96
-BYTES_PER_COMMA = 16
-_SLACK = 64
-
-#: At most this many anchors in a pointer (``keep_anchors`` is bounded by it).
-MAX_ANCHORS = 1024
-
-#: At most this many parts per version (one per trainer rank that writes).
-MAX_PARTS = 65536
-
-_VERSIONED = r"(?:anchors|deltas)/([0-9]{8,16})"
-DATA_PATH_RE = re.compile(_VERSIONED + r"(?:\.part[0-9]+)?\.safetensors\Z", re.ASCII)
-"""The path of a data file (an anchor or a delta, whole or a part; see :func:`anchor_path`,
-:func:`delta_path`, :func:`part_path`): group 1 is its version. Nothing else in a bucket is
-an anchor or a delta, and nothing else is ever deleted by retention."""
-_VERSIONED_RE = re.compile(_VERSIONED + r"[.]", re.ASCII)
-"""The start of a data file's path, up to its version (checked before the whole path)."""
-
-
-def anchor_path(version: int) -> str:
-    return f"anchors/{version:08d}.safetensors"
-
-
-def delta_path(version: int) -> str:
-    return f"deltas/{version:08d}.safetensors"
-
-
-def part_path(kind: str, version: int, part: int) -> str:
-    """Part ``part`` of a version written by several writers (format version 2)."""
-    return f"{kind}s/{version:08d}.part{part}.safetensors"
-
-
-def data_path_version(path: str) -> int | None:
-    """The version of a data file (:data:`DATA_PATH_RE`); None for any other path."""
-    match = DATA_PATH_RE.match(path)
-    return None if match is None else int(match.group(1))
-
-
-VIEWS_PREFIX = "views/"
-"""The folder of the bucket that holds one folder per view (``views/FP8_DYNAMIC/``)."""
-VIEW_NAME_RE = re.compile(r"[A-Z0-9_]{1,64}\Z", re.ASCII)
-"""A view's name: a compressed-tensors preset scheme name."""
-
-
-def view_prefix(name: str) -> str:
-    """The folder of view ``name`` in a bucket."""
-    if not isinstance(name, str) or not VIEW_NAME_RE.match(name):
-        raise FormatError(f"view name {name!r} is not a scheme name (upper-case letters, digits and '_')")
-    return f"{VIEWS_PREFIX}{name}/"
-
-
-def view_names(store: Any) -> list[str]:
-    """The views a bucket holds (those with a committed pointer), sorted."""
-    found = set()
-    for path in store.list(VIEWS_PREFIX):
-        parts = path[len(VIEWS_PREFIX) :].split("/")
-        if len(parts) == 2 and parts[1] == POINTER_PATH and VIEW_NAME_RE.match(parts[0]):
-            found.add(parts[0])
-    return sorted(found)
 
 
 def sha256_hex(data: bytes) -> str:
@@ -345,7 +301,7 @@ class Pointer:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str = POINTER_PATH) -> Pointer:
-        _check_density(data, where)
+        check_density(data, where)
         try:
             body = parse_json(data, where=where, what="the pointer", max_bytes=MAX_POINTER_BYTES)
         except FormatError as exc:
@@ -359,7 +315,7 @@ class Pointer:
                 f"{where}: format_version {body.get('format_version')!r} is not supported "
                 f"(this deltasync reads {', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade deltasync"
             )
-        _check_pointer_body(body, where)
+        check_pointer_body(body, where)
         try:
             chain = tuple(_chain_entry(item) for item in body["chain"])
             if body["format_version"] in (CHAIN_FORMAT_VERSION, MANIFEST_FORMAT_VERSION):
@@ -422,24 +378,6 @@ class Pointer:
             raise FormatError(f"{where}: the pointer's fingerprint disagrees with its last chain entry")
 
 
-def _check_density(data: bytes, where: str) -> None:
-    """Refuse a pointer with more JSON objects, arrays or commas than its size allows a real one,
-    before any of them is parsed into an object (counted over the raw bytes: a real pointer has
-    none of these characters inside its strings)."""
-    size = len(data)
-    if size > MAX_POINTER_BYTES:
-        return  # parse_json refuses it, naming the size
-    for chars, per, what in (((b"{", b"["), BYTES_PER_CONTAINER, "objects and arrays ('{' and '[')"),
-                             ((b",",), BYTES_PER_COMMA, "commas")):  # fmt: skip
-        count = sum(data.count(c) for c in chars)
-        limit = _SLACK + size // per
-        if count > limit:
-            raise FormatError(
-                f"{where}: not a deltasync pointer ({count} {what} in {size} bytes, more than the {limit} "
-                f"a pointer of that size can hold: one per {per} bytes)"
-            )
-
-
 def _chain_entry(item: dict[str, Any]) -> ChainEntry:
     if isinstance(item, dict) and "parts" in item:
         return _multi_part_entry(item)
@@ -489,85 +427,3 @@ def _check_parts(item: ChainEntry, where: str) -> None:
         raise FormatError(f"{where}: version {item.version}'s nbytes is not the sum of its parts' sizes")
     if sum(part.changed for part in item.parts) != item.changed:
         raise FormatError(f"{where}: version {item.version}'s changed count is not the sum of its parts'")
-
-
-def _check_pointer_body(body: dict[str, Any], where: str) -> None:
-    """Types and ranges of the pointer's fields, before anything is built from them."""
-    for key in ("format_version", "version", "anchor", "total", "root", "base"):
-        if key in body:
-            check_int(body[key], where=where, field=key)
-    for key in ("fingerprint", "base_fingerprint"):
-        if key in body:
-            check_hex(body[key], FINGERPRINT_RE, where=where, field=key)
-    if body.get("format_version") == MANIFEST_FORMAT_VERSION:
-        if "manifest" not in body:
-            raise FormatError(f"{where}: a format_version {MANIFEST_FORMAT_VERSION} pointer must name its manifest")
-        check_hex(body["manifest"], SHA256_RE, where=where, field="manifest")
-    chain = body.get("chain")
-    if not isinstance(chain, list):
-        raise FormatError(f"{where}: chain must be a list, got {type(chain).__name__}")
-    lists = [("chain", chain)]
-    version = body.get("version")
-    if body.get("format_version") in (CHAIN_FORMAT_VERSION, MANIFEST_FORMAT_VERSION):
-        anchors = body.get("anchors")
-        if not isinstance(anchors, list) or not anchors or len(anchors) > MAX_ANCHORS:
-            shown = f"a list of {len(anchors)}" if isinstance(anchors, list) else type(anchors).__name__
-            raise FormatError(f"{where}: anchors must be a list of 1 to {MAX_ANCHORS} entries, got {shown}")
-        lists.append(("anchors", anchors))
-        first = body.get("base")
-    else:
-        first = body.get("anchor")
-        if isinstance(first, int):
-            first -= 1  # a format 1/2 chain starts with the anchor itself
-    if isinstance(version, int) and isinstance(first, int) and len(chain) != version - first:
-        # Checked before anything is built from version - base (which may be 10**15).
-        got = [item.get("version") if isinstance(item, dict) else None for item in chain[:20]]
-        raise FormatError(
-            f"{where}: the chain must list versions {first + 1}..{version} in order, got {got}"
-            + (f" and {len(chain) - 20} more" if len(chain) > 20 else "")
-        )
-    for label, items in lists:
-        for i, item in enumerate(items):
-            field = f"{label}[{i}]"
-            if not isinstance(item, dict):
-                raise FormatError(f"{where}: {field} must be an object, got {type(item).__name__}")
-            for key in ("version", "nbytes", "changed"):
-                if key in item:
-                    check_int(item[key], where=where, field=f"{field}.{key}")
-            for key in ("kind", "path"):
-                if key in item and (not isinstance(item[key], str) or not item[key].isascii()):
-                    raise FormatError(f"{where}: {field}.{key} must be an ASCII string, got {item[key]!r:.60}")
-            if "sha256" in item:
-                check_hex(item["sha256"], SHA256_RE, where=where, field=f"{field}.sha256")
-            if "fingerprint" in item:
-                check_hex(item["fingerprint"], FINGERPRINT_RE, where=where, field=f"{field}.fingerprint")
-            if "parts" in item:
-                _check_part_items(item["parts"], where=where, field=field, version=item.get("version"))
-            path, v = item.get("path"), item.get("version")
-            if isinstance(path, str) and isinstance(v, int):
-                digits = _VERSIONED_RE.match(path)
-                if digits is None or int(digits.group(1)) != v:
-                    raise FormatError(f"{where}: version {v} names an invalid path {path[:80]!r}")
-
-
-def _check_part_items(parts: Any, *, where: str, field: str, version: Any) -> None:
-    """Types and ranges of a split version's part list, before anything is built from it."""
-    if not isinstance(parts, list) or len(parts) > MAX_PARTS:
-        kind = f"a list of {len(parts)} items" if isinstance(parts, list) else type(parts).__name__
-        raise FormatError(f"{where}: {field}.parts must be a list of at most {MAX_PARTS} parts, got {kind}")
-    for j, part in enumerate(parts):
-        pfield = f"{field}.parts[{j}]"
-        if not isinstance(part, dict):
-            raise FormatError(f"{where}: {pfield} must be an object, got {type(part).__name__}")
-        for key in ("nbytes", "changed"):
-            if key in part:
-                check_int(part[key], where=where, field=f"{pfield}.{key}")
-        path = part.get("path")
-        if path is not None and (not isinstance(path, str) or not path.isascii()):
-            raise FormatError(f"{where}: {pfield}.path must be an ASCII string, got {path!r:.60}")
-        if "sha256" in part:
-            check_hex(part["sha256"], SHA256_RE, where=where, field=f"{pfield}.sha256")
-        if isinstance(path, str) and isinstance(version, int):
-            digits = _VERSIONED_RE.match(path)
-            if digits is None or int(digits.group(1)) != version:
-                raise FormatError(f"{where}: version {version} names an invalid part path {path[:80]!r}")

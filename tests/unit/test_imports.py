@@ -240,15 +240,21 @@ def test_import_vllm_ext_loads_no_trainer_side_module_and_patches_nothing() -> N
         "from vllm.model_executor.layers import utils\n"
         f"print(sorted(m for m in sys.modules for t in {TRAINER_SIDE!r} if m == t or m.startswith(t + '.')))\n"
         "print(utils.dispatch_cpu_unquantized_gemm.__name__)\n"
+        "from vllm_ext._plain_gemm import plain_gemm_enabled\n"
+        "print(plain_gemm_enabled())\n"
         "vllm_ext.register()\n"
-        "print(utils.dispatch_cpu_unquantized_gemm.__name__)\n"
+        "installed = utils.dispatch_cpu_unquantized_gemm\n"
+        "vllm_ext.register()  # again: what is installed stays, not wrapped twice\n"
+        "print(utils.dispatch_cpu_unquantized_gemm.__name__, utils.dispatch_cpu_unquantized_gemm is installed)\n"
+        "print(plain_gemm_enabled())\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "DELTASYNC_CPU_PLAIN_GEMM": "1"}
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    loaded, before, after = proc.stdout.splitlines()[-3:]
+    loaded, before, enabled_before, after, enabled = proc.stdout.splitlines()[-5:]
     assert loaded == "[]", loaded
-    assert (before, after) == ("dispatch_cpu_unquantized_gemm", "dispatch_plain_gemm")
+    assert (before, enabled_before) == ("dispatch_cpu_unquantized_gemm", "False")
+    assert (after, enabled) == ("dispatch_plain_gemm True", "True")
 
 
 def test_vllm_ext_uses_only_public_names_of_deltasync() -> None:

@@ -30,10 +30,11 @@ _WORKER = textwrap.dedent(
     import importlib.util  # the module alone: importing vllm_ext would import vLLM (seconds)
     spec = importlib.util.spec_from_file_location("cpus", os.path.join("vllm_ext", "_cpus.py"))
     _cpus = sys.modules["cpus"] = importlib.util.module_from_spec(spec); spec.loader.exec_module(_cpus)
-    _cpus.configure(sys.argv[2], sys.argv[3] if sys.argv[3] == "idle" else int(sys.argv[3]))
+    policy = _cpus.BackgroundPolicy(sys.argv[2], sys.argv[3] if sys.argv[3] == "idle" else int(sys.argv[3]))
+    _cpus.shorten_switch_interval()  # as the updater does when it starts
     seen = {}
     def background():
-        where = _cpus.enter_background()
+        where = policy.enter()
         seen["moved"], seen["reported_nice"], seen["reported_idle"] = where.cpus, where.nice, where.idle
         seen["policy"] = os.sched_getscheduler(threading.get_native_id())
         seen["thread"] = os.sched_getaffinity(threading.get_native_id())

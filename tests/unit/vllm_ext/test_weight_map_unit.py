@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltasync import fingerprint
+from deltasync.errors import UpdateError
 from deltasync.format.fingerprint import fingerprint_add, fingerprint_share
 
 pytest.importorskip("vllm")
@@ -138,6 +139,7 @@ def test_piece_locate_and_chunks_match_the_strided_view(shape, data):
 def test_in_place_writes_every_bit_pattern_exactly_and_rolls_back():
     from vllm_ext._inplace import InPlaceState, LiveStaged, _Write
     from vllm_ext._weight_map import discover
+    from vllm_ext.testing import fail_after_write, poke
 
     model = ToyModel(0, world=1)
     shapes = {k: v for k, v in SHAPES.items() if k != "norm.weight"}
@@ -158,8 +160,18 @@ def test_in_place_writes_every_bit_pattern_exactly_and_rolls_back():
         for name, param in model.named_parameters():
             assert torch.equal(param.data.view(torch.int16), before[name].view(torch.int16)), name
     assert state.verify()["ok"]
+    # The test hook that fails a write once it has written: the exception carries the undo log.
+    fail_after_write(state, "injected")
+    staged.writes = {"emb": _Write(torch.tensor([1, 2]), torch.tensor([5, -7], dtype=torch.int16))}
+    with pytest.raises(UpdateError, match="injected") as failed:
+        state.write(staged)
+    assert model.emb.data.view(-1).view(torch.int16)[1:3].tolist() == [5, -7]
+    state.rollback(failed.value.undo)
+    assert torch.equal(model.emb.data.view(torch.int16), before["emb"].view(torch.int16))
+    state.rollback(state.write(staged))  # once only: the next write works
+    assert state.verify()["ok"]
     # A changed element: verify sees it, and taints the state.
-    assert state.poke("o.weight", 7, 0x7FC1)
+    assert poke(state, "o.weight", 7, 0x7FC1)
     check = state.verify()
     assert not check["ok"] and state.tainted
 
