@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from deltasync.protocol import (
     MAX_POLL_S,
@@ -36,7 +37,7 @@ from ._metrics import Metrics
 from ._seam import Engine
 from ._token_versions import TokenVersionLog
 
-__all__ = ["UpdateFlow", "UpdateOutcome", "served_by"]
+__all__ = ["UpdateFlow", "UpdateOutcome", "VersionedFlow", "served_by"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,21 +66,39 @@ class UpdateOutcome:
     """Why an "inflight" update was applied with a pause instead."""
 
 
-class UpdateFlow:
+class VersionedFlow:
+    """What every update flow of a server shares (the full model's, :class:`UpdateFlow`, and
+    the adapters', ``vllm_ext._lora.AdapterFlow``): the engine it drives, the server's token,
+    one lock that every update holds, so that none overlaps another, and one version order."""
+
+    def __init__(self, engine: Engine, *, token: str | None) -> None:
+        self.engine = engine
+        self.token = token
+        self.lock = asyncio.Lock()
+        """Held by every update, so none overlaps another."""
+
+    @staticmethod
+    def order(version: object, served: int | None) -> Literal["served", "older", "newer"]:
+        """Where ``version`` stands against the version served: "served" (the update is a
+        no-op), "older" or "newer". What is not a version counts as newer: the checks that
+        follow refuse it in their own words."""
+        if not isinstance(version, int) or isinstance(version, bool) or served is None:
+            return "newer"
+        return "served" if version == served else "older" if version < served else "newer"
+
+
+class UpdateFlow(VersionedFlow):
     """The one update flow of an API-server process (see the module)."""
 
     def __init__(
         self, engine: Engine, *, token: str | None, update_mode: UpdateMode = "pause", metrics: Metrics | None = None
     ) -> None:
-        self.engine = engine
-        self.token = token
+        super().__init__(engine, token=token)
         self.update_mode = check_update_mode(update_mode, "update mode")
         """The server's mode, for follow mode and for pushes that name none."""
         self.served: int | None = None
         """The version every worker serves (None before the first update)."""
         self.last_update_at: float | None = None
-        self.lock = asyncio.Lock()
-        """Held by every update, so none overlaps another."""
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.tokens = TokenVersionLog()
@@ -107,7 +126,9 @@ class UpdateFlow:
             workers = await self._begin(version, auth)
             served = served_by(workers)
             self.served = served
-            if isinstance(version, int) and not isinstance(version, bool) and version == served:
+            # An older version goes on to the workers, which refuse it in their own words.
+            if self.order(version, served) == "served":
+                assert isinstance(version, int)
                 return UpdateOutcome(version=version, ok=True, noop=True, seconds=time.perf_counter() - start)
             outcome = await self._stage_and_apply(version, auth, mode, workers)
             outcome = replace(outcome, seconds=time.perf_counter() - start)
