@@ -35,7 +35,7 @@ SYMBOLS = {
         ("entrypoints/rl/online/api_router.py", "update_weights"),
         ("entrypoints/rl/online/api_router.py", "finish_weight_update"),
     ],
-    "pause / resume (vllm_ext/_server_sync.py)": [
+    "pause / resume (vllm_ext/_vllm_engine.py)": [
         ("v1/engine/async_llm.py", "AsyncLLM.pause_generation"),
         ("v1/engine/async_llm.py", "AsyncLLM.resume_generation"),
         ("v1/engine/core_client.py", "AsyncMPClient.pause_scheduler_async"),
@@ -47,7 +47,7 @@ SYMBOLS = {
         ("entrypoints/rl/online/api_router.py", "pause_generation"),
         ("entrypoints/rl/online/api_router.py", "resume_generation"),
     ],
-    "collective_rpc and the worker extension (vllm_ext/_extension.py, _server_sync.py, _lora.py)": [
+    "collective_rpc and the worker extension (vllm_ext/_extension.py, _vllm_engine.py, _lora.py)": [
         ("v1/engine/async_llm.py", "AsyncLLM.collective_rpc"),
         ("engine/protocol.py", "EngineClient.collective_rpc"),
         ("entrypoints/serve/dev/rpc/api_router.py", "collective_rpc"),

@@ -73,7 +73,7 @@ def register_backend() -> None:
     except ValueError as exc:
         if "already registered" not in str(exc):
             raise
-    from ._token_versions import install_engine_core_method
+    from ._vllm_engine import install_engine_core_method
 
     install_engine_core_method()  # in the engine-core process: where each version began, per request
 

@@ -33,17 +33,17 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from deltasync import AuthError, DeltaReceiver, DeltaSyncError, StagedUpdate, VersionError
-from deltasync.protocol import BUCKET_ENV, check_update_tag, check_version
+from deltasync.protocol import BUCKET_ENV
 from deltasync.protocol.lora import (
     ADAPTER_CONFIG_KEY,
     BASE_FINGERPRINT_KEY,
-    LORA_NAME_RE,
     STATUS_ROUTE,
     UPDATE_ROUTE,
     AdapterError,
@@ -54,11 +54,14 @@ from deltasync.protocol.lora import (
     fingerprint_sum,
 )
 
+from ._adapter_messages import AdapterRequest, AdapterStatus, AdapterUpdate, FailedUpdate, LoraModules, ServedFingerprint
 from ._asgi import answer, error_body, read_body, refused
 from ._checkpoint import resolve_model_dir
 from ._config import ServerConfig
+from ._flow import VersionedFlow
 from ._lora_worker import lora_problem
 from ._middleware import route_path
+from ._vllm_engine import VllmEngine
 
 __all__ = ["LoraSyncMiddleware"]
 
@@ -75,7 +78,7 @@ class LoraSyncMiddleware:
         config = ServerConfig.from_env()
         self.token = token if token is not None else config.token
         self.bucket = bucket if bucket is not None else config.bucket
-        self._sync: _AdapterSync | None = None
+        self._sync: AdapterFlow | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan" and "app" in scope:
@@ -94,9 +97,9 @@ class LoraSyncMiddleware:
             return
         body = await read_body(receive)
         if self._sync is None:
-            self._sync = _AdapterSync(scope["app"].state, self.bucket, self.token)
+            self._sync = AdapterFlow(scope["app"].state, self.bucket, self.token)
         if path == STATUS_ROUTE:
-            await answer(send, 200, await self._sync.full_status())
+            await answer(send, 200, (await self._sync.full_status()).to_json())
             return
         try:
             request = json.loads(body or b"{}")
@@ -109,23 +112,22 @@ class LoraSyncMiddleware:
             result = await self._sync.update(request)
         except DeltaSyncError as exc:
             status = 401 if isinstance(exc, AuthError) else 400 if isinstance(exc, (AdapterError, VersionError)) else 500
-            message = f"deltasync: adapter version {request.get('version')} not loaded: {exc}"
-            self._sync.last_error = {"version": request.get("version"), "error": message, "time": time.time()}
-            logger.error("%s", message)
-            await answer(send, status, error_body(message, type(exc).__name__, status))
+            assert self._sync.last_error is not None  # recorded by the flow
+            await answer(send, status, error_body(self._sync.last_error.error, type(exc).__name__, status))
             return
         await answer(send, 200, result)
 
 
-class _AdapterSync:
-    """One API server's adapter state: its receiver, private directory and loaded versions."""
+class AdapterFlow(VersionedFlow):
+    """One API server's adapter versions: its receiver, private directory and loaded versions,
+    updated by the flow every update of this server shares (:class:`vllm_ext._flow.VersionedFlow`:
+    one lock, one version order)."""
 
     def __init__(self, state: Any, bucket: str | None, token: str | None) -> None:
+        super().__init__(VllmEngine(state.engine_client), token=token)
         self.models = state.openai_serving_models
-        self.engine = state.engine_client
         self.vllm_config = state.vllm_config
         self.bucket = bucket
-        self.token = token
         self.receiver: DeltaReceiver | None = None
         self.directory = Path(tempfile.mkdtemp(prefix="deltasync-lora-"))  # mode 0700: private
         atexit.register(shutil.rmtree, self.directory, True)
@@ -136,85 +138,75 @@ class _AdapterSync:
         self.anchor_meta: tuple[int, dict[str, str]] | None = None
         """The root of the chain being followed, and the adapter metadata of its anchors."""
         self.served_base: str | None = None
-        self.last: dict[str, Any] | None = None
-        self.last_error: dict[str, Any] | None = None
-        self.served: dict[str, Any] = {"fingerprint": None, "error": None}
+        self.last: AdapterUpdate | None = None
+        self.last_error: FailedUpdate | None = None
+        self.served = ServedFingerprint()
         """The newest loaded version's fingerprint as vLLM's workers hold it (see _served_fingerprint)."""
-        self.modules: tuple[list[str] | None, str | None] | None = None
-        """(adapter modules vLLM serves LoRA on, or None; why not), asked of the workers once."""
-        self.lock = asyncio.Lock()
+        self.modules: LoraModules | None = None
+        """The adapter modules vLLM serves LoRA on (or why not), asked of the workers once."""
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> AdapterStatus:
         receiver = self.receiver
-        return {
-            "version": None if receiver is None else receiver.version,
-            # What vLLM's workers hold for the newest loaded version, not this process's copy.
-            "fingerprint": self.served["fingerprint"],
-            "fingerprint_error": self.served["error"],
-            "bucket_fingerprint": None if receiver is None else receiver.fingerprint,
-            "bucket": self.bucket,
-            "auth": self.token is not None,
-            "loaded": [self.loaded[v] for v in sorted(self.loaded)],
-            "lora_ids": {n: r.lora_int_id for n, r in self.models.lora_requests.items() if n in self.loaded.values()},
-            "base_fingerprint": self.served_base,
-            "last_update": self.last,
-            "last_error": self.last_error,
-        }
+        return AdapterStatus(
+            version=None if receiver is None else receiver.version,
+            served=self.served,
+            bucket_fingerprint=None if receiver is None else receiver.fingerprint,
+            bucket=self.bucket,
+            auth=self.token is not None,
+            loaded=[self.loaded[v] for v in sorted(self.loaded)],
+            lora_ids={n: r.lora_int_id for n, r in self.models.lora_requests.items() if n in self.loaded.values()},
+            base_fingerprint=self.served_base,
+            last_update=self.last,
+            last_error=self.last_error,
+        )
 
-    async def full_status(self) -> dict[str, Any]:
+    async def full_status(self) -> AdapterStatus:
         """:meth:`status` with the modules vLLM serves LoRA on, and the served fingerprint
         recomputed from the workers' tensors now."""
-        modules, why = await self.lora_modules()
+        modules = await self.lora_modules()
         async with self.lock:
             newest = None if self.receiver is None else self.loaded.get(self.receiver.version)  # type: ignore[arg-type]
             if newest is not None:
                 self.served = await self._served_fingerprint(newest, sorted(self.receiver.state_dict()))  # type: ignore[union-attr]
-            return {**self.status(), "lora_modules": modules, "lora_modules_error": why}
+            return replace(self.status(), modules=modules)
 
-    async def lora_modules(self) -> tuple[list[str] | None, str | None]:
+    async def lora_modules(self) -> LoraModules:
         """The adapter modules whose LoRA this server's vLLM loads and applies (asked once)."""
         if self.modules is None:
             try:
-                answers = await self.engine.collective_rpc("deltasync_lora_modules")
-                problem = next((a["problem"] for a in answers if a.get("problem")), None)
-                self.modules = (None, problem) if problem else (sorted({m for a in answers for m in a["modules"]}), None)
+                self.modules = LoraModules.from_answers(await self.engine.call_workers("deltasync_lora_modules"))
             except Exception as exc:  # noqa: BLE001  (reported: the workers lack the extension)
-                self.modules = (None, f"the workers cannot tell ({type(exc).__name__}: {exc}); start the server with "
-                                      "--worker-extension-cls vllm_ext.DeltaWorkerExtension")  # fmt: skip
+                self.modules = LoraModules(modules=None, problem=f"the workers cannot tell ({type(exc).__name__}: {exc}); "
+                                           "start the server with --worker-extension-cls vllm_ext.DeltaWorkerExtension")  # fmt: skip
         return self.modules
 
-    async def _served_fingerprint(self, adapter: str, names: list[str]) -> dict[str, Any]:
+    async def _served_fingerprint(self, adapter: str, names: list[str]) -> ServedFingerprint:
         """``adapter``'s fingerprint from the LoRA tensors every worker holds (they must agree)."""
         request = self.models.lora_requests.get(adapter)
         if request is None:
-            return {"fingerprint": None, "error": f"{adapter} is not loaded"}
+            return ServedFingerprint(error=f"{adapter} is not loaded")
         try:
-            answers = await self.engine.collective_rpc(
-                "deltasync_lora_fingerprint", args=(request.lora_int_id, str(self.directory / adapter), names)
+            answers = await self.engine.call_workers(
+                "deltasync_lora_fingerprint", request.lora_int_id, str(self.directory / adapter), names
             )
         except Exception as exc:  # noqa: BLE001  (reported, with what to do)
-            return {"fingerprint": None, "error": f"the workers cannot hash {adapter} ({type(exc).__name__}: {exc}); "
-                                                  "start the server with --worker-extension-cls vllm_ext.DeltaWorkerExtension"}  # fmt: skip
-        for rank, reply in enumerate(answers):
-            if reply["fingerprint"] is None:
-                what = [f"{k}: {reply[k]}" for k in ("inexact", "missing", "unclaimed") if reply[k]]
-                return {"fingerprint": None, "mismatch": True,
-                        "error": f"worker {rank} does not hold {adapter} as loaded from the bucket "
-                                 f"({'; '.join(what)})"}  # fmt: skip
-        found = {a["fingerprint"] for a in answers}
-        if len(found) != 1:
-            return {"fingerprint": None, "error": f"the workers disagree on {adapter}: {sorted(found)}"}
-        return {"fingerprint": found.pop(), "error": None}
+            return ServedFingerprint(error=f"the workers cannot hash {adapter} ({type(exc).__name__}: {exc}); "
+                                           "start the server with --worker-extension-cls vllm_ext.DeltaWorkerExtension")  # fmt: skip
+        return ServedFingerprint.from_answers(adapter, answers)
 
-    async def update(self, request: dict[str, Any]) -> dict[str, Any]:
-        version = check_version(request.get("version"))
-        check_update_tag(self.token, version, request.get("auth"))
-        name = request.get("name")
-        if not isinstance(name, str) or not LORA_NAME_RE.match(name):
-            raise AdapterError(f"name {name!r}: use letters, digits, '.', '_' and '-' (at most 100)")
-        keep = request.get("keep", 2)
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-            raise AdapterError(f"keep must be an integer >= 1, got {keep!r}")
+    async def update(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Load the adapter version ``body`` names (see the module); the route's answer. A
+        failure changes nothing, is kept in :attr:`last_error` and raised."""
+        try:
+            return await self._update(AdapterRequest.parse(body, self.token))
+        except DeltaSyncError as exc:
+            message = f"deltasync: adapter version {body.get('version')} not loaded: {exc}"
+            self.last_error = FailedUpdate(version=body.get("version"), error=message)
+            logger.error("%s", message)
+            raise
+
+    async def _update(self, request: AdapterRequest) -> dict[str, Any]:
+        version, adapter = request.version, request.adapter
         lora_config = self.vllm_config.lora_config
         if lora_config is None:
             raise AdapterError("this server runs without LoRA: restart it with --enable-lora --max-lora-rank R --max-loras K")
@@ -224,15 +216,15 @@ class _AdapterSync:
             raise AdapterError(f"this server follows no bucket: start it with {BUCKET_ENV} set (deltasync serve --bucket)")
         async with self.lock:
             start = time.perf_counter()
-            adapter = f"{name}-v{version}"
-            receiver = self.receiver
-            if receiver is not None and receiver.version is not None and version < receiver.version:
-                raise VersionError(f"version {version} is older than the newest loaded adapter version {receiver.version}")
-            if receiver is not None and receiver.version == version and self.loaded.get(version) == adapter:
-                self.last = {"version": version, "kind": "none", "nbytes": 0, "stage_s": 0.0, "apply_s": 0.0}
-                return {**self.status(), "kind": "none", "nbytes": 0, "stage_s": 0.0, "apply_s": 0.0}
+            newest = None if self.receiver is None else self.receiver.version
+            order = self.order(version, newest)
+            if order == "older":
+                raise VersionError(f"version {version} is older than the newest loaded adapter version {newest}")
+            if order == "served" and self.loaded.get(version) == adapter:
+                self.last = AdapterUpdate(version=version, kind="none")
+                return self.status().answer(self.last, None)
             staged, state, config, base, anchor_meta, staging = await asyncio.to_thread(
-                stage_adapter, self.bucket, self.receiver, self.anchor_meta, version  # type: ignore[arg-type]
+                stage_adapter, self.bucket, self.receiver, self.anchor_meta, version
             )
             check_adapter_config(config)
             rank = adapter_rank(config)
@@ -241,7 +233,7 @@ class _AdapterSync:
                     f"adapter version {version} has rank {rank}, above this server's --max-lora-rank "
                     f"{lora_config.max_lora_rank}: restart the server with a larger --max-lora-rank, or train a smaller r"
                 )
-            modules, _ = await self.lora_modules()
+            modules = (await self.lora_modules()).modules
             if modules is not None:  # else vLLM's own load-time check is what remains
                 check_adapter_modules(adapter_modules(state), modules, restricted=lora_config.target_modules)
             if self.served_base is None:
@@ -257,31 +249,22 @@ class _AdapterSync:
             t_load = time.perf_counter()
             await self._load(adapter, path)
             served = await self._served_fingerprint(adapter, sorted(state))
-            if served.get("mismatch") or served["fingerprint"] not in (None, staged.fingerprint):
+            if served.mismatch or served.fingerprint not in (None, staged.fingerprint):
                 await self._unload(adapter)
                 raise AdapterError(
                     f"vLLM's workers do not hold version {version} as its fingerprint {staged.fingerprint} says "
-                    f"({served['error'] or served['fingerprint']}): unloaded {adapter} again"
+                    f"({served.error or served.fingerprint}): unloaded {adapter} again"
                 )
             staging.apply(staged)
             self.served = served
             self.receiver = staging
             self.anchor_meta = anchor_meta
             self.loaded[version] = adapter
-            unloaded = await self._retire(version - keep)
-            apply_s = time.perf_counter() - t_load
-            self.last = {
-                "version": version,
-                "kind": staged.kind,
-                "nbytes": staged.nbytes,
-                "stage_s": stage_s,
-                "apply_s": apply_s,
-                "adapter": adapter,
-                "time": time.time(),
-            }
+            unloaded = await self._retire(version - request.keep)
+            self.last = AdapterUpdate(version=version, kind=staged.kind, nbytes=staged.nbytes, stage_s=stage_s,
+                                      apply_s=time.perf_counter() - t_load, adapter=adapter, time=time.time())  # fmt: skip
             logger.info("deltasync: loaded adapter %s (%s, %d bytes)", adapter, staged.kind, staged.nbytes)
-            return {**self.status(), "kind": staged.kind, "nbytes": staged.nbytes, "stage_s": stage_s,
-                    "apply_s": apply_s, "unloaded": unloaded}  # fmt: skip
+            return self.status().answer(self.last, unloaded)
 
     # ------------------------------------------------------------------ steps
 

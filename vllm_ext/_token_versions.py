@@ -1,61 +1,34 @@
 """Where each version began in every response: taken where the write happens.
 
 Every apply (in-flight or paused, from the update route, follow mode or ``/collective_rpc``)
-runs as one utility call in vLLM's engine core, :data:`ENGINE_METHOD`, added to vLLM's
-``EngineCore`` by :func:`install_engine_core_method` (the ``vllm.general_plugins`` entry point
-runs it in the engine-core process). The engine core handles utility calls between two engine
-steps, so in that one call it reads how many output tokens each unfinished request has (its
-scheduler's requests: running, waiting and preempted) and then runs ``deltasync_apply`` on
-every worker. No step runs in between: a request with ``k`` tokens then has its token ``k``
-sampled with the new weights. Tokens a step still has in flight (vLLM's async scheduling)
-count as sampled before: a write is ordered after the work already queued on the device.
+goes through :meth:`TokenVersionLog.apply`, which runs it as :meth:`vllm_ext._seam.Engine.apply`:
+between two engine steps, the engine counts the output tokens of each unfinished request and
+then runs ``deltasync_apply`` on every worker. No step runs in between: a request with ``k``
+tokens then has its token ``k`` sampled with the new weights (vLLM's count is taken in its
+engine core: see :mod:`vllm_ext._vllm_engine`).
 
-The API-server side, :class:`TokenVersionLog`, ties engine requests to HTTP requests. The
-middleware gives every completion and chat request an ``X-Request-Id`` holding a unique
-marker, which vLLM puts into the engine request's id. A request the engine does not hold at
-the write either finished before it or was sent after it: the log stamps each engine request
-with the number of applies sent before its own ``ADD`` (its send is wrapped), and input to the
-engine core is handled in the order it was sent.
+:class:`TokenVersionLog` ties engine requests to HTTP requests. The middleware gives every
+completion and chat request an ``X-Request-Id`` holding a unique marker, which the engine puts
+into the engine request's id. A request the engine does not hold at the write either finished
+before it or was sent after it: the log stamps each engine request with the number of applies
+sent before its own (:meth:`vllm_ext._seam.Engine.watch_requests`), and the engine handles its
+input in the order it was sent.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 import secrets
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from deltasync.protocol import TokenVersions
 
-__all__ = ["ENGINE_METHOD", "TokenVersionLog", "install_engine_core_method"]
+from ._seam import Engine, SentRequest
 
-logger = logging.getLogger(__name__)
+__all__ = ["TokenVersionLog"]
 
-#: The engine-core utility: output tokens per unfinished request, then the apply on every worker.
-ENGINE_METHOD = "deltasync_apply_counted"
 _MARKER = re.compile(r"dsv[0-9a-f]{24}")
-
-
-def _apply_counted(self: Any, version: Any, auth: Any = None) -> dict[str, Any]:
-    counts = [
-        [request_id, getattr(request, "external_req_id", None),
-         int(request.num_output_tokens) + int(getattr(request, "num_output_placeholders", 0) or 0)]
-        for request_id, request in self.scheduler.requests.items()
-    ]  # fmt: skip
-    answers = self.collective_rpc("deltasync_apply", None, (version, auth), None)
-    return {"tokens": counts, "answers": answers}
-
-
-def install_engine_core_method() -> None:
-    """Add :data:`ENGINE_METHOD` to vLLM's ``EngineCore`` (safe to repeat; no-op without vLLM)."""
-    try:
-        from vllm.v1.engine.core import EngineCore
-    except ImportError:  # pragma: no cover - vLLM is optional for the package
-        return
-    if not hasattr(EngineCore, ENGINE_METHOD):
-        setattr(EngineCore, ENGINE_METHOD, _apply_counted)
 
 
 @dataclass
@@ -80,14 +53,6 @@ class _Apply:
     tokens: dict[str, int] | None  # None: an apply whose counts were not taken
 
 
-def _child_of(internal: str, external: str) -> int:
-    """The choice index of an engine request: vLLM names child i of ``n > 1`` "{i}_{parent id}"."""
-    if internal.startswith(external):
-        return 0
-    head, _, _ = internal.partition("_")
-    return int(head) if head.isdigit() else 0
-
-
 class TokenVersionLog:
     """The API-server process's record of where each version began, per tracked request."""
 
@@ -96,66 +61,40 @@ class TokenVersionLog:
         """Applies sent to the engine so far."""
         self._tracked: dict[str, _Tracked] = {}
         self._applies: list[_Apply] = []
-        self._hooked: Any = None
 
     # ---------------------------------------------------------------- the engine side
 
-    def hook(self, engine: Any) -> None:
-        """Stamp each engine request of a tracked HTTP request with the applies sent before it
-        (wraps the engine client's ``add_request_async`` once)."""
-        core = getattr(engine, "engine_core", None)
-        original = getattr(core, "add_request_async", None)
-        if original is None or self._hooked is core:
-            return
-        log = self
+    def hook(self, engine: Engine) -> None:
+        """Stamp each engine request of a tracked HTTP request with the applies sent before it."""
+        engine.watch_requests(self.sent)
 
-        async def add_request_async(request: Any) -> None:
-            log._sent(request)  # synchronously before the ADD is sent: the engine sees this order
-            await original(request)
-
-        core.add_request_async = add_request_async  # type: ignore[union-attr]
-        self._hooked = core
-
-    def _sent(self, request: Any) -> None:
-        external = getattr(request, "external_req_id", None) or ""
+    def sent(self, request: SentRequest) -> None:
+        """``request`` is about to be sent to the engine (see :meth:`Engine.watch_requests`)."""
+        external = request.external_id
         found = _MARKER.search(external)
         tracked = self._tracked.get(found.group()) if found else None
         if tracked is None or not found:
             return
-        internal: str = request.request_id
         rest = external[found.end() :]
         prompt = int(rest[1:]) if rest.startswith("-") and rest[1:].isdigit() else 0
-        child = _child_of(internal, external)
-        tracked.choices[internal] = _Choice(prompt, child, self.epoch, external)
+        tracked.choices[request.request_id] = _Choice(prompt, request.choice, self.epoch, external)
 
-    async def apply(self, engine: Any, version: int, auth: Any, *, counted: bool = True) -> list[Any]:
-        """Run ``deltasync_apply`` on every worker through the engine core's counted call (or a
-        plain ``collective_rpc`` on an engine without it) and record where ``version`` began;
-        the workers' answers."""
-        core = getattr(engine, "engine_core", None)
-        call: Callable[..., Any] | None = getattr(core, "call_utility_async", None) if counted else None
+    async def apply(self, engine: Engine, version: Any, auth: Any) -> list[Any]:
+        """Run ``deltasync_apply`` on every worker (:meth:`Engine.apply`) and record where
+        ``version`` began; the workers' answers."""
         self.epoch += 1
         epoch = self.epoch
-        if call is None:
-            answers = await engine.collective_rpc("deltasync_apply", args=(version, auth))
-            self.record(epoch, version, None, answers)
-            return list(answers)
-        try:
-            # The coroutine runs up to its send before anything else can send: no ADD slips between.
-            result = await call(ENGINE_METHOD, version, auth)
-        except Exception as exc:
-            if f"no attribute '{ENGINE_METHOD}'" not in str(exc):
-                raise
-            logger.warning("deltasync: the engine core lacks %s (is vllm_ext's plugin installed?): token "
-                           "versions will be reported as unknown ('?')", ENGINE_METHOD)  # fmt: skip
-            return await self.apply(engine, version, auth, counted=False)
-        tokens: dict[str, int] = {}
-        for internal, external, count in result["tokens"]:
-            tokens[internal] = count
-            if external:  # also by the id this server gave it, and the choice's index
-                tokens[f"{external}#{_child_of(internal, external)}"] = count
-        self.record(epoch, version, tokens, result["answers"])
-        return list(result["answers"])
+        applied = await engine.apply(version, auth)
+        tokens: dict[str, int] | None = None
+        if applied.tokens is not None:
+            tokens = {}
+            for counted in applied.tokens:
+                request = counted.request
+                tokens[request.request_id] = counted.output_tokens
+                if request.external_id:  # also by the id this server gave it, and the choice's index
+                    tokens[f"{request.external_id}#{request.choice}"] = counted.output_tokens
+        self.record(epoch, version, tokens, applied.answers)
+        return list(applied.answers)
 
     def record(self, epoch: int, version: object, tokens: dict[str, int] | None, answers: Any) -> None:
         """Keep apply ``epoch`` if every worker applied ``version``."""

@@ -49,7 +49,9 @@ from deltasync.protocol import (
 from ._asgi import answer, error_body, header, read_body, refused, unauthorized
 from ._config import ServerConfig
 from ._middleware import route_path
-from ._server_sync import FollowConfig, ServerSync, cache_salt
+from ._seam import Engine
+from ._server_sync import FollowConfig, ServerSync
+from ._vllm_engine import VllmEngine
 
 __all__ = ["STATUS_ROUTE", "TOKEN_VERSIONS_HEADER", "UPDATE_ROUTE", "VERSIONS_HEADER", "VERSION_HEADER", "UpdateMiddleware"]
 
@@ -78,10 +80,8 @@ class UpdateMiddleware:
 
     def _sync(self, scope: Any) -> ServerSync:
         if self.sync is None:
-            self.sync = ServerSync(
-                scope["app"].state.engine_client, token=self.token, follow=self.follow, update_mode=self.update_mode
-            )
-            self.sync.tokens.hook(self.sync.engine)
+            engine = VllmEngine(scope["app"].state.engine_client)
+            self.sync = ServerSync(engine, token=self.token, follow=self.follow, update_mode=self.update_mode)
         return self.sync
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -109,7 +109,7 @@ class UpdateMiddleware:
         sync = self._sync(scope)
         body = await read_body(receive)
         version = await sync.admitted()
-        body = _salted(body, version)
+        body = _salted(sync.engine, body, version)
         replay = _replay(body, receive)
         # The marker in vLLM's request id ties the engine's requests to this one (the client's
         # own X-Request-Id stays in front of it).
@@ -223,17 +223,17 @@ def _apply_call(request: Any) -> tuple[Any, Any] | None:
     return (values[0], values[1])
 
 
-def _salted(body: bytes, version: int | None) -> bytes:
-    """The request body with its ``cache_salt`` bound to ``version`` (the client's own salt kept
-    inside it); a body that is not a JSON object goes on as it is, for vLLM to refuse."""
+def _salted(engine: Engine, body: bytes, version: int | None) -> bytes:
+    """The request body salted for ``version`` by the engine (vLLM: its ``cache_salt`` bound to
+    ``version``, the client's own salt kept inside it); a body that is not a JSON object goes on
+    as it is, for vLLM to refuse."""
     try:
         request = json.loads(body or b"{}")
     except ValueError:
         return body
     if not isinstance(request, dict):
         return body
-    request["cache_salt"] = cache_salt(version, request.get("cache_salt"))
-    return json.dumps(request).encode()
+    return json.dumps(engine.salt(request, version)).encode()
 
 
 def _replay(body: bytes, receive: Any) -> Any:

@@ -295,9 +295,10 @@ def test_a_follower_tags_each_token_with_the_weights_that_sampled_it(lab, follow
     _wait([server], second, lab.fingerprint)
     answers = [a for r in rounds for a in r.join()]
     # A round admitted after the update (the status read above lags it) is the new version's alone.
-    late = [a for a in answers if a.starts[0][0] == second]
+    # (starts[0][0] is the first choice's first entry, (version, token); its version is [0].)
+    late = [a for a in answers if a.starts[0][0][0] == second]
     assert all(starts == [(second, 0)] for a in late for starts in a.starts), [(a.kind, a.starts) for a in late]
-    answers = [a for a in answers if a.starts[0][0] != second]
+    answers = [a for a in answers if a.starts[0][0][0] != second]
     with torch.no_grad():  # the first version's weights again, as a new version: the reference
         for name, p in lab.model.named_parameters():
             p.copy_(saved[name])

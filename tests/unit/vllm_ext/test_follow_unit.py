@@ -21,8 +21,9 @@ pytestmark = requires_vllm
 
 def _sync(engine: Engine, bucket, *, interval: float = 0.5, token: str | None = TOKEN):
     from vllm_ext._server_sync import FollowConfig, ServerSync
+    from vllm_ext._vllm_engine import VllmEngine
 
-    return ServerSync(engine, token=token, follow=FollowConfig(enabled=True, interval=interval, bucket=str(bucket)))
+    return ServerSync(VllmEngine(engine), token=token, follow=FollowConfig(enabled=True, interval=interval, bucket=str(bucket)))
 
 
 def _publish(bucket, versions: int):
@@ -63,7 +64,7 @@ def test_a_bucket_that_fails_backs_off_keeps_serving_and_recovers(tmp_path):
     assert asyncio.run(sync.follow_once()) == 8.0
     assert "latest.json" in sync.last_error and "version" in sync.last_error
     assert engine.calls == [] and sync.served is None  # nothing was staged or paused
-    sync._failures = 10_000  # days of failures: the wait stays at its bound, the follower goes on
+    sync.follower._failures = 10_000  # days of failures: the wait stays at its bound, the follower goes on
     assert asyncio.run(sync.follow_once()) == 60.0
     (bucket / "latest.json").unlink()
     _publish(bucket, 2)
@@ -162,25 +163,31 @@ def test_follow_settings_from_the_environment():
             FollowConfig.from_env(env)
 
 
-def test_metrics_count_updates_failures_and_bytes(tmp_path):
-    from prometheus_client import REGISTRY
-
-    def value(name: str) -> float:
-        return REGISTRY.get_sample_value(name) or 0.0
+def test_metrics_count_updates_failures_and_bytes_of_their_own_flow(tmp_path):
+    from prometheus_client import CollectorRegistry
 
     bucket = tmp_path / "bucket"
     _publish(bucket, 2)
-    before = {n: value(n) for n in ("deltasync_update_failures_total", "deltasync_downloaded_bytes_total",
-                                    "deltasync_update_seconds_count")}  # fmt: skip
     engine = Engine(results=[{"version": 1, "nbytes": 1234}])
     sync = _sync(engine, bucket)
+    failing = _sync(Engine(fail="deltasync_apply"), bucket)  # a second flow in the process counts apart
+    value = sync.metrics.registry.get_sample_value
+    assert value("deltasync_served_version") == -1 and value("deltasync_update_seconds_count") == 0
     asyncio.run(sync.follow_once())
     assert value("deltasync_served_version") == 1 and value("deltasync_latest_version") == 1
-    assert value("deltasync_downloaded_bytes_total") - before["deltasync_downloaded_bytes_total"] == 1234
-    assert value("deltasync_update_seconds_count") - before["deltasync_update_seconds_count"] == 1
-    failing = Engine(fail="deltasync_apply")
-    asyncio.run(_sync(failing, bucket).bring_to(1, update_tag(TOKEN, 1)))
-    assert value("deltasync_update_failures_total") - before["deltasync_update_failures_total"] == 1
+    assert value("deltasync_downloaded_bytes_total") == 1234 and value("deltasync_update_seconds_count") == 1
+    asyncio.run(failing.bring_to(1, update_tag(TOKEN, 1)))
+    assert failing.metrics.registry.get_sample_value("deltasync_update_failures_total") == 1
+    assert value("deltasync_update_failures_total") == 0
+    # Exposed on a registry (vLLM's /metrics serves the default one) from start-up to shutdown;
+    # a second flow's series cannot be exposed beside them, and the first stays.
+    served = CollectorRegistry(auto_describe=True)
+    sync.metrics.expose(served)
+    failing.metrics.expose(served)
+    assert served.get_sample_value("deltasync_downloaded_bytes_total") == 1234
+    assert served.get_sample_value("deltasync_update_failures_total") == 0
+    sync.metrics.hide()
+    assert served.get_sample_value("deltasync_served_version") is None
 
 
 def test_the_server_reads_its_environment_in_one_config() -> None:

@@ -47,7 +47,7 @@ def test_an_unknown_mode_is_refused_before_anything_happens():
 
 
 def test_cache_salt_separates_versions_and_keeps_the_clients_salt():
-    from vllm_ext._server_sync import cache_salt
+    from vllm_ext._vllm_engine import cache_salt
 
     assert cache_salt(None) == "deltasync-vbase" and cache_salt(7) == "deltasync-v7"
     mine, theirs = cache_salt(7, "alice"), cache_salt(7, "bob")
@@ -131,7 +131,8 @@ def test_weight_routes_hold_admissions_until_the_served_version_is_read_back():
 def test_token_version_log_tells_finished_requests_from_ones_sent_after_the_write():
     """The engine core reports the tokens of the requests it holds at the write; of the others,
     one sent before the write had finished, one sent after it has every token from the new version."""
-    from vllm_ext._token_versions import ENGINE_METHOD, TokenVersionLog
+    from vllm_ext._token_versions import TokenVersionLog
+    from vllm_ext._vllm_engine import ENGINE_METHOD, VllmEngine
 
     held: dict[str, int] = {}
     sent: list[str] = []
@@ -146,7 +147,7 @@ def test_token_version_log_tells_finished_requests_from_ones_sent_after_the_writ
     engine = SimpleNamespace(engine_core=SimpleNamespace(add_request_async=add_request_async,
                                                          call_utility_async=call_utility_async))  # fmt: skip
     log = TokenVersionLog()
-    log.hook(engine)
+    log.hook(VllmEngine(engine))
     one, two, late = log.track(4), log.track(4), log.track(4)
 
     def request(internal: str, external: str):
@@ -160,11 +161,11 @@ def test_token_version_log_tells_finished_requests_from_ones_sent_after_the_writ
         await engine.engine_core.add_request_async(request(f"0_chatcmpl-{two}-ijklmnop", f"chatcmpl-{two}"))
         held.update({f"cmpl-{one}-0-abcdefgh": 7, f"1_chatcmpl-{two}-ijklmnop": 3, f"0_chatcmpl-{two}-ijklmnop": 3})
         # cmpl-{one}-1 finished before the write
-        assert await log.apply(engine, 5, None) == [{"version": 5}]
+        assert await log.apply(VllmEngine(engine), 5, None) == [{"version": 5}]
         await engine.engine_core.add_request_async(request(f"cmpl-{late}-0-qrstuvwx", f"cmpl-{late}-0"))
         held.clear()
         held[f"cmpl-{late}-0-qrstuvwx"] = 2
-        await log.apply(engine, 6, None)
+        await log.apply(VllmEngine(engine), 6, None)
 
     asyncio.run(scenario())
     assert log.versions(one) == [[(4, 0), (5, 7)], [(4, 0)]]  # prompt 0, then prompt 1 (finished before)
@@ -180,6 +181,7 @@ def test_an_apply_behind_the_flow_leaves_the_start_unknown_for_requests_it_strad
     sent before shows the new version at an unknown token ('?'), one sent after at token 0."""
     from deltasync.protocol.token_versions import format_token_versions
     from vllm_ext._token_versions import TokenVersionLog
+    from vllm_ext._vllm_engine import VllmEngine
 
     sent: list[str] = []
 
@@ -188,7 +190,7 @@ def test_an_apply_behind_the_flow_leaves_the_start_unknown_for_requests_it_strad
 
     engine = SimpleNamespace(engine_core=SimpleNamespace(add_request_async=add_request_async))
     log = TokenVersionLog()
-    log.hook(engine)
+    log.hook(VllmEngine(engine))
     before, after = log.track(4), log.track(4)
 
     async def scenario():

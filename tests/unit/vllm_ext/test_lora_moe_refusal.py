@@ -19,7 +19,7 @@ from vllm.config import LoRAConfig, ModelConfig
 from deltasync import AdapterError
 from deltasync.examples.tiny import build_tiny_moe_model
 from vllm_ext import LoraSyncMiddleware
-from vllm_ext._lora import _AdapterSync
+from vllm_ext._lora import AdapterFlow
 from vllm_ext._lora_worker import lora_modules, lora_problem
 
 
@@ -81,7 +81,11 @@ def test_the_adapter_middleware_refuses_to_start_on_an_moe(configs, case) -> Non
 
 def test_an_update_is_refused_with_the_reason(configs) -> None:
     state = SimpleNamespace(openai_serving_models=None, engine_client=None, vllm_config=configs["moe+lora"])
-    sync = _AdapterSync(state, "/nowhere", None)
+    sync = AdapterFlow(state, "/nowhere", None)
     with pytest.raises(AdapterError, match="mixture-of-experts model does not run on vLLM-CPU"):
         asyncio.run(sync.update({"version": 1, "auth": None, "name": "policy"}))
     assert sync.loaded == {} and sync.receiver is None
+    # The flow keeps the failure, typed, in the words the route answers with.
+    assert sync.last_error is not None and sync.last_error.version == 1
+    assert sync.last_error.error.startswith("deltasync: adapter version 1 not loaded: LoRA on a mixture-of-experts model")
+    assert set(sync.last_error.to_json()) == {"version", "error", "time"}

@@ -1,0 +1,187 @@
+"""The engine seam (``vllm_ext._seam.Engine``): the flow modules import no vLLM, and the flow
+runs on any engine that keeps the seam's promises.
+
+The flow is driven here by a small fake engine that implements the Protocol (not vLLM's
+client): it tests the seam itself, the contract an SGLang port would implement. vLLM's
+implementation is exercised by the servers of ``integration/vllm_ext`` and, with a recording
+vLLM-shaped client, by ``test_update_route.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from servers import REPO_ROOT, requires_vllm
+
+from deltasync.protocol.auth import update_tag
+
+pytestmark = requires_vllm  # importing vllm_ext registers its backend with vLLM
+
+#: The engine-neutral modules: they reach an engine only through ``vllm_ext._seam.Engine``.
+FLOW_MODULES = ("_seam", "_flow", "_follower", "_metrics", "_server_sync", "_token_versions", "_adapter_messages")
+
+
+def _imports(path) -> set[str]:
+    """Every module ``path`` imports, at any depth of its code (relative ones as ``.name``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            found.add("." * node.level + (node.module or ""))
+            if node.level and not node.module:
+                found |= {"." + alias.name for alias in node.names}
+    return found
+
+
+def test_the_flow_modules_import_no_vllm_and_not_vllms_engine():
+    for name in FLOW_MODULES:
+        path = REPO_ROOT / "vllm_ext" / f"{name}.py"
+        imports = _imports(path)
+        vllm = sorted(i for i in imports if i == "vllm" or i.startswith("vllm.") or i.endswith("_vllm_engine"))
+        assert not vllm, f"vllm_ext/{name}.py imports {vllm}: reach vLLM through vllm_ext._seam.Engine"
+        local = {i.lstrip(".") for i in imports if i.startswith(".")}
+        assert local <= set(FLOW_MODULES) | {"_config"}, f"vllm_ext/{name}.py imports {sorted(local)}"
+
+
+def test_the_check_sees_an_import_inside_a_function(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    from vllm.v1.engine.core import EngineCore\n    from . import _vllm_engine\n")
+    assert _imports(path) == {"vllm.v1.engine.core", ".", "._vllm_engine"}
+
+
+class FakeEngine:
+    """An engine of ``workers`` in-memory workers that keeps the seam's promises (nothing steps
+    here, so every call is between two steps; pause keeps the requests; the label is what it
+    reports), and records what the flow asked of it, in order."""
+
+    def __init__(self, workers: int = 2, *, served: int | None = None, mode: str = "in-place") -> None:
+        self.workers = workers
+        self.served = served
+        self.mode = mode
+        self.calls: list[Any] = []
+        self.paused = False
+        self.label_now: int | None = None
+        self.requests: dict[str, int] = {}
+        """Unfinished requests: engine id -> output tokens so far."""
+        self._sent: Callable[..., None] | None = None
+
+    def _status(self, prefetch: dict | None) -> list[dict]:
+        return [{"rank": r, "version": self.served, "fingerprint": "ab" * 8, "mode": self.mode, "prefetch": prefetch}
+                for r in range(self.workers)]  # fmt: skip
+
+    async def call_workers(self, method: str, *args: Any) -> list[Any]:
+        if method == "deltasync_status":
+            return self._status(None)
+        self.calls.append((method, *args))
+        if method == "deltasync_begin":
+            state = "applied" if args[0] == self.served else "ready"
+            return self._status({"version": args[0], "state": state})
+        if method == "deltasync_apply":
+            if args[1] != "good-tag" and args[1] != update_tag("tok", args[0]):
+                return [{"version": self.served, "error": "deltasync: the tag is wrong"}] * self.workers
+            self.served = args[0]
+            return [{"version": args[0], "nbytes": 10}] * self.workers
+        raise AssertionError(method)
+
+    async def apply(self, version: Any, auth: Any) -> Any:
+        from vllm_ext._seam import Applied, RequestTokens, SentRequest
+
+        tokens = [RequestTokens(SentRequest(i, i.rsplit("-", 1)[0], 0), n) for i, n in self.requests.items()]
+        answers = await self.call_workers("deltasync_apply", version, auth)
+        return Applied(answers, tokens)
+
+    def watch_requests(self, sent: Callable[..., None]) -> None:
+        self._sent = sent
+
+    def add(self, engine_id: str, external: str) -> None:
+        """A request arrives at the engine (through the API server)."""
+        from vllm_ext._seam import SentRequest
+
+        assert self._sent is not None
+        self._sent(SentRequest(engine_id, external, 0))
+        self.requests[engine_id] = 0
+
+    async def pause(self) -> None:
+        self.calls.append("pause")
+        self.paused = True
+
+    async def resume(self) -> None:
+        self.calls.append("resume")
+        self.paused = False
+
+    async def label(self, version: int) -> None:
+        self.calls.append(("label", version))
+        self.label_now = version
+
+    def salt(self, request: dict[str, Any], version: int | None) -> dict[str, Any]:
+        return {**request, "salt": f"v{version}"}
+
+
+def _sync(engine: FakeEngine, **kwargs: Any):
+    from vllm_ext._server_sync import FollowConfig, ServerSync
+
+    return ServerSync(engine, token="tok", follow=FollowConfig(), **kwargs)
+
+
+def test_a_paused_update_on_a_fake_engine():
+    engine = FakeEngine()
+    sync = _sync(engine)
+    outcome = asyncio.run(sync.bring_to(3, "good-tag"))
+    assert outcome.ok and outcome.mode == "pause" and [r.version for r in outcome.results] == [3, 3]
+    assert engine.calls == [("deltasync_begin", 3, "good-tag"), "pause", ("deltasync_apply", 3, "good-tag"),
+                            ("label", 3), "resume"]  # fmt: skip
+    assert (sync.served, engine.label_now, engine.paused) == (3, 3, False)
+    assert sync.metrics.registry.get_sample_value("deltasync_downloaded_bytes_total") == 20
+    engine.calls.clear()
+    assert asyncio.run(sync.bring_to(3, "good-tag")).noop and engine.calls == [("deltasync_begin", 3, "good-tag")]
+
+
+def test_an_inflight_update_on_a_fake_engine_records_where_each_version_began():
+    engine = FakeEngine(served=1)
+    sync = _sync(engine, update_mode="inflight")
+    sync.served = 1
+    marker = sync.tokens.track(1)
+    engine.add(f"cmpl-{marker}-0-x", f"cmpl-{marker}-0")
+    engine.requests[f"cmpl-{marker}-0-x"] = 5  # five tokens sampled with version 1
+    outcome = asyncio.run(sync.bring_to(2, "good-tag"))
+    assert outcome.ok and outcome.mode == "inflight" and "pause" not in engine.calls
+    assert sync.tokens.versions(marker) == [[(1, 0), (2, 5)]]
+    # The salt is the engine's: the middleware asks the engine for it.
+    from vllm_ext._update_route import _salted
+
+    assert _salted(engine, b'{"prompt": "hi"}', 2) == b'{"prompt": "hi", "salt": "v2"}'
+
+
+def test_a_refused_update_on_a_fake_engine_resumes_and_labels_nothing():
+    engine = FakeEngine()
+    sync = _sync(engine)
+    outcome = asyncio.run(sync.bring_to(3, "bad-tag"))
+    assert not outcome.ok and outcome.status == 500 and outcome.error == "deltasync: the tag is wrong"
+    assert engine.calls[-1] == "resume" and engine.label_now is None and sync.served is None
+    assert sync.metrics.registry.get_sample_value("deltasync_update_failures_total") == 1
+
+
+def test_the_follower_runs_the_flow_on_a_fake_engine(tmp_path):
+    import torch
+    from helpers import small_transformer, train_step
+
+    from deltasync import DeltaPublisher
+    from vllm_ext._server_sync import FollowConfig, ServerSync
+
+    model = small_transformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-4)
+    with DeltaPublisher(tmp_path / "bucket", model, opt) as publisher:
+        for v in range(3):
+            if v:
+                train_step(model, opt, seed=v)
+            publisher.publish()
+    engine = FakeEngine()
+    sync = ServerSync(engine, token="tok", follow=FollowConfig(enabled=True, interval=0.5, bucket=str(tmp_path / "bucket")))
+    assert asyncio.run(sync.follow_once()) == 0.5
+    tag = update_tag("tok", 2)  # straight to the newest, tagged by the server itself
+    assert engine.calls == [("deltasync_begin", 2, tag), "pause", ("deltasync_apply", 2, tag), ("label", 2), "resume"]
+    assert sync.follow_status()["lag"] == 0 and sync.last_error is None
