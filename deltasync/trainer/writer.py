@@ -41,7 +41,7 @@ from ..format import (
     part_path,
     sha256_hex,
 )
-from ..format.fingerprint import fingerprint_slice_share, format_fingerprint
+from ..format.fingerprint import DeviceHasher, fingerprint_slice_share, format_fingerprint
 from ..stores import read_limited, write_stream
 
 if TYPE_CHECKING:
@@ -289,10 +289,16 @@ class ChainWriter:
                 tracked = self.detector.is_tracked(source)
                 flat = self.detector.snapshot_flat(source) if tracked else live.local(params[source])
                 offset = owned.begin
+                hasher = None if flat.device.type == "cpu" else DeviceHasher(flat.device)
                 for values in self.checkpoint.chunks(name, flat, live.begin, owned):
-                    shares[0] += fingerprint_slice_share(name, values.cpu(), offset)
+                    if hasher is None:
+                        shares[0] += fingerprint_slice_share(name, values, offset)
+                    else:  # hashed where it lies; one read of the sum per tensor
+                        hasher.add_slice(name, values, offset)
                     offset += values.numel()
                     yield values
+                if hasher is not None:
+                    shares[0] += hasher.value()
 
             return gen
 
