@@ -41,6 +41,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -177,6 +178,58 @@ def optimizer_for(params: list[torch.Tensor], lr: float, device: torch.device) -
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0, fused=fused, foreach=not fused)
 
 
+class Phases:
+    """Seconds spent in the publisher's parts (any thread), by wrapping them where they are looked up."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, attr: str, label: str) -> None:
+        real = getattr(owner, attr)
+        phases = self
+
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                with phases._lock:
+                    phases.seconds[label] = phases.seconds.get(label, 0.0) + time.perf_counter() - start
+
+        self._undo.append((owner, attr, real))
+        setattr(owner, attr, timed_call)
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            out, self.seconds = self.seconds, {}
+        return out
+
+    def close(self) -> None:
+        for owner, attr, real in reversed(self._undo):
+            setattr(owner, attr, real)
+
+
+def publisher_phases() -> Phases:
+    import deltasync.trainer.capture as capture
+    import deltasync.trainer.publisher as publisher
+    import deltasync.trainer.writer as writer
+    from deltasync.stores import LocalStore
+    from deltasync.trainer.detector import BF16ChangeDetector
+
+    phases = Phases()
+    phases.wrap(BF16ChangeDetector, "changes", "capture: detect")
+    phases.wrap(capture.ChangeCapture, "_local_changes", "capture: all")
+    phases.wrap(writer, "encode_delta", "delta: encode")
+    phases.wrap(LocalStore, "write_bytes", "store: write_bytes")
+    phases.wrap(writer.ChainWriter, "_commit", "commit: history + pointer")
+    phases.wrap(BF16ChangeDetector, "commit", "commit: snapshot")
+    phases.wrap(publisher, "release_free_memory", "release freed memory")
+    phases.wrap(writer.ChainWriter, "write_anchor", "anchor: write")
+    return phases
+
+
 # --------------------------------------------------------------------------- floors
 
 
@@ -272,6 +325,7 @@ def training_loop(model: Weights, device: torch.device, burn: Burn, lr: float, i
         out["first_anchor_s"] = time.perf_counter() - start
     before = [p.detach().clone() for p in params[:8]]
     futures, times, holds = [], [], []
+    phases = publisher_phases() if publisher is not None else None
     for i in range(iters + 1):
         sync(device)
         start = time.perf_counter()
@@ -289,6 +343,10 @@ def training_loop(model: Weights, device: torch.device, burn: Burn, lr: float, i
             del before
     if publisher is not None:
         results = [f.result() for f in futures]
+        assert phases is not None
+        out["phases_per_version_s"] = {k: v / len(results) for k, v in phases.take().items()}
+        phases.close()
+        log("  per version: " + ", ".join(f"{k} {v:.3f} s" for k, v in out["phases_per_version_s"].items()))
         out["blocked_s"] = [r.blocked_s for r in results[1:]]
         out["commit_s"] = [r.seconds for r in results[1:]]
         out["submit_call_s"] = holds[1:]
@@ -314,17 +372,25 @@ def submit_mode(model: Weights, device: torch.device, lr: float, iters: int, buc
     publisher = DeltaPublisher(str(bucket), model, opt, options=options)
     publisher.publish()
     out: dict[str, Any] = {"first_anchor_s": time.perf_counter() - start}
-    holds, commits, changed = [], [], []
-    for _ in range(iters):
-        opt.step()
-        sync(device)
-        t = time.perf_counter()
-        future = publisher.submit()
-        holds.append(time.perf_counter() - t)
-        result = future.result()
-        commits.append(result.seconds)
-        changed.append(result.changed)
-    out.update(hold_s=holds, commit_s=commits, changed=changed)
+    holds, commits, changed, detect = [], [], [], []
+    phases = publisher_phases()
+    try:
+        for _ in range(iters):
+            opt.step()
+            sync(device)
+            t = time.perf_counter()
+            future = publisher.submit()
+            holds.append(time.perf_counter() - t)
+            detect.append(dict(publisher.detector.last_timing))
+            result = future.result()
+            commits.append(result.seconds)
+            changed.append(result.changed)
+        out["phases_per_version_s"] = {k: v / iters for k, v in phases.take().items()}
+    finally:
+        phases.close()
+    out.update(hold_s=holds, commit_s=commits, changed=changed, detect_timing=detect)
+    log("  per version: " + ", ".join(f"{k} {v:.3f} s" for k, v in out["phases_per_version_s"].items()))
+    log(f"  detect: {detect[-1]}")
     if before_anchor is not None:
         out["before_anchor"] = before_anchor()
     # an anchor of the newest version, written beside its delta and waited for
@@ -374,6 +440,12 @@ def inplace(bucket: Path, device: torch.device, h2d_s: float) -> dict[str, Any]:
     del receiver, state
     gc.collect()
     sync(device)
+    import deltasync.format.codecs.zstd as zstd_codec
+
+    phases = Phases()
+    phases.wrap(zstd_codec, "_decode", "stage: decode")
+    phases.wrap(InPlaceState, "read", "stage: read live values")
+    phases.wrap(InPlaceState, "_share_move", "stage: fingerprint move")
     start = time.perf_counter()
     wmap = discover(model, shapes)
     live = InPlaceState(model, wmap, lambda obj: [obj], 0, model.load_weights)
@@ -398,7 +470,10 @@ def inplace(bucket: Path, device: torch.device, h2d_s: float) -> dict[str, Any]:
         live.commit(v, fp)
         steps.append({"version": v, "changed": staged.changed, "stage_s": stage, "write_s": write,
                       "write_vs_h2d": write / h2d_s, "exact": fp == pointer.fingerprint_at(v)})  # fmt: skip
-        log(f"  in place v{v}: {staged.changed:,} changed, stage {stage:.3f} s, write {write * 1e3:.1f} ms")
+        steps[-1]["phases"] = phases.take()
+        log(f"  in place v{v}: {staged.changed:,} changed, stage {stage:.3f} s, write {write * 1e3:.1f} ms; "
+            + ", ".join(f"{k} {t:.3f} s" for k, t in steps[-1]["phases"].items()))  # fmt: skip
+    phases.close()
     out["steps"] = steps
     out["exact"] = live.verify()["ok"] and all(s["exact"] for s in steps)
     return out

@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ChainState", "ChainWriter", "LateWarnings"]
 
+ANCHOR_DEVICE_CHUNK = 1 << 25
+"""Elements an anchor copies from an accelerator to the host at a time (64 MiB of bf16)."""
+
 logger = logging.getLogger("deltasync.trainer.publisher")  # the publisher's parts log as the publisher
 
 
@@ -290,7 +293,9 @@ class ChainWriter:
                 flat = self.detector.snapshot_flat(source) if tracked else live.local(params[source])
                 offset = owned.begin
                 hasher = None if flat.device.type == "cpu" else DeviceHasher(flat.device)
-                for values in self.checkpoint.chunks(name, flat, live.begin, owned):
+                # From an accelerator, large pieces: each is one copy to the host.
+                size = (1 << 20) if hasher is None else ANCHOR_DEVICE_CHUNK
+                for values in self.checkpoint.chunks(name, flat, live.begin, owned, size):
                     if hasher is None:
                         shares[0] += fingerprint_slice_share(name, values, offset)
                     else:  # hashed where it lies; one read of the sum per tensor

@@ -178,8 +178,8 @@ class SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_host_synchronizations_do_not_grow_with_the_weights(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two per device and publish, whatever the size and number of the tensors (the chunked CPU
-    path read one per 256K elements, four times)."""
+    """At most three per device and publish, whatever the size and number of the tensors (the
+    chunked path waits once per 256K elements, four times)."""
     monkeypatch.setattr(detector_module, "SLICE", 1 << 10)
     waits = []
     monkeypatch.setattr(detector_module, "sync_point", lambda d, real=detector_module.sync_point: (waits.append(d), real(d)))
@@ -196,7 +196,9 @@ def test_host_synchronizations_do_not_grow_with_the_weights(device: str, monkeyp
             changes = detector.changes()
         assert sum(c.index.numel() for c in changes.values()) > 0
         counts[width] = counter.count + len(waits)
-    assert counts[40] == counts[400] <= 2, counts
+    # the counts' copy and the wait for the values' copies (and, on CUDA, reading the summed
+    # fingerprint move out of its page-locked buffer)
+    assert counts[40] == counts[400] <= 3, counts
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=gpu)])
@@ -214,7 +216,7 @@ def test_cuda_synchronizations_are_counted_by_torch_too(device: str) -> None:
             detector.changes()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in seen if "synchroniz" in str(w.message).lower()]
+    syncs = [w for w in seen if "called a synchronizing" in str(w.message)]
     assert len(syncs) <= 2, [str(w.message) for w in syncs]
 
 
@@ -406,7 +408,7 @@ class LiveModel(torch.nn.Sequential):
 def test_the_in_place_writer_on_device_tensors_is_exact(device: str, tmp_path: Path) -> None:
     """After every delta and every anchor, the fingerprint of the live tensors (hashed where they
     are) is the bucket's, and the values are the trainer's."""
-    InPlaceState = engine_neutral("vllm_ext._inplace").InPlaceState  # noqa: N806
+    InPlaceState = engine_neutral("vllm_ext._inplace").InPlaceState
     discover = engine_neutral("vllm_ext._weight_map").discover
 
     from deltasync.reader.chain import ChainReader, read_pointer
