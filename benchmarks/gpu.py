@@ -317,6 +317,11 @@ def training_loop(model: Weights, device: torch.device, burn: Burn, lr: float, i
     opt = optimizer_for(params, lr, device)
     publisher = None
     out: dict[str, Any] = {}
+    if device.type == "cuda":  # the optimizer's state first: the publisher's memory is what comes after
+        opt.step()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out["memory_before"] = torch.cuda.memory_allocated(device)
     if bucket is not None:
         assert options is not None
         start = time.perf_counter()
@@ -355,6 +360,8 @@ def training_loop(model: Weights, device: torch.device, burn: Burn, lr: float, i
         out["fingerprint_ok"] = results[-1].fingerprint == publisher.fingerprint
         publisher.close()
     out["iteration_s"] = times
+    if device.type == "cuda":
+        out["memory_peak"] = torch.cuda.max_memory_allocated(device) - out["memory_before"]
     del opt
     for p in params:
         p.grad = p.grad  # kept: the next loop reuses them
@@ -403,6 +410,37 @@ def submit_mode(model: Weights, device: torch.device, lr: float, iters: int, buc
     out["snapshot_devices"] = sorted(set(publisher.detector.snapshot_devices.values()))
     publisher.close()
     del opt
+    return out
+
+
+def encode_threads(changes: int, tensors: int = 64) -> dict[str, float]:
+    """A zstd delta spanning ``tensors`` tensors, encoded with one thread and with the host's cores."""
+    from deltasync.format import Change
+    from deltasync.format.codecs.zstd import ZstdCodec, encode_threads
+
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for k in range(tensors):
+        n = changes // tensors
+        index = torch.sort(torch.randperm(70 * n, generator=g)[:n]).values
+        old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+        step = torch.randint(1, 3, (n,), dtype=torch.int16, generator=g)
+        items.append((f"w{k}", Change(index=index, new=(old.view(torch.int16) + step).view(torch.bfloat16), old=old)))
+    out: dict[str, float] = {"changes": changes, "threads": encode_threads()}
+    saved = os.environ.get("DELTASYNC_ENCODE_THREADS")
+    try:
+        for label, value in (("one_thread_s", "1"), ("all_cores_s", None)):
+            if value is None:
+                os.environ.pop("DELTASYNC_ENCODE_THREADS", None)
+            else:
+                os.environ["DELTASYNC_ENCODE_THREADS"] = value
+            out[label] = timed(lambda: ZstdCodec().encode(items, numels=None, level=3), torch.device("cpu"), repeat=3)
+    finally:
+        if saved is None:
+            os.environ.pop("DELTASYNC_ENCODE_THREADS", None)
+        else:
+            os.environ["DELTASYNC_ENCODE_THREADS"] = saved
+    out["ratio"] = out["all_cores_s"] / out["one_thread_s"]
     return out
 
 
@@ -493,6 +531,10 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
     out["submit hold / scan"] = statistics.median(s["hold_s"]) / f["scan_s"]
     out["capture-to-commit / scan"] = statistics.median(s["commit_s"]) / f["scan_s"]
     out["anchor / save_file"] = s["anchor_s"] / f["save_file_s"]
+    if "phases_per_version_s" in s:
+        out["capture: detect / scan"] = s["phases_per_version_s"]["capture: detect"] / f["scan_s"]
+    if "encode_threads" in r:
+        out["encode: all cores / one thread"] = r["encode_threads"]["ratio"]
     if "view" in r:
         out["FP8_DYNAMIC extra / bf16 publish"] = (statistics.median(r["view"]["commit_s"]) - statistics.median(s["commit_s"])) / statistics.median(s["commit_s"])
     if "inplace" in r:
@@ -583,6 +625,8 @@ def main() -> None:
     lrs = {d: learning_rate(params, d) for d in densities}
     f["adamw_step_s"] = adamw_step_s(model, device, lrs[densities[0]])
     r["floors"] = f
+    r["encode_threads"] = encode_threads(16_000_000 if args.quick else 40_000_000)
+    log(f"encode: {r['encode_threads']}")
     save()
     log("floors: " + ", ".join(f"{k} {v:.4g}" for k, v in f.items()))
     burn = Burn(device, args.backward or (0.2 if args.quick else 0.87))
@@ -591,13 +635,11 @@ def main() -> None:
         key = f"{d:.1%}"
         r["loops"][f"plain {key}"] = training_loop(model, device, burn, lrs[d], iters, None, None)
         bucket = root / f"loop-{key}"
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
         loop = training_loop(model, device, burn, lrs[d], iters, bucket, PublishOptions(capture="overlap"))
         if device.type == "cuda":
             snapshot = 2 * r["params"]
-            extra = torch.cuda.max_memory_allocated(device) - base
+            # the publishing loop's peak over the plain loop's (both after the optimizer's state)
+            extra = loop["memory_peak"] - r["loops"][f"plain {key}"]["memory_peak"]
             r["memory"] = {"extra_mib": extra / 2**20, "snapshot_mib": snapshot / 2**20,
                            "extra_minus_snapshot_mib": (extra - snapshot) / 2**20}  # fmt: skip
         r["loops"][f"publishing {key}"] = loop

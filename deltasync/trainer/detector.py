@@ -578,8 +578,13 @@ class BF16ChangeDetector:
                 else:
                     snap = self._snapshot[name]
                     stream = self._stream(snap.device)
+                    # On an accelerator, a slice of the changes at a time: the copies of their
+                    # indices and values there stay within the detector's scratch.
+                    step = index.numel() if snap.device.type == "cpu" else SLICE
                     with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
-                        snap[index.to(snap.device, non_blocking=True)] = change.new.to(snap.device, non_blocking=True)
+                        for lo in range(0, index.numel(), max(step, 1)):
+                            at = index[lo : lo + step].to(snap.device, non_blocking=True)
+                            snap[at] = change.new[lo : lo + step].to(snap.device, non_blocking=True)
             for device in {self._snapshot[n].device for n in changes if n in self._snapshot}:
                 self._drain(device)
             captured = self._pending_at

@@ -111,15 +111,28 @@ def _map(fn: Callable[[_T], _R], items: Iterable[_T], *, workers: int | None) ->
     return list(pool.map(fn, items))
 
 
+def _ordered_np(values: torch.Tensor) -> np.ndarray:
+    """:func:`_ordered_lanes` in NumPy (int32): single-threaded per call, so that the encode
+    threads do not each start a team of torch's intra-op threads."""
+    values = values.detach().reshape(-1).cpu()
+    if values.dtype in ELEMENT_DTYPES and values.dtype != torch.bfloat16:
+        return values.contiguous().view(torch.uint8).numpy().astype(np.int32)
+    if values.dtype != torch.bfloat16:
+        values = values.to(torch.bfloat16)
+    bits = values.contiguous().view(torch.int16).numpy().astype(np.int32) & 0xFFFF
+    return np.where(bits >= 0x8000, 0x7FFF - bits, bits)
+
+
 def _unit(work: tuple[Change, int, int]) -> tuple[np.ndarray, ...]:
-    """The stream pieces of changes ``start .. stop - 1`` of one parameter."""
+    """The stream pieces of changes ``start .. stop - 1`` of one parameter (NumPy only)."""
     change, start, stop = work
     assert change.old is not None
-    index = change.index[start:stop].to(torch.int64).cpu()
-    gap = torch.empty_like(index)
-    gap[0] = index[0] if start == 0 else index[0] - int(change.index[start - 1]) - 1
-    gap[1:] = index[1:] - index[:-1] - 1
-    g = gap.numpy().astype(np.uint64)
+    index = change.index.detach().reshape(-1)[start:stop].cpu().numpy().astype(np.int64, copy=False)
+    g = np.empty(index.size, dtype=np.int64)
+    g[0] = index[0] if start == 0 else index[0] - int(change.index[start - 1]) - 1
+    np.subtract(index[1:], index[:-1], out=g[1:])
+    g[1:] -= 1
+    g = g.view(np.uint64)
     lo = (g & np.uint64(0xFF)).astype(np.uint8)
     hi = g >> np.uint64(8)
     hi_nz = hi != 0
@@ -129,7 +142,7 @@ def _unit(work: tuple[Change, int, int]) -> tuple[np.ndarray, ...]:
     # New minus old ordered bit pattern modulo 2**16, as a signed 16-bit number,
     # zigzag-mapped: -1 -> 1, +1 -> 2, -2 -> 3, +2 -> 4, ... Symbols 0..2 stand for
     # zigzag 1..3; 3 escapes.
-    d = ((_ordered_lanes(change.new[start:stop]) - _ordered_lanes(change.old[start:stop])) & 0xFFFF).numpy().astype(np.int32)
+    d = (_ordered_np(change.new[start:stop]) - _ordered_np(change.old[start:stop])) & 0xFFFF
     d = np.where(d >= 0x8000, d - 0x10000, d)
     zig = ((d << 1) ^ (d >> 31)).astype(np.uint32)
     if (zig == 0).any():
