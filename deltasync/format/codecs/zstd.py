@@ -296,7 +296,6 @@ def _decode(tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[st
     # Every gap is in 0..2**63-1: the low byte, plus the high part (< 2**55) shifted by 8.
     gaps_np = lo.astype(np.int64)
     gaps_np[hi_at] |= hv << np.int64(8)
-    gaps = torch.from_numpy(gaps_np)
     packed = np.frombuffer(_decompress(tensors[PREFIX + "sym"], -(-n // 4), "sym", where), dtype=np.uint8)
     sym = np.empty((packed.size, 4), dtype=np.uint8)
     for k in range(4):
@@ -317,16 +316,19 @@ def _decode(tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[st
     changes: dict[str, Change] = {}
     start = 0
     for name, count in zip(names, counts):
-        gap = gaps[start : start + count]
+        gap = gaps_np[start : start + count]
         if int(gap.max()) >= numels[name]:
             raise FormatError(
                 f"{where}: a gap of {int(gap.max())} in parameter {name!r} is out of range "
                 f"(it has {numels[name]} elements)"
             )
-        # Gaps are >= 0 and < numel, so the running sum is strictly increasing and stays far
-        # below 2**63 (count * numel): the last index alone says whether all are in range.
-        index = torch.cumsum(gap, dim=0)
-        index += torch.arange(count, dtype=torch.int64)
+        # Gaps are >= 0 and < numel, so the running sum of gap + 1 is strictly increasing and
+        # stays far below 2**63 (count * numel): the last index alone says whether all are in
+        # range. (NumPy's cumsum: several times faster here than torch's.)
+        steps = gap + 1
+        np.cumsum(steps, out=steps)
+        steps -= 1
+        index = torch.from_numpy(steps)
         if int(index[-1]) >= numels[name]:
             raise FormatError(
                 f"{where}: index {int(index[-1])} of parameter {name!r} is out of range "
