@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 import threading
+import time
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
@@ -178,12 +179,19 @@ class FsspecStore(LimitedReads):
             finally:
                 body.close()
 
-        try:
-            return sync(self.fs.loop, get)
-        except FileNotFoundError as e:
-            raise NotFoundError(f"{path!r} is not in bucket {self.url}") from e
-        except Exception as e:
-            raise StoreError(f"cannot read {path!r} from bucket {self.url}: {e!r}") from e
+        # botocore retries a request that fails; a body cut short after its headers is ours to retry.
+        attempts = max(1, int(getattr(self.fs, "retries", 5)))
+        for attempt in range(attempts):
+            try:
+                return sync(self.fs.loop, get)
+            except FileNotFoundError as e:
+                raise NotFoundError(f"{path!r} is not in bucket {self.url}") from e
+            except Exception as e:
+                if attempt + 1 < attempts and not isinstance(e, PermissionError):
+                    time.sleep(min(2.0, 0.1 * 2**attempt))
+                    continue
+                raise StoreError(f"cannot read {path!r} from bucket {self.url}: {e!r}") from e
+        raise AssertionError("unreachable")
 
     def write_if(self, path: str, data: bytes, tag: str | None) -> str:
         kind = self._kind()
