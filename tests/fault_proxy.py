@@ -63,6 +63,8 @@ class FaultProxy:
         self.injected: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()
         """Requests seen, by method."""
+        self.log: list[tuple[str, str, int, int]] = []
+        """Every request answered: method, URL path, bytes sent up, body bytes sent back."""
         self._lock = threading.Lock()
         self._random = random.Random(seed)
         proxy = self
@@ -99,6 +101,12 @@ class FaultProxy:
     def clear(self) -> None:
         with self._lock:
             self.rules.clear()
+
+    def take_log(self) -> list[tuple[str, str, int, int]]:
+        """The requests logged since the last call (see :attr:`log`)."""
+        with self._lock:
+            taken, self.log = self.log, []
+        return taken
 
     def _fault(self, method: str, path: str) -> Rule | None:
         with self._lock:
@@ -160,6 +168,8 @@ class FaultProxy:
         handler.end_headers()
         if method != "HEAD":
             handler.wfile.write(data[: len(data) // 2] if kind == "truncate" else data)
+        with self._lock:
+            self.log.append((method, urlsplit(path).path, len(body), 0 if method == "HEAD" else len(data)))
         if kind == "truncate":
             handler.wfile.flush()
             handler.close_connection = True
