@@ -88,6 +88,9 @@ class ChainOwnership:
         """This writer (``committed_ms`` is set at each commit)."""
         self.tag: str | None = None
         """The tag of the pointer this writer last read or wrote (None: there was none)."""
+        self.written: bytes | None = None
+        """The bytes of that pointer: a pointer rewritten with the same bytes (a bucket restored
+        from a copy) is still this writer's, though its tag changed."""
         self.stopped: str | None = None
         """Why this writer stopped (a conditional write failed), or None."""
         _LIVE[self.record.token] = self
@@ -110,8 +113,9 @@ class ChainOwnership:
         try:
             data, self.tag = read_tagged(self.store, POINTER_PATH, MAX_POINTER_BYTES)
         except NotFoundError:
-            self.tag = None
+            self.tag = self.written = None
             return None
+        self.written = data
         return Pointer.from_bytes(data, where=self.where)
 
     def claim(self, pointer: Pointer | None) -> tuple[Pointer | None, int]:
@@ -169,12 +173,30 @@ class ChainOwnership:
         self.check()
         record = replace(self.record, committed_ms=now_ms(), lease_ms=self.record.lease_ms if lease_ms is None else lease_ms)
         stamped = replace(pointer, writer=record)
-        try:
-            self.tag = write_if(self.store, POINTER_PATH, stamped.to_bytes(), self.tag, limit=MAX_POINTER_BYTES)
-        except ConflictError as exc:
-            self.stopped = self._changed_under(what, exc)
-            raise WriterConflictError(self.stopped) from exc
+        data = stamped.to_bytes()
+        for attempt in range(2):
+            try:
+                self.tag = write_if(self.store, POINTER_PATH, data, self.tag, limit=MAX_POINTER_BYTES)
+                break
+            except ConflictError as exc:
+                if attempt == 0 and self._same_bytes():
+                    continue  # rewritten with this writer's own bytes: its tag is taken, and the write tried again
+                self.stopped = self._changed_under(what, exc)
+                raise WriterConflictError(self.stopped) from exc
+        self.written = data
         return stamped
+
+    def _same_bytes(self) -> bool:
+        """Whether the bucket's pointer holds the bytes this writer last read or wrote (its tag
+        then becomes this writer's)."""
+        try:
+            data, tag = read_tagged(self.store, POINTER_PATH, MAX_POINTER_BYTES)
+        except NotFoundError:
+            return self.written is None and self.tag is None
+        if self.written is not None and data == self.written:
+            self.tag = tag
+            return True
+        return False
 
     def still_ours(self, what: str) -> bool:
         """Whether the bucket's pointer is still the one this writer last wrote (one read);
@@ -185,7 +207,7 @@ class ChainOwnership:
             tag: str | None = read_tagged(self.store, POINTER_PATH, MAX_POINTER_BYTES)[1]
         except NotFoundError:
             tag = None
-        if tag != self.tag:
+        if tag != self.tag and not self._same_bytes():
             self.stopped = self._changed_under(what, None)
             logger.error("deltasync: %s", self.stopped)
             return False

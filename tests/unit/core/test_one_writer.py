@@ -227,3 +227,20 @@ def test_the_writer_record_round_trips_and_is_checked(tmp_path: Path) -> None:
     # A pointer without the record (a writer before it) reads as one with no writer.
     del body["writer"]
     assert Pointer.from_bytes(json.dumps(body).encode()).writer is None
+
+
+def test_a_pointer_restored_with_its_own_bytes_is_still_the_writers(bucket: Store) -> None:
+    # A bucket put back from a copy (the hostile-bucket tests do it): the same bytes, a new file.
+    model = Tiny()
+    with DeltaPublisher(bucket, model, None) as publisher:
+        publisher.publish()
+        publisher.flush()
+        bucket.write_bytes(POINTER_PATH, bucket.read_bytes(POINTER_PATH))
+        step(model, 0)
+        assert publisher.publish().version == 1
+        publisher.flush()
+        bucket.write_bytes(POINTER_PATH, bucket.read_bytes(POINTER_PATH))
+        step(model, 1)
+        assert publisher.publish().version == 2
+        publisher.flush()
+    readable_end_to_end(bucket, 2, publisher.fingerprint)
