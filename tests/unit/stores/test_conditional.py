@@ -84,6 +84,10 @@ def test_read_tagged_reads_at_most_limit_plus_one_bytes(store: Store) -> None:
 def test_of_racing_writers_exactly_one_wins(store: Store) -> None:
     if _kind(store) not in ATOMIC:
         pytest.skip("no guarantee: racing writers may both land (said at the writer's start)")
+    if _kind(store) == "s3":
+        # S3 decides a conditional PUT atomically; moto's threaded server checks If-Match, then
+        # stores, with no lock between: racing requests would test moto, not deltasync.
+        pytest.skip("moto's conditional PUT is not atomic under concurrent requests (S3's is)")
     base = write_if(store, "latest.json", b"base", None, limit=100)
     won: list[bytes] = []
     lost: list[bytes] = []
