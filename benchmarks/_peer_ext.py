@@ -49,7 +49,7 @@ class PeerExtension(DeltaWorkerExtension):
         assert shapes is not None, "the served checkpoint's shapes are unknown"
         start = time.perf_counter()
         receiver = updater._open_receiver()
-        reader = ChainReader(receiver.store, receiver.pointer())
+        reader = ChainReader(receiver.store, receiver.pointer(), view=receiver.view)
 
         def current(name: str, index: torch.Tensor) -> torch.Tensor:
             pos, bits = live.read(name, index)

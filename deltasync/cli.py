@@ -94,7 +94,7 @@ def _verify(args: argparse.Namespace) -> int:
     from .reader.chain import ChainReader
     from .reader.receiver import DeltaReceiver
 
-    receiver = DeltaReceiver(args.bucket)
+    receiver = DeltaReceiver(args.bucket, view=args.view)
     pointer = receiver.pointer()
     first = pointer.anchors[0]
     anchors = ", ".join(str(a.version) for a in pointer.anchors)
@@ -103,7 +103,7 @@ def _verify(args: argparse.Namespace) -> int:
     # Deltas before the oldest anchor serve followers only: no kept state lets them be replayed
     # here, but each file is checked as far as it can be (size, SHA-256, header).
     early = [e for e in pointer.chain if e.version <= first.version]
-    reader = ChainReader(receiver.store, pointer)
+    reader = ChainReader(receiver.store, pointer, view=args.view)
     for entry in early:
         try:
             reader.check_files(entry.version)
@@ -129,7 +129,7 @@ def _verify(args: argparse.Namespace) -> int:
             f"fingerprint {receiver.fingerprint}{parts}"
         )
     for entry in pointer.anchors[1:]:  # every other anchor must give the state of its version
-        late = DeltaReceiver(args.bucket)
+        late = receiver.fresh()
         try:
             late.apply(late.stage(entry.version))
         except DeltaSyncError as exc:
@@ -299,6 +299,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="a local file, or BUCKET_URL/deltas/<file>")
     p = sub.add_parser("verify", help="replay a bucket's committed chain and check every fingerprint")
     p.add_argument("bucket", help="a path or URL (file://, hf://buckets/ns/name, s3://, ...)")
+    p.add_argument("--view", help="verify a quantized view of the bucket (e.g. FP8_DYNAMIC); default: the bf16 chain")
     p = sub.add_parser("export", help="write a version of a bucket (bf16, or a quantized view) as a checkpoint folder")
     p.add_argument("bucket")
     p.add_argument("out", help="the folder to write (must hold no safetensors files yet)")

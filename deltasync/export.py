@@ -23,16 +23,23 @@ def export_checkpoint(
     quantized ``view``, as a checkpoint folder (see :func:`deltasync.views.write_checkpoint`):
     config and tokenizer from ``like``, with the view's ``quantization_config``. Progress goes
     to stderr unless ``quiet``. Returns the receiver that read it (its version, fingerprint)."""
-    from .views import write_checkpoint
+    from .errors import FormatError
+    from .views import from_quantization_config, write_checkpoint
+    from .views.checkpoint import make_folder
 
+    make_folder(Path(out_dir), create=False)  # refused before the bucket is read
     receiver = DeltaReceiver(bucket, view=view)
     staged = receiver.stage(version)
     receiver.apply(staged)
     config = read_view_config(staged.anchor_metadata)
     if view is not None and config is None:
-        from .errors import FormatError
-
         raise FormatError(f"{receiver.store.url}: the anchor of view {view} carries no quantization_config")
+    if view is not None and config is not None and from_quantization_config(config).name != receiver.view:
+        found = from_quantization_config(config).name
+        raise FormatError(
+            f"{receiver.store.url}: view {receiver.view} was asked for, the anchor of version {staged.versions[0]} "
+            f"carries the quantization_config of {found}"
+        )
     state = receiver.state_dict()
     total = sum(t.numel() * t.element_size() for t in state.values())
 

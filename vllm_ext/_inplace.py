@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from deltasync import IntegrityError
-from deltasync.format.fingerprint import fingerprint_add, fingerprint_move, fingerprint_share
+from deltasync.format.fingerprint import DeviceHasher, fingerprint_add, fingerprint_move, fingerprint_share
 from deltasync.protocol import Heal
 from deltasync.reader import ChainReader, Overlay
 
@@ -226,7 +226,7 @@ class InPlaceState:
 
     def _owned(self, name: str, k: int, index: torch.Tensor) -> torch.Tensor:
         """Mask of ``index`` (all inside piece ``k`` of ``name``) that no earlier piece holds."""
-        owned = torch.ones(index.numel(), dtype=torch.bool)
+        owned = torch.ones(index.numel(), dtype=torch.bool, device=index.device)
         for other in self.before[name][k]:
             hit, _ = other.locate(index)
             owned[hit] = False
@@ -235,15 +235,25 @@ class InPlaceState:
     def local_share(self) -> int:
         """This rank's share of the fingerprint, hashed from the live weights."""
         total = 0
+        # Weights on an accelerator are hashed there (indices made there too): one read of
+        # each device's sum at the end.
+        hashers: dict[torch.device, DeviceHasher] = {}
         for name, pieces in self.map.pieces.items():
             for k, piece in enumerate(pieces):
-                for src, dst in piece.chunks():
+                flat = self.flat[piece.param]
+                device = flat.raw.device
+                hasher = None if device.type == "cpu" else hashers.setdefault(device, DeviceHasher(device))
+                for src, dst in piece.chunks(device=None if hasher is None else device):
                     owned = self._owned(name, k, src)
                     if not bool(owned.all()):
                         src, dst = src[owned], dst[owned]
-                    flat = self.flat[piece.param]
-                    bits = flat.read(dst.to(flat.device))
-                    total = (total + fingerprint_share(name, src, bits.view(torch.bfloat16))) & _MASK
+                    bits = flat.read(dst.to(device)).view(torch.bfloat16)
+                    if hasher is None:
+                        total = (total + fingerprint_share(name, src, bits)) & _MASK
+                    else:
+                        hasher.add(name, src, bits)
+        for hasher in hashers.values():
+            total = (total + hasher.value()) & _MASK
         return total
 
     def full_fingerprint(self) -> str:
@@ -390,6 +400,9 @@ class InPlaceState:
                     owned[hit[self._owned(name, k, index[hit])]] = True
                     # An element in two of this rank's pieces: the first piece owns it.
             index, old, new = index[owned], old[owned], new[owned]
+        device = self.flat[pieces[0].param].raw.device if pieces else torch.device("cpu")
+        if device.type != "cpu" and index.numel() > 1 << 16:  # hashed on the accelerator
+            index, old, new = (t.to(device, non_blocking=True) for t in (index, old, new))
         return fingerprint_move(name, index, old.view(torch.bfloat16), new.view(torch.bfloat16))
 
     # ------------------------------------------------------------------ writing

@@ -76,7 +76,7 @@ class LiveTarget(UpdateTarget):
         deltas after it, decoded in full for a dense load."""
         live = self.live
         self.receiver = receiver
-        reader = ChainReader(receiver.store, receiver.pointer())
+        reader = ChainReader(receiver.store, receiver.pointer(), view=receiver.view)
         reader.target(version)
         if not dense and live.tainted is None and reader.pointer.replays_from(live.version, live.fingerprint):
             try:
@@ -89,7 +89,7 @@ class LiveTarget(UpdateTarget):
                 # the ranks agree to load that anchor instead (see agree).
                 return LiveStaged(from_version=live.version, from_fingerprint=live.fingerprint, version=version,
                                   kind="delta", fingerprint="", broken=f"{type(exc).__name__}: {exc}")  # fmt: skip
-        full = DeltaReceiver(receiver.store).stage(version)  # a transient copy, dropped after the load
+        full = receiver.fresh().stage(version)  # a transient copy, dropped after the load
         self.checkpoint.check(full)
         return LiveStaged(
             from_version=live.version,

@@ -43,6 +43,7 @@ from deltasync.protocol import (
     VERSIONS_HEADER,
     bearer_matches,
     check_update_mode,
+    fits_bounds,
     format_token_versions,
 )
 
@@ -273,6 +274,12 @@ def _versioned(send: Any, admitted: int | None, served: Any, token_versions: Any
 
     def starts() -> str | None:
         choices = token_versions()
+        if choices and not fits_bounds(choices):
+            # Past what a client parses (vLLM's largest n): say nothing rather than a list it refuses.
+            entries = sum(len(c) for c in choices)
+            logger.warning("deltasync: %d choices with %d version entries pass the bounds of %s; not sent",
+                           len(choices), entries, TOKEN_VERSIONS_HEADER)  # fmt: skip
+            return None
         return format_token_versions(choices) if choices else None
 
     async def wrapped(message: Any) -> None:

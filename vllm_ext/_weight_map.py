@@ -97,9 +97,10 @@ class Piece:
         and one pass."""
         lo, hi = self.src_range
         if self._dense and (sorted_index or index.numel() < 2 or bool((index[1:] >= index[:-1]).all())):
-            first = int(torch.searchsorted(index, torch.tensor(lo, dtype=index.dtype)))
-            last = int(torch.searchsorted(index, torch.tensor(hi, dtype=index.dtype), right=True))
-            return torch.arange(first, last), index[first:last] + (self.dst_offset - self.src_offset)
+            bounds = torch.tensor([lo, hi], dtype=index.dtype, device=index.device)
+            first = int(torch.searchsorted(index, bounds[:1]))
+            last = int(torch.searchsorted(index, bounds[1:], right=True))
+            return torch.arange(first, last, device=index.device), index[first:last] + (self.dst_offset - self.src_offset)
         hit = torch.nonzero((index >= lo) & (index <= hi)).reshape(-1)
         if hit.numel() == 0:
             return hit, hit
@@ -117,23 +118,29 @@ class Piece:
             hit, dst = hit[keep], dst[keep]
         return hit, dst
 
-    def chunks(self, limit: int = 1 << 22) -> Any:
+    def chunks(self, limit: int = 1 << 22, device: torch.device | None = None) -> Any:
         """Every ``(checkpoint indices, parameter indices)`` of the box, in chunks of at most
-        about ``limit`` elements (for full hashes)."""
+        about ``limit`` elements (for full hashes), made on ``device`` (None: the CPU)."""
         dims = self._dims()
         if not dims:
-            yield (torch.tensor([self.src_offset]), torch.tensor([self.dst_offset]))
+            yield (torch.tensor([self.src_offset], device=device), torch.tensor([self.dst_offset], device=device))
+            return
+        if self._dense:  # one run on both sides: plain ranges
+            for start in range(0, self.numel, limit):
+                stop = min(start + limit, self.numel)
+                src = torch.arange(self.src_offset + start, self.src_offset + stop, dtype=torch.int64, device=device)
+                yield src, src + (self.dst_offset - self.src_offset)
             return
         outer, inner = dims[0], dims[1:]
-        inner_src = torch.zeros(1, dtype=torch.int64)
-        inner_dst = torch.zeros(1, dtype=torch.int64)
+        inner_src = torch.zeros(1, dtype=torch.int64, device=device)
+        inner_dst = torch.zeros(1, dtype=torch.int64, device=device)
         for d in inner:
-            steps = torch.arange(self.sizes[d], dtype=torch.int64)
+            steps = torch.arange(self.sizes[d], dtype=torch.int64, device=device)
             inner_src = (inner_src[:, None] + steps[None, :] * self.src_strides[d]).reshape(-1)
             inner_dst = (inner_dst[:, None] + steps[None, :] * self.dst_strides[d]).reshape(-1)
         rows = max(1, limit // max(1, inner_src.numel()))
         for start in range(0, self.sizes[outer], rows):
-            steps = torch.arange(start, min(start + rows, self.sizes[outer]), dtype=torch.int64)
+            steps = torch.arange(start, min(start + rows, self.sizes[outer]), dtype=torch.int64, device=device)
             src = (self.src_offset + steps[:, None] * self.src_strides[outer] + inner_src[None, :]).reshape(-1)
             dst = (self.dst_offset + steps[:, None] * self.dst_strides[outer] + inner_dst[None, :]).reshape(-1)
             yield src, dst

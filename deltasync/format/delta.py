@@ -9,7 +9,7 @@ import torch
 from ..errors import FormatError
 from .codecs import CODECS, BaseLookup, Change, DeltaContext, get_codec
 from .container import load_safetensors, safetensors_bytes
-from .header import FileHeader, read_header
+from .header import FileHeader, read_header, with_extra_metadata
 
 __all__ = ["encode_delta", "decode_delta"]
 
@@ -27,6 +27,7 @@ def encode_delta(
     numels: Mapping[str, int] | None = None,
     part: tuple[int, int] | None = None,
     manifest: str | None = None,
+    extra_metadata: Mapping[str, str] | None = None,
 ) -> bytes:
     """A delta from ``version - 1`` to ``version``. Parameters with no change are left out.
 
@@ -34,7 +35,8 @@ def encode_delta(
     compression level (None: the codec's default). ``part=(number, count)`` writes part
     ``number`` of a version split over ``count`` writers (format version 2); its indices are
     still flat indices of the full parameters. ``manifest``: the state's manifest digest
-    (:mod:`deltasync.format.manifest`), written to the metadata.
+    (:mod:`deltasync.format.manifest`), written to the metadata. ``extra_metadata``: ``x-``
+    keys written beside it (a view's identity).
     """
     if codec not in CODECS:
         raise FormatError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
@@ -58,7 +60,8 @@ def encode_delta(
         manifest=manifest,
     )
     tensors = coder.encode(items, numels=numels, level=coder.default_level if level is None else level)
-    return safetensors_bytes(tensors, header.to_metadata())
+    metadata = with_extra_metadata(header.to_metadata(), extra_metadata, where=f"delta {version}")
+    return safetensors_bytes(tensors, metadata)
 
 
 def decode_delta(

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "DeviceHasher",
     "fingerprint",
     "fingerprint_add",
     "fingerprint_move",
@@ -47,6 +48,105 @@ _BYTE_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 
 def _seed(name: str) -> np.uint64:
     return np.uint64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
+
+
+def _on_device(*tensors: torch.Tensor) -> torch.device | None:
+    """The accelerator any of ``tensors`` lives on (they are hashed there), or None: all on the CPU."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            return t.device
+    return None
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds it (two's complement)."""
+    value &= _MASK
+    return value - (1 << 64) if value >> 63 else value
+
+
+_C1_I64 = _signed(int(_C1))
+_C2_I64 = _signed(int(_C2))
+DEVICE_CHUNK = 1 << 23
+"""Elements hashed at a time on an accelerator: two int64 work buffers of 64 MiB each."""
+
+
+def _device_bits(values: torch.Tensor) -> torch.Tensor:
+    """The 16-bit lanes of ``values`` (bf16 patterns, or one-byte codes zero-extended) as int64
+    on the tensor's own device."""
+    flat = values.detach().reshape(-1)
+    if flat.dtype in _BYTE_DTYPES:
+        return flat.view(torch.uint8).to(torch.int64)
+    if flat.dtype != torch.bfloat16:
+        flat = flat.to(torch.bfloat16)
+    return flat.view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+class DeviceHasher:
+    """The same sums of element hashes, computed with torch on the tensors' own device (an
+    accelerator: CUDA, or any device torch runs int64 arithmetic on; the CPU too, for tests).
+
+    int64 arithmetic wraps modulo 2**64 like the uint64 one, a logical shift is an arithmetic
+    one masked to the bits it keeps, and ``sum`` adds modulo 2**64: every value equals the
+    host's bit for bit. Sums stay on the device (0-d int64 tensors) until :meth:`value` reads
+    them, so that a caller can hash many tensors with one synchronization at the end.
+    """
+
+    def __init__(self, device: torch.device, chunk: int = DEVICE_CHUNK) -> None:
+        self.device = device
+        self.chunk = chunk
+        self.total = torch.zeros((), dtype=torch.int64, device=device)
+        self._x: torch.Tensor | None = None
+        self._tmp: torch.Tensor | None = None
+
+    def _buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._x is None or self._x.numel() < n:
+            size = max(n, 1)
+            self._x = torch.empty(size, dtype=torch.int64, device=self.device)
+            self._tmp = torch.empty(size, dtype=torch.int64, device=self.device)
+        assert self._tmp is not None
+        return self._x[:n], self._tmp[:n]
+
+    def _mix_sum(self, x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+        for shift, const in ((30, _C1_I64), (27, _C2_I64)):
+            torch.bitwise_right_shift(x, shift, out=tmp)
+            tmp &= (1 << (64 - shift)) - 1
+            x ^= tmp
+            x.mul_(const)
+        torch.bitwise_right_shift(x, 31, out=tmp)
+        tmp &= (1 << 33) - 1
+        x ^= tmp
+        return x.sum(dtype=torch.int64)
+
+    def add(self, name: str, index: torch.Tensor, values: torch.Tensor, *, sign: int = 1) -> None:
+        """Add (or with ``sign=-1`` subtract) the hashes of ``values`` at int64 flat ``index``."""
+        seed = _signed(int(_seed(name)))
+        index = index.detach().reshape(-1).to(device=self.device, dtype=torch.int64)
+        values = values.detach().reshape(-1).to(self.device)
+        for lo in range(0, index.numel(), self.chunk):
+            hi = min(lo + self.chunk, index.numel())
+            x, tmp = self._buffers(hi - lo)
+            torch.bitwise_left_shift(index[lo:hi], 16, out=x)
+            x |= _device_bits(values[lo:hi])
+            x ^= seed
+            part = self._mix_sum(x, tmp)
+            self.total = self.total - part if sign < 0 else self.total + part
+
+    def add_slice(self, name: str, values: torch.Tensor, offset: int = 0) -> None:
+        """Add the hashes of a contiguous flat slice of ``name`` starting at flat index ``offset``."""
+        seed = _signed(int(_seed(name)))
+        flat = values.detach().reshape(-1)
+        for lo in range(0, flat.numel(), self.chunk):
+            hi = min(lo + self.chunk, flat.numel())
+            x, tmp = self._buffers(hi - lo)
+            torch.arange(offset + lo, offset + hi, dtype=torch.int64, device=self.device, out=x)
+            x <<= 16
+            x |= _device_bits(flat[lo:hi].to(self.device))
+            x ^= seed
+            self.total = self.total + self._mix_sum(x, tmp)
+
+    def value(self) -> int:
+        """The sum so far, modulo 2**64 (reads the device: one synchronization)."""
+        return int(self.total.item()) & _MASK
 
 
 def _bits_u16(values: torch.Tensor) -> np.ndarray:
@@ -109,6 +209,11 @@ def _hash_sum(seed_name: str, index: np.ndarray, bits: np.ndarray) -> int:
 
 
 def _tensor_sum(name: str, values: torch.Tensor, offset: int = 0) -> int:
+    device = _on_device(values)
+    if device is not None:  # hashed where the values are: nothing crosses to the host
+        on_device = DeviceHasher(device)
+        on_device.add_slice(name, values, offset)
+        return on_device.value()
     bits = _bits_u16(values)
     hasher = _Hasher(name, bits.size)
     total = 0
@@ -122,6 +227,14 @@ def _tensor_sum(name: str, values: torch.Tensor, offset: int = 0) -> int:
 def _move(name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> int:
     """``sum h(name, index, new) - sum h(name, index, old)`` (mod 2**64): each chunk's keys are
     built once for both."""
+    device = _on_device(index, old, new)
+    if device is not None:
+        if not (index.numel() == new.numel() == old.numel()):
+            raise ValueError(f"{name}: {index.numel()} indices, {new.numel()} new and {old.numel()} old values")
+        on_device = DeviceHasher(device)
+        on_device.add(name, index, new)
+        on_device.add(name, index, old, sign=-1)
+        return on_device.value()
     idx = _index_u64(index)
     new_bits, old_bits = _bits_u16(new), _bits_u16(old)
     if not (idx.size == new_bits.size == old_bits.size):
@@ -197,6 +310,11 @@ def fingerprint_share(name: str, index: torch.Tensor, values: torch.Tensor) -> i
     """
     if index.numel() == 0:
         return 0
+    device = _on_device(index, values)
+    if device is not None:
+        hasher = DeviceHasher(device)
+        hasher.add(name, index, values)
+        return hasher.value()
     return _hash_sum(name, _index_u64(index), _bits_u16(values))
 
 

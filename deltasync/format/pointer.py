@@ -247,6 +247,10 @@ class Pointer:
     manifest: str | None = None
     """The digest of the state's names, shapes and dtypes (:mod:`deltasync.format.manifest`),
     the same at every version of the chain; None in pointers before format version 4."""
+    view: dict[str, str] | None = None
+    """A view's chain: what identifies it (:class:`deltasync.views.identity.ViewIdentity`'s
+    fields: scheme, codes, scales, scale_layout); None for the bf16 chain and for views written
+    before views named themselves."""
     writer: WriterRecord | None = None
     """Who committed this pointer (optional, any format version: readers ignore it); None in
     pointers of writers that predate it."""
@@ -313,11 +317,14 @@ class Pointer:
         )
 
     @classmethod
-    def start(cls, anchor: ChainEntry, *, total: int, manifest: str | None = None) -> Pointer:
+    def start(
+        cls, anchor: ChainEntry, *, total: int, manifest: str | None = None, view: dict[str, str] | None = None
+    ) -> Pointer:
         """The pointer of a chain's first version, which has an anchor and no delta."""
         return cls(
             version=anchor.version, fingerprint=anchor.fingerprint, total=total, root=anchor.version,
             base=anchor.version, base_fingerprint=anchor.fingerprint, anchors=(anchor,), manifest=manifest,
+            view=view,
         )
 
     def stale(self, paths: Sequence[str]) -> list[str]:
@@ -362,6 +369,8 @@ class Pointer:
         }
         if self.manifest is not None:
             body["manifest"] = self.manifest
+        if self.view is not None:
+            body["view"] = dict(self.view)
         if self.writer is not None:
             body["writer"] = self.writer.to_json()
         return (json.dumps(body, sort_keys=True, indent=1) + "\n").encode()
@@ -396,6 +405,7 @@ class Pointer:
                     anchors=tuple(_chain_entry(item) for item in body["anchors"]),
                     chain=chain,
                     manifest=body["manifest"] if body["format_version"] == MANIFEST_FORMAT_VERSION else None,
+                    view=_view(body.get("view"), where) if body["format_version"] == MANIFEST_FORMAT_VERSION else None,
                 )
                 if int(body["anchor"]) != pointer.anchor:
                     raise FormatError(f"{where}: anchor {body['anchor']} is not the newest of its anchors ({pointer.anchor})")
@@ -445,6 +455,27 @@ class Pointer:
                 raise FormatError(f"{where}: the anchor of version {item.version} disagrees with the chain's fingerprint")
         if self.fingerprint_at(self.version) != self.fingerprint:
             raise FormatError(f"{where}: the pointer's fingerprint disagrees with its last chain entry")
+
+
+_VIEW_KEYS = ("codes", "scale_layout", "scales", "scheme")
+_VIEW_VALUE_RE = re.compile(r"[A-Za-z0-9_:]{1,64}\Z", re.ASCII)
+
+
+def _view(value: Any, where: str) -> dict[str, str] | None:
+    """The pointer's ``view`` object (a view chain's identity), checked for shape only: which
+    identity a reader accepts is the reader's to say."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict)
+        or sorted(value) != list(_VIEW_KEYS)
+        or not all(isinstance(v, str) and _VIEW_VALUE_RE.match(v) for v in value.values())
+    ):
+        raise FormatError(
+            f"{where}: view must be an object of the strings {', '.join(_VIEW_KEYS)} (letters, digits, '_' and ':'), "
+            f"got {str(value)[:120]!r}"
+        )
+    return dict(value)
 
 
 def _chain_entry(item: dict[str, Any]) -> ChainEntry:

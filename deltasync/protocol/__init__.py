@@ -44,6 +44,7 @@ from .routes import (
 from .token_versions import (
     TokenVersions,
     VersionedCompletion,
+    fits_bounds,
     format_token_versions,
     parse_token_versions,
     version_of_token,
@@ -86,6 +87,7 @@ __all__ = [
     "check_update_mode",
     "check_update_tag",
     "check_version",
+    "fits_bounds",
     "format_token_versions",
     "parse_token_versions",
     "update_tag",

@@ -17,17 +17,23 @@ applied behind its flow, through vLLM's own weight-update routes).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import FormatError
+from ..format.limited_json import MAX_COUNT
 from .routes import TOKEN_VERSIONS_HEADER, VERSION_HEADER
 
 __all__ = [
+    "MAX_CHOICES",
+    "MAX_ENTRIES",
+    "MAX_NUMBER",
     "TOKEN_VERSIONS_HEADER",
     "TokenVersions",
     "VersionedCompletion",
+    "fits_bounds",
     "format_token_versions",
     "parse_token_versions",
     "version_of_token",
@@ -39,20 +45,55 @@ __all__ = [
 #: server started with, ``first_token`` None a start the server could not take exactly.
 TokenVersions = list[tuple[int | None, int | None]]
 
+MAX_CHOICES = 16384
+"""The most choices a list holds: vLLM's largest ``n`` (``VLLM_MAX_N_SEQUENCES``, 16384 unless
+its environment raises it). A server never sends more; a parser refuses more."""
+MAX_ENTRIES = 4 * MAX_CHOICES
+"""The most ``VERSION:FIRST_TOKEN`` entries over all choices (4 per choice at the largest ``n``;
+one choice of a small ``n`` may hold them all). A server never sends more; a parser refuses more."""
+MAX_NUMBER = MAX_COUNT
+"""The largest version or token index (2**50, the pointer's cap on versions)."""
+_NUMBER_RE = re.compile(r"(?:0|[1-9][0-9]{0,15})\Z", re.ASCII)
+_ENTRY_CHARS = 2 * 16 + 3
+"""The longest entry with its separator and a space: two 16-digit numbers, ':' and ','."""
+MAX_CHARS = MAX_ENTRIES * _ENTRY_CHARS + len(f": {TOKEN_VERSIONS_HEADER}") + 64
+"""The longest value a parser reads (checked before anything is split)."""
+
 
 def parse_token_versions(value: str) -> list[TokenVersions]:
     """The per-choice lists of an ``x-deltasync-token-versions`` header, or of the SSE comment
     (``: x-deltasync-token-versions ...``, with or without its prefix): one
     ``[(version, first_token), ...]`` per choice, in choice order.
 
-    Raises :class:`~deltasync.FormatError` naming the part that is not ``VERSION:TOKEN``.
+    Raises :class:`~deltasync.FormatError` for anything else, naming the part that is not
+    ``VERSION:TOKEN`` (ASCII decimal numbers up to :data:`MAX_NUMBER`, ``none``, ``?``), or the
+    bound a value goes past (:data:`MAX_CHARS`, :data:`MAX_CHOICES`, :data:`MAX_ENTRIES`), which
+    is checked before the value is split: refusing a huge value costs no more than reading it.
     """
+    if not isinstance(value, str):
+        raise FormatError(f"{TOKEN_VERSIONS_HEADER} is {type(value).__name__}, not text")
+    if len(value) > MAX_CHARS:
+        raise FormatError(
+            f"{TOKEN_VERSIONS_HEADER} has {len(value)} characters, more than the {MAX_CHARS} of {MAX_ENTRIES} "
+            f"entries over at most {MAX_CHOICES} choices (vLLM's largest n): not a server's list"
+        )
     text = value.strip()
     prefix = f": {TOKEN_VERSIONS_HEADER}"
     if text.startswith(prefix):
         text = text[len(prefix) :].strip()
     if not text:
         raise FormatError(f"{TOKEN_VERSIONS_HEADER} is empty: expected 'VERSION:FIRST_TOKEN,...' per choice")
+    choices = text.count(";") + 1
+    if choices > MAX_CHOICES:
+        raise FormatError(
+            f"{TOKEN_VERSIONS_HEADER} lists {choices} choices, more than {MAX_CHOICES} (vLLM's largest n)"
+        )
+    entries = choices + text.count(",")
+    if entries > MAX_ENTRIES:
+        raise FormatError(
+            f"{TOKEN_VERSIONS_HEADER} lists {entries} entries, more than {MAX_ENTRIES} "
+            f"({MAX_ENTRIES // MAX_CHOICES} per choice at vLLM's largest n)"
+        )
     return [_parse_choice(part, value) for part in text.split(";")]
 
 
@@ -66,20 +107,34 @@ def _parse_choice(part: str, whole: str) -> TokenVersions:
             parsed = (None if version == "none" else _number(version), None if start == "?" else _number(start))
         except ValueError:
             raise FormatError(
-                f"{TOKEN_VERSIONS_HEADER} {whole!r}: {item.strip()!r} is not VERSION:FIRST_TOKEN "
-                "(a version number or 'none', and a token index or '?')"
+                f"{TOKEN_VERSIONS_HEADER} {whole[:200]!r}: {item.strip()[:80]!r} is not VERSION:FIRST_TOKEN "
+                f"(a version number or 'none', and a token index or '?'; ASCII decimals up to {MAX_NUMBER})"
             ) from None
         entries.append(parsed)
     known = [s for _, s in entries if s is not None]
     if entries[0][1] != 0 or known != sorted(known):
-        raise FormatError(f"{TOKEN_VERSIONS_HEADER} {whole!r}: a choice's list must start at token 0 and never go back")
+        raise FormatError(f"{TOKEN_VERSIONS_HEADER} {whole[:200]!r}: a choice's list must start at token 0 and never go back")
     return entries
 
 
 def _number(text: str) -> int:
-    if not text.isdigit():
+    """A canonical ASCII decimal up to :data:`MAX_NUMBER` (``ValueError`` otherwise)."""
+    if not _NUMBER_RE.match(text):
+        raise ValueError(text[:80])
+    number = int(text)
+    if number > MAX_NUMBER:
         raise ValueError(text)
-    return int(text)
+    return number
+
+
+def fits_bounds(choices: Sequence[TokenVersions]) -> bool:
+    """Whether a parser takes ``choices`` (:data:`MAX_CHOICES`, :data:`MAX_ENTRIES`,
+    :data:`MAX_NUMBER`): a server sends no list that does not."""
+    if len(choices) > MAX_CHOICES or sum(len(entries) for entries in choices) > MAX_ENTRIES:
+        return False
+    return all(
+        all(n is None or 0 <= n <= MAX_NUMBER for n in entry) for entries in choices for entry in entries
+    )
 
 
 def format_token_versions(choices: Sequence[TokenVersions]) -> str:
@@ -133,5 +188,10 @@ def versioned_completion(body: dict[str, Any], headers: Mapping[str, str]) -> Ve
             f"the answer has no {TOKEN_VERSIONS_HEADER} header: the server needs vllm_ext.UpdateMiddleware "
             "(deltasync serve adds it)"
         )
-    version = None if admitted == "none" else _number(admitted)
+    try:
+        version = None if admitted == "none" else _number(admitted)
+    except ValueError:
+        raise FormatError(
+            f"{VERSION_HEADER} {admitted[:80]!r} is not a version (an ASCII decimal up to {MAX_NUMBER}, or 'none')"
+        ) from None
     return VersionedCompletion(body=body, version=version, token_versions=parse_token_versions(value))

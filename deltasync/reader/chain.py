@@ -34,10 +34,12 @@ from ..format import (
     read_header,
     tensors_manifest,
 )
+from ..format.header import read_metadata
 from ..format.dtypes import from_lanes, lanes, read_lanes, write_lanes
 from ..format.fingerprint import fingerprint
 from ..protocol.messages import check_version
 from ..stores import read_limited
+from ..views.identity import ViewIdentity, check_file_view, check_pointer_view, check_view_tensors
 from .parts import Anchor, decode_version, fetch_anchor, fetch_version
 
 if TYPE_CHECKING:
@@ -233,11 +235,18 @@ class ChainReader:
     Every file is checked against the pointer's size and SHA-256 and every header against the
     pointer's entry and chain; a file that fails raises a :class:`~deltasync.DeltaSyncError`
     naming it, before any of its values reach the caller.
+
+    A reader reads the chain it asks for (``view``: a view's name; None: the bf16 chain) and
+    nothing else: a pointer, a file's metadata or an anchor's tensors that belong to another
+    chain are refused (:mod:`deltasync.views.identity`), the pointer's at once.
     """
 
-    def __init__(self, store: Store, pointer: Pointer) -> None:
+    def __init__(self, store: Store, pointer: Pointer, *, view: str | None = None) -> None:
         self.store = store
         self.pointer = pointer
+        self.identity = None if view is None else ViewIdentity.of(view)
+        """The chain asked for (None: the bf16 chain)."""
+        check_pointer_view(self.identity, pointer.view, f"{store.url}/{POINTER_PATH}")
 
     def where(self, entry: ChainEntry) -> str:
         """How messages name the files of ``entry``."""
@@ -284,6 +293,8 @@ class ChainReader:
         where = self.where(entry)
         anchor = fetch_anchor(self.store, entry)
         self.check_header(anchor.header, entry)
+        check_file_view(self.identity, anchor.metadata, where, kind="anchor", named=self.pointer.view is not None)
+        check_view_tensors(self.identity, anchor.tensors, where)
         if any(t.dtype != torch.bfloat16 for t in anchor.tensors.values()):
             check_view_values(anchor.tensors.items(), where)
         if self.pointer.manifest is not None:
@@ -312,8 +323,15 @@ class ChainReader:
         file's size and SHA-256, and its header against the pointer. Returns the bytes read."""
         entry, files = self.fetch(version)
         for number, data in enumerate(files):
-            self.check_header(read_header(data, where=f"{self.store.url}/{entry.files[number].path}"), entry)
+            where = f"{self.store.url}/{entry.files[number].path}"
+            self.check_header(read_header(data, where=where), entry)
+            self.check_view(data, where, entry.kind)
         return sum(map(len, files))
+
+    def check_view(self, data: bytes, where: str, kind: str) -> None:
+        """Refuse a file (its header already read and checked) whose metadata names another
+        chain than the one asked for."""
+        check_file_view(self.identity, read_metadata(data, where=where), where, kind=kind, named=self.pointer.view is not None)
 
     def deltas(
         self, first: int, target: int, overlay: Overlay, *, numels: Mapping[str, int]
@@ -328,6 +346,8 @@ class ChainReader:
                 files, entry, url=self.store.url, numels=numels, base_values=overlay.values, dtypes=overlay.dtypes
             )
             self.check_header(header, entry)
+            for number, data in enumerate(files):
+                self.check_view(data, f"{self.store.url}/{entry.files[number].path}", "delta")
             try:
                 moves = overlay.advance(changes)  # type: ignore[arg-type]  # a delta decodes to changes
             except FormatError as exc:

@@ -146,7 +146,9 @@ class DeltaReceiver:
         view: follow this quantized view of the bucket (``"FP8_DYNAMIC"``; its chain in
             ``views/<view>/``) instead of the bf16 chain. Its state holds the codes and scales
             of the quantized layers and every other parameter in bf16; codes and scales that
-            a view cannot hold (a NaN code, a NaN, infinite or zero scale) are refused.
+            a view cannot hold (a NaN code, a NaN, infinite or zero scale) are refused, and so
+            is a chain that is not this view (another scheme's, the bf16 chain, a tensor whose
+            dtype or shape does not fit the scheme). Without ``view`` a view's chain is refused.
     """
 
     def __init__(
@@ -190,6 +192,12 @@ class DeltaReceiver:
     def verify(self) -> bool:
         """Rehash the whole state: does it still match the fingerprint of its version?"""
         return self._fingerprint is not None and fingerprint(self._state) == self._fingerprint
+
+    def fresh(self) -> DeltaReceiver:
+        """A receiver of the same chain (bucket and view) with no state."""
+        other = DeltaReceiver(self.store, max_attempts=self.max_attempts)
+        other.view = self.view  # self.store is already the view's folder
+        return other
 
     def pointer(self) -> Pointer:
         """The bucket's committed pointer."""
@@ -267,7 +275,7 @@ class DeltaReceiver:
 
     def _stage(self, pointer: Pointer, version: int | None, *, from_anchor: bool = False) -> StagedUpdate:
         start = time.perf_counter()
-        reader = ChainReader(self.store, pointer)
+        reader = ChainReader(self.store, pointer, view=self.view)
         url = self.store.url
         target = reader.target(version)
         if self._version is not None and target < self._version:

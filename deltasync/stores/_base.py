@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from concurrent.futures import Future, ThreadPoolExecutor
 import io
 import os
 from collections.abc import Iterable, Iterator
@@ -140,16 +141,32 @@ def read_into_buffer(f: BinaryIO, size: int) -> bytearray:
     return buffer
 
 
+_PARALLEL_HASH = 1 << 20
+"""Chunks of at least this many bytes are hashed in another thread while the store writes them."""
+
+
 def write_stream(store: Store, path: str, chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
-    """Write the chunks as one file (streamed where the store can); return its size and SHA-256."""
+    """Write the chunks as one file (streamed where the store can); return its size and SHA-256.
+
+    A large chunk is hashed in a helper thread while the store writes it (both release the GIL),
+    and the next chunk is asked for only once both are done with it."""
     digest, size = hashlib.sha256(), 0
 
     def counted() -> Iterable[bytes | memoryview]:
         nonlocal size
-        for chunk in chunks:
-            digest.update(chunk)
-            size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
-            yield chunk
+        pending: Future[None] | None = None
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-sha256") as hashing:
+            for chunk in chunks:
+                n = len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+                size += n
+                if n >= _PARALLEL_HASH:
+                    pending = hashing.submit(digest.update, chunk)
+                else:
+                    digest.update(chunk)
+                yield chunk
+                if pending is not None:
+                    pending.result()
+                    pending = None
 
     if isinstance(store, StreamingStore):
         store.write_stream(path, counted())

@@ -93,6 +93,8 @@ class ChangeCapture:
         the fingerprint's move (0 on ranks that own nothing)."""
         live = self.detector.changes()
         changes = self.checkpoint.to_checkpoint(live)
+        if self.checkpoint.identity and self.detector.last_share is not None:
+            return (changes, live), self.detector.last_share  # summed where the weights are
         share = 0
         for name, change in changes.items():
             share += parse_fingerprint(fingerprint_update(format_fingerprint(0), name, change.index, change.old, change.new))

@@ -200,20 +200,21 @@ class CheckpointLayout:
                 )
         return replace(layout, slices=slices)
 
-    def chunks(self, name: str, flat: torch.Tensor, begin: int, owned: OwnedSlice) -> Iterator[torch.Tensor]:
-        """The owned elements of checkpoint tensor ``name`` in bf16, in chunks, read from ``flat``
-        (the live parameter's flat elements from ``begin`` on: a snapshot, or the parameter)."""
+    def chunks(self, name: str, flat: torch.Tensor, begin: int, owned: OwnedSlice, size: int = _CHUNK) -> Iterator[torch.Tensor]:
+        """The owned elements of checkpoint tensor ``name`` in bf16, in chunks of about ``size``
+        elements, read from ``flat`` (the live parameter's flat elements from ``begin`` on: a
+        snapshot, or the parameter)."""
         piece = self.pieces[name]
         if owned.end == owned.begin:
             return
         if piece.contiguous:
             lo = piece.offset + owned.begin - begin
-            for at in range(lo, lo + owned.end - owned.begin, _CHUNK):
-                yield flat[at : min(at + _CHUNK, lo + owned.end - owned.begin)].to(torch.bfloat16)
+            for at in range(lo, lo + owned.end - owned.begin, size):
+                yield flat[at : min(at + size, lo + owned.end - owned.begin)].to(torch.bfloat16)
             return
         # Strided (a transpose): owned whole (checked by owned()), gathered a block of rows at a time.
         view = piece.view(flat, begin)
-        rows = max(1, _CHUNK // max(1, piece.numel // piece.shape[0]))
+        rows = max(1, size // max(1, piece.numel // piece.shape[0]))
         for row in range(0, piece.shape[0], rows):
             yield view[row : row + rows].to(torch.bfloat16).reshape(-1)
 

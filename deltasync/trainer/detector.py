@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError
 from ..format import Change
+from ..format.fingerprint import DeviceHasher
 from ..reader.chain import Patch
 from .sharded import OwnedSlice, ShardLayout
 from .sources import SourceWeight, WeightSource, checkpoint_name, named_parameters, weight_source
@@ -18,8 +21,52 @@ from .sources import SourceWeight, WeightSource, checkpoint_name, named_paramete
 __all__ = ["BF16ChangeDetector", "checkpoint_name", "named_parameters", "bf16_state_dict"]
 
 CHUNK = 1 << 18
-"""Elements compared (and streamed into an anchor) at a time: the detector's scratch buffers
-hold at most this many, whatever the largest parameter."""
+"""Elements compared (and streamed into an anchor) at a time on the CPU: the detector's scratch
+buffers hold at most this many, whatever the largest parameter."""
+SLICE = 1 << 23
+"""Elements compared at a time on an accelerator. A slice's scratch (its bf16 rounding, the
+snapshot slice when the snapshot is on the host, the mask, and the changed elements' indices
+and values) stays under 160 MiB whatever the parameter's size and however many changed."""
+
+
+def sync_point(device: torch.device) -> None:
+    """Wait for the kernels this thread queued on ``device`` (an accelerator; a no-op on the
+    CPU). Every wait of the detector goes through here, so that a test can count them."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    elif device.type != "cpu":
+        module = getattr(torch, device.type, None)
+        if module is not None and hasattr(module, "synchronize"):
+            module.synchronize()
+
+
+def _nonzero_exact(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The positions of the ``count`` set elements of ``mask``, without the host synchronization
+    of ``nonzero`` (the count is known already); plain ``nonzero`` where a device lacks that."""
+    try:
+        return torch.nonzero_static(mask, size=count).reshape(-1)
+    except (NotImplementedError, RuntimeError):  # a device without nonzero_static: one wait more
+        return mask.nonzero().reshape(-1)
+
+
+def _free_device_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return None
+
+
+def _readable(name: str, tensor: torch.Tensor) -> None:
+    """A ConfigError unless the publisher can read the weight's values where it lives."""
+    if tensor.device.type == "meta" or getattr(tensor, "is_meta", False):
+        raise ConfigError(
+            f"weight {name!r} is on the meta device (it has a shape but no values): materialise the model "
+            "(to_empty() and load its weights, or build it on a real device) before publishing it"
+        )
+    try:
+        tensor.detach().reshape(-1)[:1].to("cpu")
+    except (RuntimeError, AssertionError) as exc:
+        raise ConfigError(f"weight {name!r} on {tensor.device} cannot be read ({exc}); is the device still there?") from exc
 
 
 def bf16_state_dict(model: torch.nn.Module, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -73,8 +120,20 @@ class BF16ChangeDetector:
     Args:
         model: the model being trained (wrappers such as DDP are fine), or a weight source.
         optimizer: the optimizer stepping it, or None.
-        snapshot_device: where the bf16 snapshot lives: "cpu" (default; costs host memory,
-            not accelerator memory) or None for each parameter's own device (fastest compare).
+        snapshot_device: where the bf16 snapshot lives: "auto" (the default: each weight's own
+            accelerator while ``snapshot_budget`` holds it, else the host), "cpu" (host memory,
+            pinned for weights on CUDA), None (each weight's own device, whatever it costs), or
+            a device.
+        snapshot_budget: the most bytes of accelerator memory the snapshot may take on each
+            device; None: half the memory free on that device when the detector is built.
+            With ``snapshot_device`` None or a device, a snapshot larger than this is a
+            :class:`~deltasync.ConfigError`; with "auto" it goes to the host instead.
+
+    On an accelerator, each weight is compared in slices of :data:`SLICE` elements: a first
+    pass counts the changed elements of every slice (one host synchronization per device), a
+    second one copies exactly those elements out (no synchronization per slice), and the
+    host waits once more for the copies. The detector's scratch stays within 256 MiB; the
+    changes' fingerprint move is summed on the device on the way (:attr:`last_share`).
     """
 
     def __init__(
@@ -82,11 +141,16 @@ class BF16ChangeDetector:
         model: torch.nn.Module | WeightSource,
         optimizer: object | None = None,
         *,
-        snapshot_device: str | torch.device | None = "cpu",
+        snapshot_device: str | torch.device | None = "auto",
+        snapshot_budget: int | None = None,
     ) -> None:
         self.source = weight_source(model)
         """Where the weights come from."""
-        self._snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
+        self._auto = isinstance(snapshot_device, str) and snapshot_device == "auto"
+        if snapshot_budget is not None and snapshot_budget < 0:
+            raise ConfigError(f"snapshot_budget must be >= 0 bytes, got {snapshot_budget}")
+        self._budget = snapshot_budget
+        self._snapshot_device = None if snapshot_device is None or self._auto else torch.device(snapshot_device)
         weights = self.source.weights()
         self.layout: ShardLayout | None = self.source.layout()
         """How ranks split the work; None in a single process."""
@@ -124,7 +188,105 @@ class BF16ChangeDetector:
         self._pins = 0
         # While pinned: parameter -> the committed values kept aside (see commit).
         self._overlay: dict[str, Patch] = {}
+        for name, value in self._tracked.items():
+            _readable(name, self._flat(name, value))
+        self._placement = self._place()
+        # One stream per CUDA device for the detector's own work, so that a capture that overlaps
+        # the trainer's next gradients runs beside them, not queued behind them.
+        self._streams: dict[torch.device, Any] = {}
+        self._ready: dict[torch.device, Any] = {}
+        self.last_timing: dict[str, float] = {}
+        """Seconds the last :meth:`changes` spent on accelerators' weights: queueing the counts and
+        waiting for them ("count"), queueing the gathers and copies ("gather"), waiting for the
+        copies ("copy")."""
+        self.sliced = False
+        """Compare weights on the CPU the way accelerators do (two passes over large slices)
+        instead of in small chunks with NumPy; slower on most CPUs, it is there so that the
+        accelerators' path runs and is checked on any machine."""
+        self.last_share: int | None = None
+        """The fingerprint move of the changes last returned by :meth:`changes` (the sum of
+        their new elements' hashes minus their old ones', at their flat indices under their
+        own names), where it was summed on the device; None where it was not."""
         self.reset()
+
+    def _place(self) -> dict[str, torch.device]:
+        """Where each tracked weight's snapshot lives (see ``snapshot_device`` and ``snapshot_budget``)."""
+        own = {name: self._flat(name, value).device for name, value in self._tracked.items()}
+        cpu = torch.device("cpu")
+
+        def target(name: str) -> torch.device:
+            if self._auto:
+                return own[name]
+            return own[name] if self._snapshot_device is None else self._snapshot_device
+
+        need: dict[torch.device, int] = {}
+        for name, value in self._tracked.items():
+            device = target(name)
+            if device.type != "cpu" or not self._auto:
+                need[device] = need.get(device, 0) + 2 * self._flat(name, value).numel()
+        fits: dict[torch.device, bool] = {}
+        for device, nbytes in need.items():
+            budget = self._budget
+            if budget is None:
+                free = _free_device_memory(device) if self._auto else None
+                budget = nbytes if free is None else free // 2
+            fits[device] = nbytes <= budget
+            if not fits[device] and not self._auto:
+                raise ConfigError(
+                    f"the bf16 snapshot of the tracked weights needs {nbytes / 2**20:.1f} MiB on {device}, more than "
+                    f"snapshot_budget={budget} bytes ({budget / 2**20:.1f} MiB); raise snapshot_budget, or let the "
+                    "detector choose (snapshot_device='auto' keeps it on the host where the device cannot hold it)"
+                )
+        placement: dict[str, torch.device] = {}
+        for name in self._tracked:
+            device = target(name)
+            placement[name] = device if device.type == "cpu" or fits.get(device, False) else cpu
+        return placement
+
+    @property
+    def snapshot_devices(self) -> dict[str, str]:
+        """Where each tracked weight's snapshot lives (checkpoint name -> device)."""
+        return {name: str(device) for name, device in self._placement.items()}
+
+    def _stream(self, device: torch.device) -> Any:
+        """The detector's own CUDA stream on ``device`` (None elsewhere)."""
+        if device.type != "cuda":
+            return None
+        stream = self._streams.get(device)
+        if stream is None:
+            # The highest priority: its few, short kernels are scheduled between the blocks of
+            # the trainer's long ones instead of after them.
+            high, _low = torch.cuda.Stream.priority_range()
+            stream = self._streams[device] = torch.cuda.Stream(device, priority=high)
+        return stream
+
+    def _drain(self, device: torch.device) -> None:
+        """Wait for what the detector queued on ``device`` (its own stream, on CUDA)."""
+        stream = self._streams.get(device)
+        if stream is not None:
+            stream.synchronize()
+        else:
+            sync_point(device)
+
+    def _on_stream(self, device: torch.device) -> Any:
+        """Run on the detector's stream of ``device``, after the work the trainer had queued when
+        the version was captured (:meth:`hold_next_step`) or now."""
+        stream = self._stream(device)
+        if stream is None:
+            return contextlib.nullcontext()
+        ready = self._ready.pop(device, None)
+        if ready is not None:
+            stream.wait_event(ready)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        return torch.cuda.stream(stream)
+
+    def _mark_ready(self) -> None:
+        """Record, on each CUDA device's current stream, the point the capture must read after."""
+        for device in {t.device for t in self._tracked.values() if t.device.type == "cuda"}:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._ready[device] = event
 
     def _steppers(self, weights: list[SourceWeight], inner: torch.optim.Optimizer | None) -> dict[str, list[torch.Tensor]]:
         """Each weight's parameters that can step it: trainable, and in the optimizer if there is one."""
@@ -163,6 +325,7 @@ class BF16ChangeDetector:
         if problem is not None:
             raise ConfigError(f"cannot hold the next step: {problem}")
         gate = self._gate = threading.Event()
+        self._mark_ready()
 
         def release() -> float:
             now, since = time.perf_counter(), self._gate_waiting
@@ -242,10 +405,14 @@ class BF16ChangeDetector:
                 flat = self._flat(name, param)
                 snap = self._snapshot.get(name)
                 if snap is None or snap.numel() != flat.numel():
-                    device = flat.device if self._snapshot_device is None else self._snapshot_device
-                    snap = self._snapshot[name] = torch.empty(flat.numel(), dtype=torch.bfloat16, device=device)
-                for lo in range(0, flat.numel(), CHUNK):
-                    snap[lo : lo + CHUNK].copy_(flat[lo : lo + CHUNK])  # rounds to nearest even
+                    device = self._placement[name]
+                    pin = device.type == "cpu" and flat.device.type == "cuda"
+                    snap = self._snapshot[name] = torch.empty(flat.numel(), dtype=torch.bfloat16, device=device, pin_memory=pin)
+                step = CHUNK if flat.device.type == "cpu" else SLICE
+                with self._on_stream(flat.device):
+                    for lo in range(0, flat.numel(), step):
+                        snap[lo : lo + step].copy_(flat[lo : lo + step], non_blocking=True)  # rounds to nearest even
+                    sync_point(flat.device)
             if self._marks is not None:
                 self._marks.clear()
             self._captured_at = self._pending_at = self._step
@@ -262,15 +429,19 @@ class BF16ChangeDetector:
             self._pending_at = self._step
             marks = self._marks
             names = list(self._tracked) if marks is None else [n for n in self._tracked if n in marks]
+            on_host = [n for n in names if self._flat(n, self._tracked[n]).device.type == "cpu"
+                       and self._snapshot[n].device.type == "cpu" and not self.sliced]
             out: dict[str, Change] = {}
-            for name in names:
+            for name in on_host:
                 change = self._compare(name)
                 if change is not None:
                     out[name] = change
-            return out
+            found, share = self._device_changes([n for n in names if n not in set(on_host)])
+            self.last_share = None if on_host else share
+            return {name: out.get(name) or found[name] for name in names if name in out or name in found}
 
     def _compare(self, name: str) -> Change | None:
-        """One parameter against its published state, :data:`CHUNK` elements at a time."""
+        """One parameter on the CPU against its published state, :data:`CHUNK` elements at a time."""
         snap = self._snapshot[name]
         flat = self._flat(name, self._tracked[name])
         overlay = self._overlay.get(name)
@@ -283,19 +454,13 @@ class BF16ChangeDetector:
                 base = snap[lo:hi]
             else:
                 base.copy_(snap[lo:hi])
-                first, last = torch.searchsorted(overlay.index, torch.tensor([lo, hi])).tolist()
-                if last > first:
-                    where = overlay.index[first:last].to(base.device) - lo
-                    base.view(torch.int16)[where] = overlay.bits[first:last].to(base.device)
+                self._lay_overlay(base, overlay, lo, hi)
             torch.ne(current.view(torch.int16), base.view(torch.int16), out=diff)
-            if diff.device.type == "cpu":
-                index = torch.from_numpy(np.flatnonzero(diff.numpy()))  # several times faster here
-            else:
-                index = diff.nonzero().reshape(-1)
+            index = torch.from_numpy(np.flatnonzero(diff.numpy()))  # several times faster here than nonzero
             if index.numel():
-                indices.append(index.cpu() + lo)
-                news.append(current[index].cpu())
-                olds.append(base[index].cpu())
+                indices.append(index + lo)
+                news.append(current[index])
+                olds.append(base[index])
         if not indices:
             return None
         offset = self._offset(name)
@@ -305,6 +470,96 @@ class BF16ChangeDetector:
             new=news[0] if len(news) == 1 else torch.cat(news),
             old=olds[0] if len(olds) == 1 else torch.cat(olds),
         )
+
+    @staticmethod
+    def _lay_overlay(base: torch.Tensor, overlay: Patch, lo: int, hi: int) -> None:
+        """Write the commits a pin keeps aside that fall in ``lo .. hi - 1`` into ``base`` (that slice)."""
+        first, last = torch.searchsorted(overlay.index, torch.tensor([lo, hi])).tolist()
+        if last > first:
+            where = overlay.index[first:last].to(base.device) - lo
+            base.view(torch.int16)[where] = overlay.bits[first:last].to(base.device)
+
+    def _pair(self, name: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slice ``lo .. hi - 1`` of a weight on an accelerator: its bf16 rounding now and its
+        published state, both on the weight's device."""
+        flat = self._flat(name, self._tracked[name])
+        current = flat[lo:hi]
+        if current.dtype != torch.bfloat16:
+            current = current.to(torch.bfloat16)  # rounds to nearest even
+        base = self._snapshot[name][lo:hi]
+        overlay = self._overlay.get(name)
+        if base.device != flat.device:
+            base = base.to(flat.device, non_blocking=True)
+        elif overlay is not None:
+            base = base.clone()
+        if overlay is not None:
+            self._lay_overlay(base, overlay, lo, hi)
+        return current, base
+
+    def _device_changes(self, names: list[str]) -> tuple[dict[str, Change], int]:
+        """The changes of weights on accelerators, and their fingerprint move summed there.
+
+        Per device: a pass that counts each slice's changed elements, one synchronization to read
+        the counts, a pass that gathers exactly those elements and queues their copies to the host
+        (page-locked buffers for CUDA), and one synchronization for the copies."""
+        by_device: dict[torch.device, list[str]] = {}
+        for name in names:
+            by_device.setdefault(self._flat(name, self._tracked[name]).device, []).append(name)
+        out: dict[str, Change] = {}
+        share = 0
+        timing = {"count": 0.0, "gather": 0.0, "copy": 0.0}
+        for device, group in by_device.items():
+            pin = device.type == "cuda"
+            start = time.perf_counter()
+            with self._on_stream(device):
+                plan: list[tuple[str, int, int]] = []
+                sums = []
+                for name in group:
+                    numel = self._snapshot[name].numel()
+                    for lo in range(0, numel, SLICE):
+                        hi = min(lo + SLICE, numel)
+                        current, base = self._pair(name, lo, hi)
+                        sums.append(torch.ne(current.view(torch.int16), base.view(torch.int16)).sum())
+                        plan.append((name, lo, hi))
+                if not plan:
+                    continue
+                counts = torch.stack(sums).to("cpu").tolist()  # the first synchronization
+                timing["count"] += time.perf_counter() - start
+                start = time.perf_counter()
+                hasher = DeviceHasher(device, chunk=1 << 22)
+                # One host buffer per weight and field, each slice's elements copied into its place.
+                totals: dict[str, int] = {}
+                for (name, _, _), count in zip(plan, counts):
+                    totals[name] = totals.get(name, 0) + count
+                host = {
+                    name: tuple(torch.empty(n, dtype=dt, pin_memory=pin) for dt in (torch.int64, torch.bfloat16, torch.bfloat16))
+                    for name, n in totals.items() if n
+                }  # fmt: skip
+                filled = dict.fromkeys(host, 0)
+                for (name, lo, hi), count in zip(plan, counts):
+                    if not count:
+                        continue
+                    current, base = self._pair(name, lo, hi)
+                    at = _nonzero_exact(torch.ne(current.view(torch.int16), base.view(torch.int16)), count)
+                    new, old = current[at], base[at]
+                    at += lo + self._offset(name)
+                    hasher.add(name, at, new)
+                    hasher.add(name, at, old, sign=-1)
+                    k = filled[name]
+                    for h, t in zip(host[name], (at, new, old)):
+                        h[k : k + count].copy_(t, non_blocking=True)
+                    filled[name] = k + count
+                total = torch.empty((), dtype=torch.int64, pin_memory=pin)
+                total.copy_(hasher.total, non_blocking=True)
+                timing["gather"] += time.perf_counter() - start
+                start = time.perf_counter()
+                sync_point(device)  # the second: the copies are on the host
+                timing["copy"] += time.perf_counter() - start
+                share += int(total)
+                for name, (index, new, old) in host.items():
+                    out[name] = Change(index=index, new=new, old=old)
+        self.last_timing = timing
+        return out, share & ((1 << 64) - 1)
 
     def commit(self, changes: dict[str, Change]) -> None:
         """Record that ``changes`` were published: the snapshot now holds their new values.
@@ -322,7 +577,16 @@ class BF16ChangeDetector:
                     patch.merge(index.clone(), change.new.view(torch.int16).clone())
                 else:
                     snap = self._snapshot[name]
-                    snap[index.to(snap.device)] = change.new.to(snap.device)
+                    stream = self._stream(snap.device)
+                    # On an accelerator, a slice of the changes at a time: the copies of their
+                    # indices and values there stay within the detector's scratch.
+                    step = index.numel() if snap.device.type == "cpu" else SLICE
+                    with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+                        for lo in range(0, index.numel(), max(step, 1)):
+                            at = index[lo : lo + step].to(snap.device, non_blocking=True)
+                            snap[at] = change.new[lo : lo + step].to(snap.device, non_blocking=True)
+            for device in {self._snapshot[n].device for n in changes if n in self._snapshot}:
+                self._drain(device)
             captured = self._pending_at
             if self._marks is not None:
                 for name in [n for n, step in self._marks.items() if step <= captured]:
@@ -343,7 +607,10 @@ class BF16ChangeDetector:
                 return
             for name, patch in self._overlay.items():
                 snap = self._snapshot[name]
-                snap.view(torch.int16)[patch.index.to(snap.device)] = patch.bits.to(snap.device)
+                stream = self._stream(snap.device)
+                with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+                    snap.view(torch.int16)[patch.index.to(snap.device)] = patch.bits.to(snap.device)
+                self._drain(snap.device)
             self._overlay.clear()
 
     def is_tracked(self, name: str) -> bool:

@@ -331,7 +331,7 @@ class MergedChangeDetector(BF16ChangeDetector):
         optimizer: object | None = None,
         *,
         adapter: str | None = None,
-        snapshot_device: str | torch.device | None = "cpu",
+        snapshot_device: str | torch.device | None = "auto",
     ) -> None:
         source = model if isinstance(model, MergedLoraWeights) else MergedLoraWeights(model, adapter)
         super().__init__(source, optimizer, snapshot_device=snapshot_device)

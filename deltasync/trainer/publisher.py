@@ -68,9 +68,14 @@ class PublishOptions:
     """Complete anchors to keep in the bucket. The deltas are kept one anchor further back, so
     that a follower up to an anchor interval behind still catches up with deltas alone; older
     files are deleted after a new anchor commits."""
-    snapshot_device: str | None = "cpu"
-    """Where the detector keeps the last published bf16 state: "cpu", or None for each
-    parameter's own device."""
+    snapshot_device: str | None = "auto"
+    """Where the detector keeps the last published bf16 state: "auto" (each weight's own
+    accelerator while ``snapshot_budget`` holds it, else the host; weights on the CPU keep it
+    on the CPU), "cpu", None for each weight's own device, or a device name."""
+    snapshot_budget: int | None = None
+    """The most bytes of accelerator memory the snapshot may take on each device (None: half
+    the memory free there when the publisher starts). A snapshot placed on a device by
+    ``snapshot_device`` that does not fit is a ConfigError; "auto" puts it on the host."""
     capture: CaptureMode = "submit"
     """When a version's changes are found: "submit" (in :meth:`DeltaPublisher.submit`, which
     returns once they are copied out) or "overlap" (in the background thread, while the
@@ -234,7 +239,9 @@ class DeltaPublisher:
         self.store = open_store(bucket)
         self.model = model
         source = weight_source(model)
-        self.detector = detector or BF16ChangeDetector(source, optimizer, snapshot_device=options.snapshot_device)
+        self.detector = detector or BF16ChangeDetector(
+            source, optimizer, snapshot_device=options.snapshot_device, snapshot_budget=options.snapshot_budget
+        )
         problem = self.detector.overlap_problem if options.capture == "overlap" else None
         if problem is not None:
             raise ConfigError(f"capture='overlap' is not possible here: {problem}; use capture='submit'")

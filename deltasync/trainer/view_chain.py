@@ -54,6 +54,7 @@ from ..format import (
 from ..format.fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
 from ..stores import write_stream
 from ..stores._sub import sub_store
+from ..views.identity import ViewIdentity
 
 if TYPE_CHECKING:
     from ..stores import Store
@@ -139,6 +140,8 @@ class ViewChain:
         self.targets = targets
         self.shapes = dict(shapes)
         self.config = scheme.quantization_config(list(ignore))
+        self.identity = ViewIdentity.of(scheme.name)
+        """What identifies the view's chain: in its pointer and in every file's metadata."""
         self.codec, self.level, self.keep_anchors = codec, level, keep_anchors
         self.layout, self.group = layout, group
         self.split = layout is not None and layout.parts > 1
@@ -167,8 +170,8 @@ class ViewChain:
 
     @property
     def metadata(self) -> dict[str, str]:
-        """The ``x-`` metadata of every anchor of the view."""
-        return {VIEW_KEY: self.name, CONFIG_KEY: json.dumps(self.config, sort_keys=True)}
+        """The ``x-`` metadata of every anchor of the view: its identity and its config."""
+        return {**self.identity.metadata(), CONFIG_KEY: json.dumps(self.config, sort_keys=True)}
 
     def _rows(self, name: str) -> tuple[int, int]:
         """The first row of target ``name`` this rank owns, and how many."""
@@ -347,7 +350,8 @@ class ViewChain:
             _, written = self._agree(f"writing the anchor of version {version}", write)
             entry = self._entry("anchor", version, fp, written)
             restart = self.head is None or new_chain or self.broken
-            pointer = Pointer.start(entry, total=total, manifest=manifest) if restart else self.head.pointer.with_anchor(entry, self.keep_anchors)  # type: ignore[union-attr]
+            view = self.identity.to_json()
+            pointer = Pointer.start(entry, total=total, manifest=manifest, view=view) if restart else self.head.pointer.with_anchor(entry, self.keep_anchors)  # type: ignore[union-attr]
             self._commit(f"the anchor of version {version}", pointer)
             if restart:
                 self.head = _Head(pointer, version, fp, total)
@@ -421,7 +425,7 @@ class ViewChain:
                     view_changes, version=version, anchor=head.pointer.root, codec=self.codec, total=head.total,
                     fingerprint=fp, base_fingerprint=head.fingerprint, level=self.level, numels=numels,
                     part=(self.layout.part, self.layout.parts) if self.split and self.layout else None,
-                    manifest=head.pointer.manifest,
+                    manifest=head.pointer.manifest, extra_metadata=self.identity.metadata(),
                 )
                 self.store.write_bytes(path, data)
                 count = sum(c.index.numel() for c in view_changes.values())

@@ -24,7 +24,19 @@ if TYPE_CHECKING:
     from .sharded import ShardLayout
     from .writer import LateWarnings
 
-__all__ = ["ViewPublisher"]
+__all__ = ["ViewPublisher", "check_device_dtype"]
+
+
+def check_device_dtype(device: torch.device, dtype: torch.dtype, view: str) -> None:
+    """A ConfigError unless ``device`` holds and converts to ``dtype`` (a view's codes are
+    quantized where the weights are)."""
+    try:
+        torch.zeros(2, dtype=torch.bfloat16, device=device).to(dtype).view(torch.uint8).sum()
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        raise ConfigError(
+            f"view {view!r}: the weights are on {device}, which has no {dtype} ({type(exc).__name__}: {exc}); "
+            "publish the view from weights on a device that has it, or leave the view out"
+        ) from exc
 
 
 class ViewPublisher:
@@ -75,6 +87,10 @@ class ViewPublisher:
         targets = {n for n in quantized_names(module, list(shapes), ignore) if len(shapes[n]) == 2}
         # The config names every Linear left in bf16 (an MoE's routers too), as llm-compressor writes it.
         listed = tuple(ignore_list(module, ignore))
+        devices = {p.device for p in module.parameters()}
+        for name in names:
+            for device in devices:
+                check_device_dtype(device, get_scheme(name).code_dtype, name)
         return [
             ViewChain(
                 store, get_scheme(name), targets=targets, shapes=shapes, ignore=listed, codec=codec, level=level,

@@ -39,7 +39,7 @@ from ..format import (
     part_path,
     sha256_hex,
 )
-from ..format.fingerprint import fingerprint_slice_share, format_fingerprint
+from ..format.fingerprint import DeviceHasher, fingerprint_slice_share, format_fingerprint
 from ..stores import read_limited, write_stream
 from .ownership import ChainOwnership
 
@@ -50,6 +50,9 @@ if TYPE_CHECKING:
     from .sharded import ShardLayout
 
 __all__ = ["ChainState", "ChainWriter", "LateWarnings"]
+
+ANCHOR_DEVICE_CHUNK = 1 << 25
+"""Elements an anchor copies from an accelerator to the host at a time (64 MiB of bf16)."""
 
 logger = logging.getLogger("deltasync.trainer.publisher")  # the publisher's parts log as the publisher
 
@@ -308,10 +311,18 @@ class ChainWriter:
                 tracked = self.detector.is_tracked(source)
                 flat = self.detector.snapshot_flat(source) if tracked else live.local(params[source])
                 offset = owned.begin
-                for values in self.checkpoint.chunks(name, flat, live.begin, owned):
-                    shares[0] += fingerprint_slice_share(name, values.cpu(), offset)
+                hasher = None if flat.device.type == "cpu" else DeviceHasher(flat.device)
+                # From an accelerator, large pieces: each is one copy to the host.
+                size = (1 << 20) if hasher is None else ANCHOR_DEVICE_CHUNK
+                for values in self.checkpoint.chunks(name, flat, live.begin, owned, size):
+                    if hasher is None:
+                        shares[0] += fingerprint_slice_share(name, values, offset)
+                    else:  # hashed where it lies; one read of the sum per tensor
+                        hasher.add_slice(name, values, offset)
                     offset += values.numel()
                     yield values
+                if hasher is not None:
+                    shares[0] += hasher.value()
 
             return gen
 

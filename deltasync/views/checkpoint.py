@@ -41,6 +41,22 @@ COPIED_FILES: tuple[str, ...] = (
 )
 
 
+def make_folder(out: Path, *, create: bool = True) -> None:
+    """Create the folder ``out`` (and its parents), or a :class:`ConfigError` naming it and why
+    not: a file of that name, or a folder the OS will not create. ``create=False`` only checks
+    that ``out`` is not a file (before anything is read or written)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a folder; name a new or empty folder to write the checkpoint to")
+    if not create:
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create the folder {out}: {exc.strerror or exc}; name a folder that can be created"
+        ) from None
+
+
 def write_checkpoint(
     out_dir: str | os.PathLike[str],
     tensors: Iterable[tuple[str, torch.Tensor]],
@@ -66,7 +82,7 @@ def write_checkpoint(
       ``tensors`` is listed first to add it up, which holds every tensor it yields at once; pass
       ``total_bytes`` to stream tensors made on the fly.
 
-    Raises :class:`ConfigError` if ``out_dir`` already holds safetensors files (stale shards
+    Raises :class:`ConfigError` if ``out_dir`` is a file or cannot be created, already holds safetensors files (stale shards
     would be loaded beside the new ones), a name repeats, or ``like`` has no config.json.
     """
     out = Path(out_dir)
@@ -74,7 +90,7 @@ def write_checkpoint(
         raise ConfigError(f"max_shard_bytes={max_shard_bytes} must be positive")
     if like is not None and not (Path(like) / "config.json").is_file():
         raise ConfigError(f"like={str(like)!r} has no config.json; pass the model folder the checkpoint is of")
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
     stale = sorted(p.name for p in out.glob("*.safetensors*"))
     if stale:
         raise ConfigError(

@@ -5,7 +5,11 @@ that each compress well, each a zstd frame (docs/protocol.md describes every str
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -15,7 +19,10 @@ from ...errors import FormatError
 from ..dtypes import ELEMENT_DTYPES, from_lanes, lanes
 from .base import Change, Codec, DeltaContext, Table, known_numel
 
-__all__ = ["ZstdCodec", "STREAMS", "ENCODE_CHUNK", "zstd_streams", "ordered", "from_ordered", "bounded_decompress"]
+__all__ = [
+    "ZstdCodec", "STREAMS", "ENCODE_CHUNK", "encode_threads", "zstd_streams", "ordered", "from_ordered",
+    "bounded_decompress",
+]
 
 PREFIX = "zstd:"
 """Every tensor of a zstd delta is named ``zstd:<stream>`` (or ``zstd:counts``)."""
@@ -34,13 +41,17 @@ class ZstdCodec(Codec):
         self, items: Sequence[tuple[str, Change]], *, numels: Mapping[str, int] | None, level: int | None
     ) -> dict[str, torch.Tensor]:
         streams, counts = zstd_streams(items)
-        compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
-        tensors = {
-            PREFIX + key: torch.frombuffer(bytearray(compressor.compress(raw)), dtype=torch.uint8)
-            if raw
-            else torch.zeros(0, dtype=torch.uint8)
-            for key, raw in streams.items()
-        }
+
+        def compress(raw: bytes) -> torch.Tensor:
+            if not raw:
+                return torch.zeros(0, dtype=torch.uint8)
+            # One compressor per stream (they are not thread-safe); single-threaded frames, so
+            # the bytes are those of any machine, whatever its cores.
+            frame = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw)
+            return torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+
+        blobs = _map(compress, list(streams.values()), workers=None)
+        tensors = {PREFIX + key: blob for key, blob in zip(streams, blobs)}
         tensors[PREFIX + "counts"] = torch.tensor(counts, dtype=torch.int64)
         return tensors
 
@@ -60,41 +71,97 @@ class ZstdCodec(Codec):
         return [(["parameter", "changed"], rows), (["stream", "compressed bytes", "bytes/change"], streams)]
 
 
-ENCODE_CHUNK = 1 << 16
-"""Elements of a parameter's changes that the zstd codec transforms at a time: its wide
-temporaries (int64 gaps, int32 differences) stay a few MiB however big the version is."""
+ENCODE_CHUNK = 1 << 20
+"""Elements of a parameter's changes that one encode thread transforms at a time: its wide
+temporaries (int64 gaps, int32 differences) stay about 40 MiB per thread however big the
+version is, and each NumPy call runs long enough without the GIL for the threads to scale."""
 
 
-def zstd_streams(items: Sequence[tuple[str, Change]]) -> tuple[dict[str, bytes], list[int]]:
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def encode_threads() -> int:
+    """Threads a delta's encoding is spread over: the cores this process may run on
+    (``DELTASYNC_ENCODE_THREADS`` overrides). NumPy, torch and zstandard release the GIL in the
+    loops that matter, and the bytes do not depend on the count."""
+    env = os.environ.get("DELTASYNC_ENCODE_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _map(fn: Callable[[_T], _R], items: Iterable[_T], *, workers: int | None) -> list[_R]:
+    """``[fn(x) for x in items]``, in order, spread over the encode threads (``workers``: at most
+    that many; 1 runs here)."""
+    items = list(items)
+    n = encode_threads() if workers is None else workers
+    if n <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers < n:  # noqa: SLF001
+            _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="deltasync-encode")
+        pool = _POOL
+    return list(pool.map(fn, items))
+
+
+def _ordered_np(values: torch.Tensor) -> np.ndarray:
+    """:func:`_ordered_lanes` in NumPy (int32): single-threaded per call, so that the encode
+    threads do not each start a team of torch's intra-op threads."""
+    values = values.detach().reshape(-1).cpu()
+    if values.dtype in ELEMENT_DTYPES and values.dtype != torch.bfloat16:
+        return values.contiguous().view(torch.uint8).numpy().astype(np.int32)
+    if values.dtype != torch.bfloat16:
+        values = values.to(torch.bfloat16)
+    bits = values.contiguous().view(torch.int16).numpy().astype(np.int32) & 0xFFFF
+    return np.where(bits >= 0x8000, 0x7FFF - bits, bits)
+
+
+def _unit(work: tuple[Change, int, int]) -> tuple[np.ndarray, ...]:
+    """The stream pieces of changes ``start .. stop - 1`` of one parameter (NumPy only)."""
+    change, start, stop = work
+    assert change.old is not None
+    index = change.index.detach().reshape(-1)[start:stop].cpu().numpy().astype(np.int64, copy=False)
+    g = np.empty(index.size, dtype=np.int64)
+    g[0] = index[0] if start == 0 else index[0] - int(change.index[start - 1]) - 1
+    np.subtract(index[1:], index[:-1], out=g[1:])
+    g[1:] -= 1
+    g = g.view(np.uint64)
+    lo = (g & np.uint64(0xFF)).astype(np.uint8)
+    hi = g >> np.uint64(8)
+    hi_nz = hi != 0
+    hv = hi[hi_nz]
+    big = hv[hv >= 255].astype("<u8")
+    hi_b = np.minimum(hv, 255).astype(np.uint8)
+    # New minus old ordered bit pattern modulo 2**16, as a signed 16-bit number,
+    # zigzag-mapped: -1 -> 1, +1 -> 2, -2 -> 3, +2 -> 4, ... Symbols 0..2 stand for
+    # zigzag 1..3; 3 escapes.
+    d = (_ordered_np(change.new[start:stop]) - _ordered_np(change.old[start:stop])) & 0xFFFF
+    d = np.where(d >= 0x8000, d - 0x10000, d)
+    zig = ((d << 1) ^ (d >> 31)).astype(np.uint32)
+    if (zig == 0).any():
+        raise FormatError("a delta lists changed elements only, but an element's new value equals its old one")
+    return lo, hi_nz, hi_b, big, np.where(zig <= 3, zig - 1, 3).astype(np.uint8), zig[zig > 3]
+
+
+def zstd_streams(items: Sequence[tuple[str, Change]], *, workers: int | None = None) -> tuple[dict[str, bytes], list[int]]:
+    """The raw (uncompressed) streams of ``items`` and each parameter's count of changes; the work
+    is spread over ``workers`` threads (None: :func:`encode_threads`), the bytes are the same."""
     counts = [change.index.numel() for _, change in items]
-    pieces: dict[str, list[np.ndarray]] = {key: [] for key in ("lo", "hi_nz", "hi", "big", "sym", "esc")}
     for name, change in items:
         if change.old is None:
             raise FormatError(f"parameter {name!r}: the zstd codec needs the previous values")
-        for start in range(0, change.index.numel(), ENCODE_CHUNK):
-            stop = min(start + ENCODE_CHUNK, change.index.numel())
-            index = change.index[start:stop].to(torch.int64).cpu()
-            gap = torch.empty_like(index)
-            gap[0] = index[0] if start == 0 else index[0] - int(change.index[start - 1]) - 1
-            gap[1:] = index[1:] - index[:-1] - 1
-            g = gap.numpy().astype(np.uint64)
-            pieces["lo"].append((g & np.uint64(0xFF)).astype(np.uint8))
-            hi = g >> np.uint64(8)
-            hi_nz = hi != 0
-            hv = hi[hi_nz]
-            pieces["hi_nz"].append(hi_nz)
-            pieces["big"].append(hv[hv >= 255].astype("<u8"))
-            pieces["hi"].append(np.minimum(hv, 255).astype(np.uint8))
-            # New minus old ordered bit pattern modulo 2**16, as a signed 16-bit number,
-            # zigzag-mapped: -1 -> 1, +1 -> 2, -2 -> 3, +2 -> 4, ... Symbols 0..2 stand for
-            # zigzag 1..3; 3 escapes.
-            d = ((_ordered_lanes(change.new[start:stop]) - _ordered_lanes(change.old[start:stop])) & 0xFFFF).numpy().astype(np.int32)
-            d = np.where(d >= 0x8000, d - 0x10000, d)
-            zig = ((d << 1) ^ (d >> 31)).astype(np.uint32)
-            if (zig == 0).any():
-                raise FormatError("a delta lists changed elements only, but an element's new value equals its old one")
-            pieces["sym"].append(np.where(zig <= 3, zig - 1, 3).astype(np.uint8))
-            pieces["esc"].append(zig[zig > 3])
+    units = [(change, start, min(start + ENCODE_CHUNK, change.index.numel()))
+             for _, change in items for start in range(0, change.index.numel(), ENCODE_CHUNK)]  # fmt: skip
+    done = _map(_unit, units, workers=workers)
+    keys = ("lo", "hi_nz", "hi", "big", "sym", "esc")
+    pieces: dict[str, list[np.ndarray]] = {key: [unit[k] for unit in done] for k, key in enumerate(keys)}
     if not items:
         return {key: b"" for key in STREAMS}, counts
     sym = np.concatenate(pieces["sym"])

@@ -12,6 +12,8 @@ place); at the end greedy tokens and logprobs must equal those of a server start
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 
 import pytest
@@ -22,6 +24,7 @@ from deltasync import DeltaPublisher, FormatError, RolloutClient, open_store
 from deltasync.cli import main as cli
 from deltasync.format import Change, encode_delta, sha256_hex, view_prefix
 from deltasync.stores._sub import sub_store
+from deltasync.views.identity import ViewIdentity
 
 pytestmark = [pytest.mark.server, requires_vllm]
 
@@ -186,7 +189,7 @@ def _bad_delta(world, tamper) -> int:
     numels = {n: t.numel() for n, t in state.items()}
     data = encode_delta(changes, version=version, anchor=pointer.root, codec="raw", total=pointer.total,
                         fingerprint=pointer.fingerprint, base_fingerprint=pointer.fingerprint, numels=numels,
-                        manifest=pointer.manifest)  # fmt: skip
+                        manifest=pointer.manifest, extra_metadata=ViewIdentity.of(FP8).metadata())  # fmt: skip
     path = f"deltas/{version:08d}.safetensors"
     store.write_bytes(path, data)
     entry = ChainEntry(version=version, kind="delta", path=path, nbytes=len(data), sha256=sha256_hex(data),
@@ -240,18 +243,52 @@ def test_fp8_server_refuses_bad_codes_scales_and_bf16_values_and_keeps_serving(w
 # --------------------------------------------------------------------------- FP8_DYNAMIC, TP=2, follow mode
 
 
-def test_fp8_tp2_follower_writes_every_version_in_place(world):
+def _follow_error(status) -> str:
+    return (status.follow or {}).get("last_error") or ""
+
+
+def _follows_to(client: RolloutClient, world, version: int) -> None:
+    deadline = time.monotonic() + 120
+    while (status := _status(client)).version != version and time.monotonic() < deadline:
+        time.sleep(0.2)
+    detail = json.dumps([status.follow, [(w["last_error"], w["last_update"], w["prefetch"]) for w in status.workers]])
+    assert (status.version, status.fingerprint) == (version, world.publisher.view_fingerprint(FP8)), detail
+
+
+def test_fp8_tp2_follower_writes_every_version_in_place_and_refuses_another_schemes_chain(world):
     with world.server(FP8, "fp8-tp2", tp=2, DELTASYNC_FOLLOW="1", DELTASYNC_FOLLOW_INTERVAL="0.5") as server:
         client = RolloutClient(server.url)
         status = _status(client)
         assert [(w["mode"], w["fallback"]) for w in status.workers] == [("in-place", [])] * 2
         for k in range(3):
-            version = world.step(k + 10)
+            _follows_to(client, world, world.step(k + 10))
+        # The view's folder swapped for W8A8's, one version ahead of what the follower serves:
+        # refused (it names both views and the pointer), reported, the served version kept.
+        before = _status(client)
+        view = next(v for v in world.publisher._views if v.name == FP8)  # noqa: SLF001 - the publisher's own chain
+        folder, scratch = world.bucket / view_prefix(FP8), world.root / "fp8-next"
+        honest, swapped = world.root / "fp8-honest", world.root / "fp8-swapped"
+        real, view.store = view.store, open_store(scratch)  # FP8's next version goes aside, for now
+        try:
+            version = world.step(13)  # the bf16 chain and W8A8 at the next version
+            shutil.copytree(world.bucket / view_prefix(W8A8), swapped)
+            os.rename(folder, honest)
+            os.rename(swapped, folder)
             deadline = time.monotonic() + 120
-            while (status := _status(client)).version != version and time.monotonic() < deadline:
+            while "W8A8" not in _follow_error(status := _status(client)) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            detail = json.dumps([status.follow, [(w["last_error"], w["last_update"], w["prefetch"]) for w in status.workers]])
-            assert (status.version, status.fingerprint) == (version, world.publisher.view_fingerprint(FP8)), detail
+            error = _follow_error(status)
+            assert "view FP8_DYNAMIC (F8_E4M3 codes" in error and "the pointer names view W8A8" in error, error
+            assert "views/FP8_DYNAMIC/latest.json" in error, error
+            assert (status.version, status.fingerprint) == (before.version, before.fingerprint)
+            assert status.version == version - 1 and server.is_running()
+        finally:  # the honest view back, with its next version: the follower catches up
+            if honest.exists():
+                os.rename(folder, swapped)
+                shutil.copytree(scratch, honest, dirs_exist_ok=True)
+                os.rename(honest, folder)
+            view.store = real
+        _follows_to(client, world, version)
         assert server.is_running()
 
 

@@ -8,8 +8,17 @@ import json
 import httpx
 import pytest
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from deltasync import FormatError, RolloutClient, parse_token_versions, version_of_token
-from deltasync.protocol.token_versions import format_token_versions
+from deltasync.protocol.token_versions import (
+    MAX_CHOICES,
+    MAX_ENTRIES,
+    fits_bounds,
+    format_token_versions,
+    versioned_completion,
+)
 
 
 def test_the_header_and_the_comment_parse_to_one_list_per_choice():
@@ -59,3 +68,116 @@ def test_complete_says_what_is_missing():
         RolloutClient("http://a:8000", transport=plain).complete({"prompt": "hi"})
     with pytest.raises(Exception, match="takes non-streamed requests"):
         RolloutClient("http://a:8000", transport=plain).complete({"prompt": "hi", "stream": True})
+
+
+# --------------------------------------------------------------------------- hostile values
+
+
+@pytest.mark.parametrize("admitted", ["x", "-1", "", "9" * 5000, "٣", "３", "03", str(2**50 + 1), " 3"])
+def test_a_bad_admission_version_is_a_format_error_naming_the_header(admitted):
+    with pytest.raises(FormatError, match=r"x-deltasync-version '.*' is not a version \(an ASCII decimal up to "
+                       r"1125899906842624, or 'none'\)"):  # fmt: skip
+        versioned_completion({}, {"x-deltasync-token-versions": "3:0", "x-deltasync-version": admitted})
+    assert versioned_completion({}, {"x-deltasync-token-versions": "3:0", "x-deltasync-version": str(2**50)}).version == 2**50
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["٣:٠,٤:١٧", "３:０", "3:0,٤:17", "9" * 4300 + ":0", "3:0," + "9" * 5000 + ":1", f"{2**50 + 1}:0", "03:0",
+     "3:0,4:01", "-1:0", "3:0,4:-1", "3:0,+4:1", "3:0,4:1e3", "3 :0", "3:0;", ";3:0", "3:0,,4:1"],
+)  # fmt: skip
+def test_only_ascii_decimals_up_to_the_pointers_cap_are_versions(value):
+    with pytest.raises(FormatError, match="x-deltasync-token-versions"):
+        parse_token_versions(value)
+
+
+def test_the_largest_version_and_the_bounds_themselves_parse():
+    assert parse_token_versions(f"{2**50}:0,none:{2**50}") == [[(2**50, 0), (None, 2**50)]]
+    most = ";".join(["3:0"] * MAX_CHOICES)
+    assert len(parse_token_versions(most)) == MAX_CHOICES
+    one = ",".join(["3:0"] * MAX_ENTRIES)
+    assert len(parse_token_versions(one)[0]) == MAX_ENTRIES
+    widest = ",".join([f"{2**50}:{2**50}"] * (MAX_ENTRIES - 1))
+    assert len(parse_token_versions(f": x-deltasync-token-versions {2**50}:0,{widest}\n")[0]) == MAX_ENTRIES
+
+
+def test_a_list_past_the_bounds_is_refused_saying_which():
+    with pytest.raises(FormatError, match=f"lists {MAX_CHOICES + 1} choices, more than {MAX_CHOICES} \\(vLLM's largest n\\)"):
+        parse_token_versions(";".join(["3:0"] * (MAX_CHOICES + 1)))
+    with pytest.raises(FormatError, match=f"lists {MAX_ENTRIES + 1} entries, more than {MAX_ENTRIES}"):
+        parse_token_versions(",".join(["3:0"] * (MAX_ENTRIES + 1)))
+    with pytest.raises(FormatError, match="characters, more than"):
+        parse_token_versions(": x-deltasync-token-versions " + "3:0," * 2_600_000 + "3:0")
+
+
+def test_a_server_sends_no_list_a_parser_refuses():
+    assert fits_bounds([[(3, 0)]] * MAX_CHOICES) and not fits_bounds([[(3, 0)]] * (MAX_CHOICES + 1))
+    assert fits_bounds([[(3, 0)] * MAX_ENTRIES]) and not fits_bounds([[(3, 0)] * (MAX_ENTRIES + 1)])
+    assert not fits_bounds([[(2**50 + 1, 0)]]) and fits_bounds([[(None, 0), (2**50, None)]])
+
+
+def _cost(call) -> tuple[float, int]:
+    """Seconds and peak bytes Python allocated for ``call()`` (whatever it raised)."""
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        call()
+    except FormatError:
+        pass
+    seconds = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return seconds, peak
+
+
+# Adversarial pieces: non-ASCII digits, huge numbers, signs, separators, reversed boundaries.
+_PIECES = st.sampled_from([
+    "3", "0", "17", "none", "?", ":", ",", ";", " ", "-", "+", "٣", "３", "٠", "1e3", "9" * 17, "9" * 5000, "\n",
+    ": x-deltasync-token-versions ", str(2**50), str(2**50 + 1), "\x00", "é",
+])  # fmt: skip
+_ENTRY = st.tuples(st.one_of(st.integers(-5, 2**51), st.just(None)), st.one_of(st.integers(-5, 2**51), st.just(None)))
+
+
+def _listed(choices: list[list[tuple[int | None, int | None]]]) -> str:
+    return ";".join(",".join(f"{'none' if v is None else v}:{'?' if s is None else s}" for v, s in c) for c in choices)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    st.one_of(
+        st.text(max_size=200),
+        st.lists(_PIECES, max_size=60).map("".join),
+        st.lists(st.lists(_ENTRY, min_size=1, max_size=6), min_size=1, max_size=6).map(_listed),
+        st.tuples(st.lists(_PIECES, max_size=4).map("".join), st.integers(1, 3_000_000)).map(lambda p: p[0] * (p[1] // max(len(p[0]), 1))),
+    )
+)  # fmt: skip
+def test_any_value_parses_or_is_a_format_error_cheaply(value):
+    def both() -> None:
+        try:
+            parse_token_versions(value)
+        finally:
+            versioned_completion({}, {"x-deltasync-token-versions": "3:0", "x-deltasync-version": value})
+
+    seconds, peak = _cost(both)
+    assert seconds < 1.0 and peak < 64 << 20, (len(value), seconds, peak)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        ": x-deltasync-token-versions " + "3:0," * 2_600_000 + "3:0",  # the 10 MB SSE comment (2.6M choices' worth)
+        ";".join(["3:0"] * 2_600_000),
+        "9" * 10_000_000,
+        "٣:٠," * 2_000_000,
+        ",".join(["3:0"] * MAX_ENTRIES),  # the largest accepted
+        ",".join([f"{2**50}:{2**50}"] * MAX_ENTRIES),
+        ";".join(["3:0,4:9,5:3"] * (MAX_CHOICES - 1)),  # reversed boundaries in every choice
+    ],
+    ids=["10MB-comment", "2.6M-choices", "10M-digits", "arabic-digits", "largest", "widest", "reversed"],
+)
+def test_huge_values_cost_under_64_mib_and_a_second(value):
+    seconds, peak = _cost(lambda: parse_token_versions(value))
+    assert seconds < 1.0 and peak < 64 << 20, (seconds, peak)

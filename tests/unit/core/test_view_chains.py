@@ -19,6 +19,7 @@ from deltasync.format import POINTER_PATH, Change, Pointer, encode_delta, sha256
 from deltasync.stores._sub import sub_store
 from deltasync.trainer.view_targets import quantized_names
 from deltasync.views import get_scheme
+from deltasync.views.identity import ViewIdentity
 
 FP8, W8A8 = "FP8_DYNAMIC", "W8A8"
 
@@ -194,7 +195,8 @@ def _tampered(bucket, view: str, spoil) -> int:
     version = pointer.version + 1
     data = encode_delta(changes, version=version, anchor=pointer.root, codec="raw", total=pointer.total,
                         fingerprint=pointer.fingerprint, base_fingerprint=pointer.fingerprint,
-                        numels={n: t.numel() for n, t in state.items()}, manifest=pointer.manifest)  # fmt: skip
+                        numels={n: t.numel() for n, t in state.items()}, manifest=pointer.manifest,
+                        extra_metadata=ViewIdentity.of(view).metadata())  # fmt: skip
     path = f"deltas/{version:08d}.safetensors"
     store.write_bytes(path, data)
     entry = ChainEntry(version=version, kind="delta", path=path, nbytes=len(data), sha256=sha256_hex(data),
@@ -238,11 +240,15 @@ def test_a_bf16_receiver_refuses_a_view_anchor_for_its_weights(tmp_path):
         publisher.publish()
     bf16 = DeltaReceiver(tmp_path / "bucket")
     bf16.sync()
-    # Pointed at the view's folder, a receiver that serves the bf16 weights refuses its anchor.
-    confused = DeltaReceiver(sub_store(open_store(tmp_path / "bucket"), view_prefix(FP8)),
-                             expected={n: t.shape for n, t in bf16.state_dict().items()})  # fmt: skip
-    with pytest.raises(FormatError, match="the receiver serves 90688|lacks|unexpected"):
-        confused.sync()
+    # Pointed at the view's folder, a receiver of the bf16 chain refuses its pointer, with or
+    # without the manifest of the weights it serves.
+    folder = sub_store(open_store(tmp_path / "bucket"), view_prefix(FP8))
+    for confused in (DeltaReceiver(folder, expected={n: t.shape for n, t in bf16.state_dict().items()}),
+                     DeltaReceiver(folder)):  # fmt: skip
+        with pytest.raises(FormatError, match="views/FP8_DYNAMIC/latest.json: the bf16 chain was asked for, the "
+                           "pointer names view FP8_DYNAMIC"):  # fmt: skip
+            confused.sync()
+        assert confused.version is None
 
 
 def test_export_writes_loadable_checkpoints_of_the_bf16_chain_and_of_a_view(tmp_path, tiny_model_dir, capsys):

@@ -6,6 +6,11 @@ codes beside BF16 scales) and how one-byte values move (as zero-extended 16-bit 
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
 import torch
 
 from deltasync import format as F
@@ -134,3 +139,72 @@ def test_a_reader_of_some_elements_refuses_only_codes_it_holds_that_leave_their_
     _, decoded = F.decode_delta(bad, where="d", numels=numels, base_values=full.values, dtypes=dtypes)
     with pytest.raises(FormatError, match="element 4 leaves the 8 bits"):
         full.advance(decoded)
+
+
+# --------------------------------------------------------------------------- what identifies a view
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "protocol.md"
+
+
+def identified_files() -> dict[str, bytes]:
+    """The example as a writer writes it now (format 4): the view's identity in the pointer and
+    in every file's metadata, beside the manifest digest."""
+    from deltasync.views.identity import ViewIdentity
+
+    identity = ViewIdentity.of("FP8_DYNAMIC")
+    state, changes, _, _ = example()
+    manifest = F.tensors_manifest(state)
+    anchor = F.encode_anchor(state, version=0, fingerprint=FP0, manifest=manifest,
+                             extra_metadata={**identity.metadata(), "x-quantization-config": "{}"})  # fmt: skip
+    raw = F.encode_delta(changes, version=1, anchor=0, codec="raw", total=12, fingerprint=FP1, base_fingerprint=FP0,
+                         manifest=manifest, extra_metadata=identity.metadata())  # fmt: skip
+    first = F.ChainEntry(version=0, kind="anchor", path=F.anchor_path(0), nbytes=len(anchor),
+                         sha256=F.sha256_hex(anchor), fingerprint=FP0, changed=12)  # fmt: skip
+    delta = F.ChainEntry(version=1, kind="delta", path=F.delta_path(1), nbytes=len(raw), sha256=F.sha256_hex(raw),
+                         fingerprint=FP1, changed=3)  # fmt: skip
+    pointer = replace(F.Pointer.start(first, total=12, manifest=manifest, view=identity.to_json()), version=1,
+                      fingerprint=FP1, chain=(delta,))  # fmt: skip
+    return {"anchor": anchor, "raw": raw, "pointer": pointer.to_bytes()}
+
+
+def render_view_dumps() -> dict[str, str]:
+    """The dumps of docs/protocol.md section 20, by the name of their ``<!-- dump: NAME -->`` marker."""
+    files = identified_files()
+    return {
+        "view-pointer": files["pointer"].decode().rstrip("\n"),
+        "view-delta-metadata": json.dumps(F.read_metadata(files["raw"], where="x"), sort_keys=True, separators=(",", ":")),
+    }
+
+
+def test_protocol_doc_shows_the_view_identity_the_code_writes() -> None:
+    doc = DOC.read_text()
+    for name, text in render_view_dumps().items():
+        match = re.search(rf"<!-- dump: {re.escape(name)} -->\n```text\n(.*?)\n```", doc, re.S)
+        assert match, f"docs/protocol.md has no <!-- dump: {name} --> block"
+        assert match.group(1) == text, f"docs/protocol.md: dump {name!r} is stale; run python tests/unit/core/test_view_format.py"
+
+
+def test_the_identified_example_reads_as_its_view_and_as_nothing_else(tmp_path) -> None:
+    import pytest
+
+    from deltasync import DeltaReceiver, FormatError
+
+    folder = tmp_path / "bucket" / "views" / "FP8_DYNAMIC"
+    for name, path in (("anchor", F.anchor_path(0)), ("raw", F.delta_path(1)), ("pointer", F.POINTER_PATH)):
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        (folder / path).write_bytes(identified_files()[name])
+    receiver = DeltaReceiver(tmp_path / "bucket", view="FP8_DYNAMIC")
+    assert receiver.sync() == 1 and receiver.fingerprint == FP1
+    import shutil
+
+    shutil.copytree(folder, folder.parent / "W8A8")  # another scheme's chain under W8A8's name
+    with pytest.raises(FormatError, match=r"view W8A8 \(I8 codes, BF16 scales, channel scale layout\) was asked for, "
+                       r"the pointer names view FP8_DYNAMIC \(F8_E4M3 codes"):  # fmt: skip
+        DeltaReceiver(tmp_path / "bucket", view="W8A8").sync()
+    with pytest.raises(FormatError, match="the bf16 chain was asked for, the pointer names view FP8_DYNAMIC"):
+        DeltaReceiver(folder).sync()
+
+
+if __name__ == "__main__":
+    for key, value in render_view_dumps().items():
+        print(f"<!-- dump: {key} -->\n```text\n{value}\n```\n")

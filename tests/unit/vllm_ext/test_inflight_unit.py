@@ -201,3 +201,29 @@ def test_an_apply_behind_the_flow_leaves_the_start_unknown_for_requests_it_strad
     asyncio.run(scenario())
     assert log.versions(before) == [[(4, 0), (5, None)]] and format_token_versions(log.versions(before)) == "4:0,5:?"
     assert log.versions(after) == [[(4, 0), (5, 0)]]
+
+
+def test_a_list_past_the_parsers_bounds_is_not_sent(caplog):
+    """The server sends only lists a client parses: none past vLLM's largest n (MAX_CHOICES) or
+    MAX_ENTRIES entries; the largest it sends parses back."""
+    from deltasync.protocol import parse_token_versions
+    from deltasync.protocol.token_versions import MAX_CHOICES, MAX_ENTRIES
+    from vllm_ext._update_route import _versioned
+
+    sent: list = []
+
+    async def send(message) -> None:
+        sent.append(message)
+
+    start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+    cases = [([[(3, 0), (4, 2)]] * MAX_CHOICES, True), ([[(3, 0)]] * (MAX_CHOICES + 1), False),
+             ([[(3, 0)] * (MAX_ENTRIES + 1)], False)]  # fmt: skip
+    for choices, sends in cases:
+        sent.clear()
+        asyncio.run(_versioned(send, 3, lambda: 4, lambda choices=choices: choices)(start))
+        headers = dict(sent[0]["headers"])
+        assert headers[b"x-deltasync-version"] == b"3"
+        assert (b"x-deltasync-token-versions" in headers) == sends
+        if sends:
+            assert parse_token_versions(headers[b"x-deltasync-token-versions"].decode()) == choices
+    assert "pass the bounds of x-deltasync-token-versions; not sent" in caplog.text

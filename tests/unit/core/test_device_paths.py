@@ -1,0 +1,446 @@
+"""The accelerators' paths: the fingerprint summed where the weights are, the detector's sliced
+compare with a bounded number of host synchronizations, the parallel encode, the in-place writer.
+
+Each check runs on the CPU (the sliced compare forced with ``detector.sliced``, the hashes with
+:class:`~deltasync.format.fingerprint.DeviceHasher` on CPU tensors) and, marked ``gpu``, on CUDA
+where one is present (skipped with that reason elsewhere).
+"""
+
+from __future__ import annotations
+
+import filecmp
+import importlib
+import sys
+import types
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+import torch
+from helpers import small_transformer
+
+import deltasync.trainer.detector as detector_module
+from deltasync import ConfigError, DeltaPublisher, DeltaReceiver
+from deltasync.format import Change
+from deltasync.format import fingerprint as fp
+from deltasync.format.codecs.zstd import zstd_streams
+from deltasync.trainer.detector import BF16ChangeDetector
+from deltasync.trainer.publisher import PublishOptions
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (none is present here)")]
+DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
+
+
+def special_bf16(n: int, seed: int = 0) -> torch.Tensor:
+    """Random bf16 values with NaN payloads (both signs), infinities, -0.0 and +0.0 among them."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(1 << 15), 1 << 15, (n,), dtype=torch.int32, generator=g).to(torch.int16)
+    specials = torch.tensor([0x7FC1, 0x7F81, -1, -0x7F, 0x7F80, -0x80, -0x8000, 0], dtype=torch.int16)
+    bits[: specials.numel()] = specials
+    return bits.view(torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- fingerprint
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_fingerprint_on_the_device_is_the_hosts_bit_for_bit(device: str) -> None:
+    values = special_bf16(300_001)
+    codes = torch.randint(0, 256, (70_000,), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    index = torch.sort(torch.randperm(1_000_000)[: values.numel()]).values
+    on = torch.device(device)
+    # whole tensors (fingerprint), slices at an offset, index shares, and moves
+    assert fp.fingerprint({"w": values.to(on), "q": codes.to(on)}) == fp.fingerprint({"w": values, "q": codes})
+    hasher = fp.DeviceHasher(on, chunk=1 << 16)  # several chunks
+    hasher.add_slice("w", values.to(on), 12345)
+    assert hasher.value() == fp.fingerprint_slice_share("w", values, 12345)
+    hasher = fp.DeviceHasher(on, chunk=1 << 15)
+    hasher.add("w", index.to(on), values.to(on))
+    assert hasher.value() == fp._hash_sum("w", fp._index_u64(index), fp._bits_u16(values))
+    new = special_bf16(values.numel(), seed=1)
+    host_move = fp._move("w", index, values, new) if device == "cuda" else None
+    moved = fp.fingerprint_move("w", index.to(on), values.to(on), new.to(on))
+    # against the NumPy path, element by element
+    expected = (fp._hash_sum("w", fp._index_u64(index), fp._bits_u16(new))
+                - fp._hash_sum("w", fp._index_u64(index), fp._bits_u16(values))) % 2**64  # fmt: skip
+    assert moved == expected
+    assert host_move in (None, expected)
+
+
+def test_the_device_hash_is_the_documented_one() -> None:
+    """h = mix64(((index << 16) | bits) ^ seed), summed: computed here in plain Python."""
+    values = special_bf16(9)
+    index = torch.arange(5, 14)
+    mask = 2**64 - 1
+    seed = int(fp._seed("layer.weight"))
+
+    def mix(x: int) -> int:
+        x ^= x >> 30
+        x = (x * 0xBF58476D1CE4E5B9) & mask
+        x ^= x >> 27
+        x = (x * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    bits = values.view(torch.int16).tolist()
+    want = sum(mix(((i << 16) | (b & 0xFFFF)) ^ seed) for i, b in zip(index.tolist(), bits)) & mask
+    hasher = fp.DeviceHasher(torch.device("cpu"))
+    hasher.add_slice("layer.weight", values, 5)
+    assert hasher.value() == want
+
+
+# --------------------------------------------------------------------------- detector
+
+
+def bf16_model(device: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 7), torch.nn.Linear(7, 1))
+    return model.to(device=device, dtype=torch.bfloat16)
+
+
+def bump(model: torch.nn.Module, step: int, share: float = 0.05) -> None:
+    """Move a share of every weight by one ULP (and a few by many, and some to NaN / -0.0)."""
+    g = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            bits = p.view(-1).view(torch.int16)
+            n = bits.numel()
+            at = torch.randperm(n, generator=g)[: max(1, int(n * share))].to(bits.device)
+            bits[at] += 1
+            bits[at[:3]] = torch.tensor([0x7FC1, -0x8000, 1234], dtype=torch.int16, device=bits.device)[: at[:3].numel()]
+
+
+def same_changes(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert list(a) == list(b)
+    for name in a:
+        assert torch.equal(a[name].index, b[name].index), name
+        for field in ("new", "old"):
+            assert torch.equal(getattr(a[name], field).view(torch.int16), getattr(b[name], field).view(torch.int16)), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_sliced_compare_finds_exactly_what_the_chunked_one_does(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(detector_module, "SLICE", 1 << 12)  # several slices per weight
+    model, twin = bf16_model(device), bf16_model("cpu")
+    detector = BF16ChangeDetector(model)
+    reference = BF16ChangeDetector(twin)  # the same weights, compared on the CPU in chunks
+    detector.sliced = True
+    for step in range(3):
+        bump(model, step)
+        with torch.no_grad():
+            for a, b in zip(model.parameters(), twin.parameters()):
+                b.copy_(a.detach().cpu())
+        got, want = detector.changes(), reference.changes()
+        same_changes(got, want)
+        # the move summed on the device is the host's
+        host = sum(fp.fingerprint_move(n, c.index, c.old, c.new) for n, c in want.items()) % 2**64
+        assert detector.last_share == host
+        assert reference.last_share is None  # summed on the host by its caller
+        detector.commit(got)
+        reference.commit(want)
+    assert not detector.changes()
+
+
+def test_a_pinned_snapshot_keeps_commits_aside_on_the_sliced_path() -> None:
+    model = bf16_model("cpu")
+    detector = BF16ChangeDetector(model)
+    detector.sliced = True
+    bump(model, 0)
+    first = detector.changes()
+    detector.pin()
+    detector.commit(first)  # kept aside: compared as if written
+    assert not detector.changes()
+    bump(model, 1)
+    during = detector.changes()
+    detector.unpin()
+    detector.sliced = False
+    same_changes(detector.changes(), during)
+
+
+class SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts what makes the host wait for an accelerator: ops whose result size or value the
+    host must read (``nonzero``, ``item``, ...) and blocking copies to the host."""
+
+    WAITS: ClassVar[set[str]] = {"nonzero", "_local_scalar_dense", "masked_select", "unique", "_unique2", "is_nonzero", "equal"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        if name in self.WAITS or (name == "_to_copy" and str(kwargs.get("device", "")) == "cpu" and not kwargs.get("non_blocking", False)):
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_synchronizations_do_not_grow_with_the_weights(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most three per device and publish, whatever the size and number of the tensors (the
+    chunked path waits once per 256K elements, four times)."""
+    monkeypatch.setattr(detector_module, "SLICE", 1 << 10)
+    waits = []
+    monkeypatch.setattr(detector_module, "sync_point", lambda d, real=detector_module.sync_point: (waits.append(d), real(d)))
+    counts = {}
+    for width in (40, 400):  # 12K and 1.2M elements: 12 and 1172 slices
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, 3 * width, bias=False) for _ in range(3)])
+        model = model.to(device=device, dtype=torch.bfloat16)
+        detector = BF16ChangeDetector(model)
+        detector.sliced = True
+        bump(model, 0)
+        waits.clear()
+        with SyncCounter() as counter:
+            changes = detector.changes()
+        assert sum(c.index.numel() for c in changes.values()) > 0
+        counts[width] = counter.count + len(waits)
+    # the counts' copy and the wait for the values' copies (and, on CUDA, reading the summed
+    # fingerprint move out of its page-locked buffer)
+    assert counts[40] == counts[400] <= 3, counts
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=gpu)])
+def test_cuda_synchronizations_are_counted_by_torch_too(device: str) -> None:
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 2048) for _ in range(4)]).to(device=device, dtype=torch.bfloat16)
+    detector = BF16ChangeDetector(model)
+    bump(model, 0)
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            detector.changes()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in seen if "called a synchronizing" in str(w.message)]
+    assert len(syncs) <= 2, [str(w.message) for w in syncs]
+
+
+# --------------------------------------------------------------------------- buckets
+
+
+def publish_versions(bucket: Path, model: torch.nn.Module, *, sliced: bool, capture: str = "submit",
+                     views: tuple[str, ...] = ()) -> str:  # fmt: skip
+    """Anchor, three deltas, an anchor beside the third, one more delta: the same edits on any device."""
+    publisher = DeltaPublisher(str(bucket), model, None, options=PublishOptions(
+        anchor_every=100, anchor_bytes_ratio=0.0, keep_anchors=2, capture="submit", views=views))  # fmt: skip
+    publisher.detector.sliced = sliced
+    publisher.publish()
+    for step in range(4):
+        bump(model, step, share=0.01)
+        publisher.publish(anchor=step == 2)
+    publisher.flush()
+    publisher.close()
+    return publisher.fingerprint
+
+
+def data_files(bucket: Path) -> list[str]:
+    return sorted(str(p.relative_to(bucket)) for p in bucket.rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bucket_written_on_the_device_is_byte_identical(device: str, tmp_path: Path) -> None:
+    """From the accelerator's path (CUDA weights, or the sliced compare on the CPU) and from
+    the CPU's chunked path: the same files, byte for byte, and receivers end equal."""
+    a = publish_versions(tmp_path / "device", bf16_model(device), sliced=True)
+    b = publish_versions(tmp_path / "host", bf16_model("cpu"), sliced=False)
+    assert a == b
+    files = data_files(tmp_path / "host")
+    assert files == data_files(tmp_path / "device") and len(files) >= 6
+    _, mismatch, errors = filecmp.cmpfiles(tmp_path / "device", tmp_path / "host", files, shallow=False)
+    assert not mismatch and not errors
+    receiver = DeltaReceiver(str(tmp_path / "device"))
+    receiver.sync()
+    assert receiver.fingerprint == a and receiver.verify()
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=gpu)])
+def test_overlap_capture_with_cuda_weights_is_exact(device: str, tmp_path: Path) -> None:
+    model = small_transformer().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    publisher = DeltaPublisher(str(tmp_path), model, optimizer, options=PublishOptions(capture="overlap"))
+    assert set(publisher.detector.snapshot_devices.values()) == {"cuda:0"}
+    publisher.publish()
+    ids = torch.randint(0, 256, (4, 16), device=device)
+    for _ in range(4):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        publisher.submit()
+    publisher.flush()
+    receiver = DeltaReceiver(str(tmp_path))
+    receiver.sync()
+    assert receiver.fingerprint == publisher.fingerprint
+    served = receiver.state_dict()
+    for name, param in model.named_parameters():
+        key = name if name in served else None
+        if key is not None:
+            assert torch.equal(served[key].view(torch.int16), param.detach().to(torch.bfloat16).cpu().view(torch.int16))
+    publisher.close()
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=gpu)])
+def test_weights_on_two_devices(device: str, tmp_path: Path) -> None:
+    model = bf16_model("cpu")
+    model[1].to(device)  # the middle layer on the accelerator, the others on the host
+    fingerprint = publish_versions(tmp_path / "mixed", model, sliced=False)
+    assert fingerprint == publish_versions(tmp_path / "host", bf16_model("cpu"), sliced=False)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=gpu)])
+def test_views_from_cuda_weights_are_byte_identical(device: str, tmp_path: Path) -> None:
+    pytest.importorskip("compressed_tensors")
+
+    def model_on(d: str) -> torch.nn.Module:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.Linear(128, 64))
+        return m.to(device=d, dtype=torch.bfloat16)
+
+    publish_versions(tmp_path / "device", model_on(device), sliced=True, views=("FP8_DYNAMIC",))
+    publish_versions(tmp_path / "host", model_on("cpu"), sliced=False, views=("FP8_DYNAMIC",))
+    files = data_files(tmp_path / "host")
+    assert any(f.startswith("views/") for f in files)
+    _, mismatch, errors = filecmp.cmpfiles(tmp_path / "device", tmp_path / "host", files, shallow=False)
+    assert not mismatch and not errors
+
+
+# --------------------------------------------------------------------------- encode
+
+
+def test_the_parallel_encode_writes_the_same_bytes() -> None:
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for k in range(7):
+        n = 200_000 + 999 * k
+        index = torch.sort(torch.randperm(5 * n, generator=g)[:n]).values
+        old = special_bf16(n, seed=k)
+        new = (old.view(torch.int16) + torch.randint(1, 3, (n,), dtype=torch.int16, generator=g)).view(torch.bfloat16)
+        items.append((f"w{k}", Change(index=index, new=new, old=old)))
+    one, counts1 = zstd_streams(items, workers=1)
+    many, counts4 = zstd_streams(items, workers=4)
+    assert counts1 == counts4 and one == many
+    assert all(isinstance(v, bytes) for v in many.values()) and np.frombuffer(many["gap_lo"], np.uint8).size == sum(counts1)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_weights_on_the_meta_device_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match="meta device"):
+        DeltaPublisher(str(tmp_path), model, None)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_snapshot_budget_that_cannot_hold_the_snapshot(device: str, tmp_path: Path) -> None:
+    model = bf16_model(device)
+    numel = sum(p.numel() for p in model.parameters())
+    with pytest.raises(ConfigError, match=r"snapshot_budget=100 bytes"):
+        DeltaPublisher(str(tmp_path), model, None, options=PublishOptions(snapshot_device=None, snapshot_budget=100))
+    assert not list(tmp_path.iterdir())
+    fits = BF16ChangeDetector(model, snapshot_device=None, snapshot_budget=2 * numel)
+    assert set(fits.snapshot_devices.values()) == {str(next(model.parameters()).device)}
+    # "auto" keeps it on the host instead (weights on the CPU always keep it there)
+    auto = BF16ChangeDetector(model, snapshot_budget=100)
+    assert set(auto.snapshot_devices.values()) == {"cpu"}
+    with pytest.raises(ConfigError, match="snapshot_budget must be >= 0"):
+        BF16ChangeDetector(model, snapshot_budget=-1)
+
+
+def test_a_view_on_a_device_without_its_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("compressed_tensors")
+    import deltasync.trainer.view_publishing as view_publishing
+
+    real = torch.Tensor.to
+
+    def no_fp8(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if torch.float8_e4m3fn in args or kwargs.get("dtype") is torch.float8_e4m3fn:
+            raise RuntimeError('"copy_" not implemented for Float8_e4m3fn')
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", no_fp8)
+    with pytest.raises(ConfigError, match=r"view 'FP8_DYNAMIC': the weights are on cpu, which has no torch.float8_e4m3fn"):
+        view_publishing.check_device_dtype(torch.device("cpu"), torch.float8_e4m3fn, "FP8_DYNAMIC")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="which has no torch.float8_e4m3fn"):
+        DeltaPublisher(str(tmp_path), model, None, options=PublishOptions(views=("FP8_DYNAMIC",)))
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+# --------------------------------------------------------------------------- in-place writer
+
+
+def engine_neutral(module: str) -> types.ModuleType:
+    """One of ``vllm_ext``'s engine-neutral modules, also where vLLM is not installed (a GPU
+    machine with torch alone): the package's ``__init__`` imports vLLM, the module does not."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        if "vllm_ext" in sys.modules:
+            raise
+        package = types.ModuleType("vllm_ext")
+        package.__path__ = [str(Path(__file__).resolve().parents[3] / "vllm_ext")]
+        sys.modules["vllm_ext"] = package
+        return importlib.import_module(module)
+
+
+class LiveModel(torch.nn.Sequential):
+    """The served model: :func:`bf16_model`'s layers, loaded as a vLLM model loads checkpoints."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__(*bf16_model(device, seed=1))
+
+    def load_weights(self, weights: Any) -> set[str]:
+        params, loaded = dict(self.named_parameters()), set()
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_in_place_writer_on_device_tensors_is_exact(device: str, tmp_path: Path) -> None:
+    """After every delta and every anchor, the fingerprint of the live tensors (hashed where they
+    are) is the bucket's, and the values are the trainer's."""
+    InPlaceState = engine_neutral("vllm_ext._inplace").InPlaceState
+    discover = engine_neutral("vllm_ext._weight_map").discover
+
+    from deltasync.reader.chain import ChainReader, read_pointer
+    from deltasync.stores import LocalStore
+
+    trainer = bf16_model("cpu")
+    publisher = DeltaPublisher(str(tmp_path), trainer, None, options=PublishOptions(anchor_every=100, anchor_bytes_ratio=0.0))
+    publisher.publish()
+    receiver = DeltaReceiver(str(tmp_path))
+    receiver.sync()
+    state = receiver.state_dict()
+    live_model = LiveModel(device)  # other values: the anchor must load
+    live = InPlaceState(live_model, discover(live_model, {n: tuple(t.shape) for n, t in state.items()}), lambda o: [o], 0,
+                        live_model.load_weights)  # fmt: skip
+    store = LocalStore(str(tmp_path))
+    live.load_anchor(list(state.items()))
+    live.commit(0, receiver.fingerprint or "")
+    assert live.full_fingerprint() == receiver.fingerprint
+    for step in range(4):
+        bump(trainer, step, share=0.02)
+        result = publisher.publish(anchor=step == 1)
+        publisher.flush()
+        pointer = read_pointer(store)
+        staged = live.stage_deltas(ChainReader(store, pointer), result.version)
+        fingerprint = live.check_chain(staged, [staged.shares])
+        live.write(staged)
+        live.commit(result.version, fingerprint)
+        assert fingerprint == result.fingerprint == live.full_fingerprint()
+        for (_, want), got in zip(trainer.named_parameters(), live_model.parameters()):
+            assert torch.equal(got.detach().cpu().view(torch.int16), want.detach().view(torch.int16))
+    # an anchor loaded densely is exact too
+    receiver.sync()
+    live.load_anchor(list(receiver.state_dict().items()))
+    assert live.verify()["ok"] and live.fingerprint == publisher.fingerprint
+    publisher.close()
