@@ -13,6 +13,7 @@ from .errors import (
     AdapterError,
     AuthError,
     ConfigError,
+    ConflictError,
     DeltaSyncError,
     FormatError,
     IntegrityError,
@@ -20,6 +21,7 @@ from .errors import (
     PublishError,
     StoreError,
     VersionError,
+    WriterConflictError,
 )
 from .format import Change, Pointer
 from .format.fingerprint import fingerprint
@@ -107,6 +109,7 @@ __all__ = [
     "BF16ChangeDetector",
     "Change",
     "ConfigError",
+    "ConflictError",
     "DeltaPublisher",
     "DeltaReceiver",
     "DeltaSyncError",
@@ -128,6 +131,7 @@ __all__ = [
     "StoreError",
     "UpdateReport",
     "VersionError",
+    "WriterConflictError",
     "WeightSource",
     "adapter_publisher",
     "bf16_state_dict",

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 from .errors import DeltaSyncError, NotFoundError, VersionError
 from .format import HISTORY_PATH, POINTER_PATH, Pointer, get_codec, read_header
@@ -136,9 +137,46 @@ def _verify(args: argparse.Namespace) -> int:
             print(f"error: the anchor of version {entry.version} is bad ({', '.join(f.path for f in entry.files)})", file=sys.stderr)
             return 1
         print(f"anchor {entry.version}: ok  {_human(entry.nbytes):>10s}  fingerprint {late.fingerprint}")
+    problem = _two_writers(receiver.store, pointer)
+    if problem is not None:
+        print(f"history: BAD: {problem}")
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
     print(f"ok: {len(early) + len(entries) + len(pointer.anchors) - 1} versions and anchors verified, state "
           f"fingerprint {receiver.fingerprint}")
     return 0
+
+
+def _two_writers(store: Any, pointer: Pointer) -> str | None:
+    """What says that two writers published one version: history lines of one version that
+    name different writers, or a line naming another writer than the pointer for a version
+    whose fingerprint it gives otherwise. None if nothing does (or there is no history)."""
+    try:
+        text = store.read_bytes(HISTORY_PATH).decode(errors="replace")
+    except NotFoundError:
+        return None
+    seen: dict[int, dict[str, Any]] = {}
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+            version = int(record["version"])
+        except (ValueError, TypeError, KeyError):
+            continue  # the history is informative: a bad line is not a second writer
+        writer = record.get("writer")
+        if not isinstance(writer, dict) or version > pointer.version:
+            continue
+        who = f"host {writer.get('host')!r}, process {writer.get('pid')}"
+        other = seen.setdefault(version, writer)
+        if other.get("token") != writer.get("token"):
+            return (f"{HISTORY_PATH} names two writers for version {version}: host {other.get('host')!r}, process "
+                    f"{other.get('pid')} and {who}; two publishers wrote into this bucket")  # fmt: skip
+        committed = pointer.fingerprint_at(version)
+        held = pointer.writer
+        if (committed is not None and record.get("fingerprint") != committed and held is not None
+                and held.token != writer.get("token")):  # fmt: skip
+            return (f"{HISTORY_PATH} names {who} for version {version} with fingerprint {record.get('fingerprint')}, "
+                    f"the pointer's chain has {committed} from {held.describe()}; two publishers wrote into this bucket")
+    return None
 
 
 # --------------------------------------------------------------------------- stats

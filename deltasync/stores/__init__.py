@@ -17,6 +17,7 @@ from ._base import (
     read_limited,
     write_stream,
 )
+from ._conditional import ConditionalStore, conditional_guarantee, read_tagged, write_if
 from ._fsspec import FsspecStore
 from ._hf import HfBucketStore
 from ._local import LocalStore
@@ -24,6 +25,7 @@ from ._open import open_store
 
 __all__ = [
     "BoundedReadStore",
+    "ConditionalStore",
     "FsspecStore",
     "HfBucketStore",
     "LimitedReads",
@@ -31,9 +33,12 @@ __all__ = [
     "Store",
     "StreamingStore",
     "TempCleaningStore",
+    "conditional_guarantee",
     "open_read",
     "open_store",
     "read_buffer",
     "read_limited",
+    "read_tagged",
+    "write_if",
     "write_stream",
 ]

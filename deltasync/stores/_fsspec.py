@@ -8,6 +8,8 @@ smb) do not; use them only for experiments, or mount them and use a ``LocalStore
 from __future__ import annotations
 
 import tempfile
+import threading
+import time
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
@@ -17,10 +19,14 @@ from fsspec.core import url_to_fs
 
 from ..errors import ConfigError, NotFoundError, StoreError
 from ._base import LimitedReads, check_path, check_prefix, reading
+from ._conditional import conflict, content_tag
 
 __all__ = ["FsspecStore", "check_protocol"]
 
 _ASK_SIZE_FROM = 64 << 20
+_MEMORY_LOCK = threading.Lock()
+"""Held by every conditional write of a ``memory://`` store (they all live in this process)."""
+_S3_PROTOCOLS = frozenset({"s3", "s3a"})
 
 
 def check_protocol(scheme: str, url: str, *, supported: str) -> None:
@@ -134,6 +140,100 @@ class FsspecStore(LimitedReads):
         # Backends raise their own types (botocore, aiohttp, ...) mid-read too.
         return reading(f, path, self.url, (Exception,))
 
+    # Conditional writes (:class:`~deltasync.stores.ConditionalStore`): S3's conditional PUT,
+    # or memory:// under one lock of this process. Other backends have none (None below).
+
+    def _kind(self) -> str | None:
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        if _S3_PROTOCOLS & set(protocols):
+            return "s3"
+        return "memory" if "memory" in protocols else None
+
+    def conditional_writes(self) -> str | None:
+        kind = self._kind()
+        if kind == "s3":
+            return "S3 conditional PUT (If-Match: <ETag>, If-None-Match: *)"
+        if kind == "memory":
+            return "a lock of this process (a memory:// bucket lives in one process)"
+        return None
+
+    def read_tagged(self, path: str, limit: int) -> tuple[bytes, str]:
+        kind = self._kind()
+        if kind == "memory":
+            with _MEMORY_LOCK:
+                data = self.read_bytes(path)
+            return data[: limit + 1], content_tag(data)
+        if kind != "s3":
+            data = self.read_bytes(path, limit=limit)
+            return data, content_tag(data)
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self.fs.split_path(self._full(path))
+
+        async def get() -> tuple[bytes, str]:
+            # One GET: the bytes and the ETag of the same object.
+            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{limit}")
+            body = response["Body"]
+            try:
+                return await body.read(), str(response["ETag"])
+            finally:
+                body.close()
+
+        # botocore retries a request that fails; a body cut short after its headers is ours to retry.
+        attempts = max(1, int(getattr(self.fs, "retries", 5)))
+        for attempt in range(attempts):
+            try:
+                return sync(self.fs.loop, get)
+            except FileNotFoundError as e:
+                raise NotFoundError(f"{path!r} is not in bucket {self.url}") from e
+            except Exception as e:
+                if attempt + 1 < attempts and not isinstance(e, PermissionError):
+                    time.sleep(min(2.0, 0.1 * 2**attempt))
+                    continue
+                raise StoreError(f"cannot read {path!r} from bucket {self.url}: {e!r}") from e
+        raise AssertionError("unreachable")
+
+    def write_if(self, path: str, data: bytes, tag: str | None) -> str:
+        kind = self._kind()
+        if kind is None:
+            raise ConfigError(f"bucket {self.url} cannot write conditionally (fsspec {self.fs.protocol!r})")
+        if kind == "memory":
+            with _MEMORY_LOCK:
+                try:
+                    current: str | None = content_tag(self.read_bytes(path))
+                except NotFoundError:
+                    current = None
+                if current != tag:
+                    raise conflict(self, path, tag, current)
+                self.write_bytes(path, data)
+            return content_tag(data)
+        full = self._full(path)
+        condition = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+        try:
+            response = self.fs.pipe_file(full, bytes(data), **condition)
+        except Exception as e:
+            if tag is not None and isinstance(e, FileNotFoundError):
+                # If-Match on an object that is gone: S3 answers 404.
+                raise conflict(self, path, tag, None) from e
+            if _precondition_failed(e):
+                # A retried PUT whose first attempt landed is refused too: then the object
+                # holds exactly these bytes, and the write was this one.
+                try:
+                    now, now_tag = self.read_tagged(path, len(data))
+                except NotFoundError:
+                    now, now_tag = b"", None
+                if now == data and now_tag is not None:
+                    return now_tag
+                raise conflict(self, path, tag, now_tag) from e
+            raise StoreError(
+                f"cannot write {path!r} to bucket {self.url}: {e!r}; check the URL and that "
+                "your credentials may write there"
+            ) from e
+        etag = response.get("ETag") if isinstance(response, dict) else None
+        if not etag:
+            return self.read_tagged(path, 0)[1]
+        return str(etag)
+
     def exists(self, path: str) -> bool:
         full = self._full(path)
         try:
@@ -166,3 +266,20 @@ class FsspecStore(LimitedReads):
                 pass
             except Exception as e:
                 raise StoreError(f"cannot delete {path!r} from bucket {self.url}: {e!r}") from e
+
+
+def _precondition_failed(error: BaseException) -> bool:
+    """Whether S3 refused a conditional request (412 Precondition Failed, or 409 for a
+    conditional write racing another), through s3fs's translation of botocore's error."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412") or status == 412:
+                return True
+        current = current.__cause__ or current.__context__
+    return isinstance(error, FileExistsError)

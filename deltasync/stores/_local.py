@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
+import fcntl
 import os
 import re
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import NotFoundError, StoreError
 from ._base import LimitedReads, check_path, check_prefix, reading
+from ._conditional import conflict
 
 __all__ = ["LocalStore"]
 
 # Temporary files of in-flight writes: ".<name>.<pid>.<hex>.tmp". Listing hides them so a
 # reader never mistakes a half-written file (or one a crashed writer left) for data.
 _TEMP_RE = re.compile(r"^\..+\.\d+\.[0-9a-f]+\.tmp$")
+# The lock file of conditional writes of "<name>": ".<name>.lock", beside it, hidden too.
+_LOCK_RE = re.compile(r"^\..+\.lock$")
 
 
 class LocalStore(LimitedReads):
@@ -101,6 +106,47 @@ class LocalStore(LimitedReads):
     def exists(self, path: str) -> bool:
         return self._file(path).is_file()
 
+    # Conditional writes (:class:`~deltasync.stores.ConditionalStore`). The tag of a file is its
+    # inode, size and modification time: every write renames a new file into place, so every
+    # write gives a new inode (and a new mtime where an inode number comes back).
+
+    def conditional_writes(self) -> str:
+        return "an exclusive flock of a lock file beside the file, then a write and a rename"
+
+    def read_tagged(self, path: str, limit: int) -> tuple[bytes, str]:
+        with self.open_read(path) as f:
+            tag = _stat_tag(os.fstat(f.fileno()))
+            return f.read(min(limit, int(tag.split(":")[1])) + 1), tag
+
+    def write_if(self, path: str, data: bytes, tag: str | None) -> str:
+        target = self._file(path)
+        with self._locked(path, target):
+            try:
+                current: str | None = _stat_tag(os.stat(target))
+            except FileNotFoundError:
+                current = None
+            except OSError as e:
+                raise StoreError(f"cannot check {path!r} in bucket {self.url}: {e}") from e
+            if current != tag:
+                raise conflict(self, path, tag, current)
+            self.write_bytes(path, data)
+            return _stat_tag(os.stat(target))
+
+    @contextlib.contextmanager
+    def _locked(self, path: str, target: Path) -> Iterator[None]:
+        """Hold the exclusive lock of ``path``'s conditional writes (released if the process dies)."""
+        lock = target.with_name(f".{target.name}.lock")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise StoreError(f"cannot lock {path!r} in bucket {self.url} ({lock}): {e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
     def list(self, prefix: str = "") -> list[str]:
         check_prefix(prefix)
         # Walk only the deepest directory the prefix fully names, not the whole bucket.
@@ -111,7 +157,7 @@ class LocalStore(LimitedReads):
             for dirpath, _dirnames, filenames in os.walk(start, onerror=_raise):
                 rel_dir = Path(dirpath).relative_to(self.root).as_posix()
                 for name in filenames:
-                    if _TEMP_RE.match(name):
+                    if _TEMP_RE.match(name) or _LOCK_RE.match(name):
                         continue
                     rel = name if rel_dir == "." else f"{rel_dir}/{name}"
                     if rel.startswith(prefix):
@@ -157,6 +203,10 @@ class LocalStore(LimitedReads):
                 pass
             except OSError as e:
                 raise StoreError(f"cannot delete {path!r} from bucket {self.url}: {e}") from e
+
+
+def _stat_tag(st: os.stat_result) -> str:
+    return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
 
 
 def _raise(error: OSError) -> None:

@@ -95,6 +95,13 @@ class PublishOptions:
     """Temporary files of writes (local buckets) older than this are deleted when the publisher
     starts and after each anchor: a writer killed mid-write leaves one behind."""
 
+    lease_seconds: float = 600.0
+    """How long after each commit this publisher holds the bucket: another publisher that starts
+    on it meanwhile is refused (naming this one), unless this one closed, its process is gone
+    (same host), or it is told ``take_over=True``. After the lease another may take the chain
+    without asking; this publisher's next commit then fails and it stops. Set it above the time
+    between two versions."""
+
     def __post_init__(self) -> None:
         if self.anchor_every < 1:
             raise ConfigError(f"anchor_every must be >= 1, got {self.anchor_every}")
@@ -120,6 +127,8 @@ class PublishOptions:
 
             for name in self.views:
                 get_scheme(name)
+        if not self.lease_seconds > 0:
+            raise ConfigError(f"lease_seconds must be > 0, got {self.lease_seconds}")
         if not self.stale_temp_seconds > 0:
             raise ConfigError(f"stale_temp_seconds must be > 0, got {self.stale_temp_seconds}")
 
@@ -206,6 +215,11 @@ class DeltaPublisher:
             publishers of :mod:`deltasync.trainer.lora` pass one).
         optimizer: its optimizer (a hook records which parameters each step touched).
         options: how versions are written (:class:`PublishOptions`; default: its defaults).
+        take_over: take the bucket's chain even if another publisher holds it (one you know is
+            dead: a job killed on another host). Without it such a bucket is refused with
+            :class:`~deltasync.WriterConflictError`, naming that publisher, before a byte is written.
+            The chain goes on two versions after its committed one; the old publisher, if it
+            still runs, fails its next commit and stops.
         **overrides: single fields of :class:`PublishOptions` (``anchor_every=5``), applied on
             top of ``options``.
     """
@@ -218,6 +232,7 @@ class DeltaPublisher:
         *,
         options: PublishOptions | None = None,
         detector: BF16ChangeDetector | None = None,
+        take_over: bool = False,
         **overrides: Any,
     ) -> None:
         self.options = options = _publish_options(options, overrides)
@@ -241,12 +256,13 @@ class DeltaPublisher:
         self._writer = ChainWriter(
             self.store, self.detector, params, checkpoint, live_layout, layout,
             codec=options.codec, level=options.zstd_level, keep_anchors=options.keep_anchors,
+            lease_s=options.lease_seconds, take_over=take_over,
         )  # fmt: skip
         self._chain: ChainState | None = None
         self._next = self._writer.next_version
         self._capture = ChangeCapture(self.detector, checkpoint, layout, options.capture)
         self._warnings = LateWarnings(self._writer.lock)
-        self._retention = Retention(self.store, self._writer.committed_pointer, options.stale_temp_seconds)
+        self._retention = Retention(self.store, self._writer.owned_pointer, options.stale_temp_seconds)
         # Background threads coordinate ranks over groups of their own, never the training one.
         self._delta_group = layout.new_group()
         self._anchors = AnchorScheduler(
@@ -440,6 +456,7 @@ class DeltaPublisher:
         finally:
             self._jobs.shutdown(wait=True)
             self._anchors.close()
+            self._writer.release()  # the next publisher on this bucket takes it at once
             self.detector.close()
             self._layout.release_group(self._delta_group)
             self._delta_group = None

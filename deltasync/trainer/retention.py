@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..errors import WriterConflictError
 from ..stores import TempCleaningStore
 
 if TYPE_CHECKING:
@@ -26,7 +27,8 @@ class Retention:
 
     Args:
         store: the bucket.
-        pointer: returns the pointer last committed (read under the commit lock).
+        pointer: returns the pointer last committed, or None where the bucket's pointer is no
+            longer this writer's (checked in the bucket under the commit lock).
         stale_temp_seconds: ``PublishOptions.stale_temp_seconds``.
     """
 
@@ -51,7 +53,9 @@ class Retention:
         """Delete the data files the pointer no longer needs: anchors older than its oldest
         anchor, and deltas at or below its base. Nothing else is ever deleted."""
         pointer = self.pointer()
-        assert pointer is not None
+        if pointer is None:
+            # Another writer took the chain: what its pointer names is not for this one to judge.
+            raise WriterConflictError(f"the pointer of bucket {self.store.url} is no longer this writer's; nothing deleted")
         stale = pointer.stale([*self.store.list("anchors/"), *self.store.list("deltas/")])
         if stale:
             self.store.delete(stale)

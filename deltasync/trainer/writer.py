@@ -20,12 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import DeltaSyncError, IntegrityError, NotFoundError
+from ..errors import DeltaSyncError, IntegrityError, NotFoundError, WriterConflictError
 from ..format import (
     HISTORY_PATH,
     MAX_HISTORY_BYTES,
-    MAX_POINTER_BYTES,
-    POINTER_PATH,
     AnchorSource,
     ChainEntry,
     Change,
@@ -43,6 +41,7 @@ from ..format import (
 )
 from ..format.fingerprint import DeviceHasher, fingerprint_slice_share, format_fingerprint
 from ..stores import read_limited, write_stream
+from .ownership import ChainOwnership
 
 if TYPE_CHECKING:
     from ..stores import Store
@@ -115,6 +114,8 @@ class ChainWriter:
         layout: the checkpoint tensors this rank owns and writes.
         codec, level: the delta codec and its level.
         keep_anchors: complete anchors the pointer keeps.
+        lease_s: how long after each commit this writer holds the chain (:mod:`.ownership`).
+        take_over: take the chain even from a writer that holds it.
     """
 
     def __init__(
@@ -129,6 +130,8 @@ class ChainWriter:
         codec: str,
         level: int,
         keep_anchors: int,
+        lease_s: float = 600.0,
+        take_over: bool = False,
     ) -> None:
         self.store = store
         self.detector = detector
@@ -144,10 +147,18 @@ class ChainWriter:
         """Extra ``x-`` metadata written into every anchor."""
         self.lock = threading.Lock()
         """Held by each commit (rank 0), and while the pointer is read for retention."""
-        # Rank 0 alone reads, so that every rank starts from the same pointer.
-        found = layout.agree("reading the pointer", lambda: (None, self._read_pointer() if layout.rank == 0 else None))
-        pointer: Pointer | None = found[1][0]
-        self.next_version = 0 if pointer is None else pointer.version + 1
+        self.owner = ChainOwnership(store, lease_s=lease_s, take_over=take_over) if layout.rank == 0 else None
+        """This writer's hold on the chain (rank 0)."""
+
+        def start() -> tuple[None, tuple[Pointer | None, int]]:
+            # Rank 0 alone reads and takes the chain, so that every rank starts from the same pointer.
+            if self.owner is None:
+                return None, (None, 0)
+            return None, self.owner.claim(self.owner.read())
+
+        found = layout.agree("reading the pointer", start)
+        pointer: Pointer | None = found[1][0][0]
+        self.next_version = found[1][0][1]
         """The version a new chain starts at: the one after the newest committed."""
         self.pointer = pointer if layout.rank == 0 else None
         """The pointer last committed (rank 0; None on other ranks and in an empty bucket)."""
@@ -158,14 +169,21 @@ class ChainWriter:
         with self.lock:
             return self.pointer
 
-    # ------------------------------------------------------------------ reading, at the start
+    def owned_pointer(self) -> Pointer | None:
+        """:attr:`pointer` if the bucket's pointer is still the one this writer committed (one
+        read, under the commit lock); None if another writer took the chain (this one stops)."""
+        with self.lock:
+            if self.owner is None or not self.owner.still_ours("deleting files the pointer no longer names"):
+                return None
+            return self.pointer
 
-    def _read_pointer(self) -> Pointer | None:
-        try:
-            data = read_limited(self.store, POINTER_PATH, MAX_POINTER_BYTES)
-        except NotFoundError:
-            return None
-        return Pointer.from_bytes(data, where=f"{self.store.url}/{POINTER_PATH}")
+    def release(self) -> None:
+        """Let go of the chain (a publisher that closes; rank 0): the next writer takes it at once."""
+        if self.owner is not None:
+            with self.lock:
+                self.owner.release(self.pointer)
+
+    # ------------------------------------------------------------------ reading, at the start
 
     def _read_history(self, pointer: Pointer | None) -> dict[int, dict[str, object]]:
         where = f"{self.store.url}/{HISTORY_PATH}"
@@ -204,6 +222,7 @@ class ChainWriter:
         path = part_path("delta", version, layout.part) if split else delta_path(version)
 
         def write() -> tuple[None, PartEntry | None]:
+            self._check_owner(f"writing delta {version}")
             if not layout.writer:
                 return None, None
             data = encode_delta(
@@ -322,6 +341,7 @@ class ChainWriter:
         path = part_path("anchor", version, layout.part) if split else anchor_path(version)
 
         def write() -> tuple[None, tuple[PartEntry | None, int]]:
+            self._check_owner(f"writing the anchor of version {version}")
             if not layout.writer:
                 return None, (None, 0)
             stream = anchor_stream(
@@ -345,19 +365,35 @@ class ChainWriter:
 
     # ------------------------------------------------------------------ commit (rank 0)
 
+    def _check_owner(self, what: str) -> None:
+        """On rank 0, before a version's data is written: raise :class:`WriterConflictError` if
+        the bucket's pointer is no longer the one this writer committed (one read), so that a
+        writer that lost the chain writes nothing more."""
+        if self.owner is None:
+            return
+        with self.lock:  # not while a commit of the other thread changes the pointer
+            if not self.owner.still_ours(what):
+                raise WriterConflictError(self.owner.stopped)
+
     def _commit(self, pointer: Pointer, version: int | None, record: dict[str, object] | None) -> None:
         """History, then the pointer: the commit point (rank 0, under the commit lock). A
-        failure leaves the history as it was."""
+        failure leaves the history as it was. The pointer is written only if it is still the one
+        this writer committed last (it was checked before the version's data was written)."""
+        owner = self.owner
+        assert owner is not None
+        what = "committing " + (f"version {version}" if version is not None else f"the anchor of version {pointer.anchor}")
+        owner.check()
         history = dict(self.history)
         if record is not None:
             assert version is not None
-            history[version] = record
+            me = owner.record
+            history[version] = {**record, "writer": {"host": me.host, "pid": me.pid, "token": me.token}}
         for item in pointer.anchors:
             if item.version in history and "anchor_nbytes" not in history[item.version]:
                 history[item.version] = {**history[item.version], "anchor_nbytes": item.nbytes}
         lines = [json.dumps(history[v], sort_keys=True) for v in sorted(history)]
         self.store.write_bytes(HISTORY_PATH, ("\n".join(lines) + "\n").encode())
-        self.store.write_bytes(POINTER_PATH, pointer.to_bytes())  # the commit point
+        pointer = owner.commit(pointer, what=what)  # the commit point
         self.history, self.pointer = history, pointer
 
     @staticmethod

@@ -161,8 +161,26 @@ def _flush(out: Path, batch: dict[str, torch.Tensor], temps: list[Path], shards:
     # safetensors refuses views into a larger storage (shared memory); copy only those.
     ready = {name: _own(t) for name, t in batch.items()}
     save_file(ready, str(temp), metadata={"format": "pt"})
+    # safetensors creates its file with mode 0600; a checkpoint is written as any file is
+    # (0666 less the umask), so that a server running as another user can read it.
+    os.chmod(temp, 0o666 & ~_umask())
     shards.append((temp, list(batch)))
     return sum(_nbytes(t) for t in batch.values())
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux says it (``os.umask`` sets
+    it, which another thread could see)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _own(tensor: torch.Tensor) -> torch.Tensor:

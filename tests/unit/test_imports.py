@@ -41,7 +41,7 @@ LAYERS = (
     # The protocol as both sides import it; the foundations of the trainer and reader sides.
     ("deltasync.protocol", "deltasync.trainer.sharded", "deltasync.reader.parts", "deltasync.control.client",
      "deltasync.control.http", "deltasync.control.vllm_routes", "deltasync.control.lora_client",
-     "deltasync.trainer.checkpoint_layout", "deltasync.trainer.sources"),
+     "deltasync.trainer.checkpoint_layout", "deltasync.trainer.sources", "deltasync.trainer.ownership"),
     # Quantized views: schemes (compressed-tensors, imported lazily), checkpoint writer, serving.
     ("deltasync.views",),
     ("deltasync.reader.chain", "deltasync.reader.poll"),

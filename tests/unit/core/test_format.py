@@ -231,6 +231,12 @@ def manifest_files() -> dict[str, bytes]:
     return {"anchor": anchor, "raw": raw, "pointer": pointer.to_bytes()}
 
 
+EXAMPLE_WRITER = F.WriterRecord(
+    host="trainer-0", pid=4242, started_ms=1767225600000, token="0123456789abcdef0123456789abcdef",
+    committed_ms=1767225615500, lease_ms=600000,
+)
+
+
 def render_examples() -> dict[str, str]:
     """Every dump docs/protocol.md shows, by the name of its ``<!-- dump: NAME -->`` marker."""
     files = example_files()
@@ -249,6 +255,7 @@ def render_examples() -> dict[str, str]:
         ]),
         "manifest-header": json.dumps(F.read_metadata(manifest_files()["raw"], where="x"), sort_keys=True, separators=(",", ":")),
         "pointer-4": manifest_files()["pointer"].decode().rstrip("\n"),
+        "pointer-writer": json.dumps({"writer": EXAMPLE_WRITER.to_json()}, sort_keys=True, indent=1),
         "fingerprint": fingerprint_table(example_state()),
     }
 

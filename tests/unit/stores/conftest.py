@@ -14,7 +14,7 @@ from deltasync.stores import FsspecStore, HfBucketStore, LocalStore, Store
 HF_PREFIX = "runs/r1"
 
 
-@pytest.fixture(params=["local", "memory", "fsspec-file", "hf"])
+@pytest.fixture(params=["local", "memory", "fsspec-file", "hf", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     """A fresh, empty store, with files just outside its root that it must never see."""
     if request.param == "local":
@@ -32,6 +32,12 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
         for leftover in (store, decoy):
             if leftover.fs.exists(leftover._root):
                 leftover.fs.rm(leftover._root, recursive=True)
+    elif request.param == "s3":
+        # A real S3-protocol server (moto's, one per session), through s3fs: a prefix per test.
+        server = request.getfixturevalue("s3_server")
+        name = uuid.uuid4().hex
+        FsspecStore(server.url(name + "-sibling")).write_bytes("decoy", b"decoy")
+        yield FsspecStore(server.url(name))
     elif request.param == "fsspec-file":
         # A directory-based fsspec backend: parents must be created, paths come back absolute.
         (tmp_path / "bucket-sibling").mkdir()

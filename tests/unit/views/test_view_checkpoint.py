@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import pytest
@@ -111,3 +112,22 @@ def test_a_failing_source_leaves_no_final_file(tmp_path: pathlib.Path) -> None:
             tmp_path, tensors(), quantization_config=None, like=None, max_shard_bytes=4000, total_bytes=12000
         )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_files_have_the_umask_mode_not_0600(tmp_path: pathlib.Path) -> None:
+    # A server running as another user (or in a container) must be able to read an export.
+    old = os.umask(0o027)
+    try:
+        written = write_checkpoint(tmp_path / "out", iter(_tensors()), quantization_config=None, like=_like(tmp_path),
+                                   max_shard_bytes=2000)  # fmt: skip
+    finally:
+        os.umask(old)
+    shards = [p for p in written if p.suffix == ".safetensors"]
+    assert len(shards) > 1
+    assert {oct(p.stat().st_mode & 0o777) for p in written} == {oct(0o640)}
+    os.umask(0o022)
+    try:
+        written = write_checkpoint(tmp_path / "one", iter(_tensors()), quantization_config=None, like=tmp_path / "like")
+    finally:
+        os.umask(old)
+    assert {oct(p.stat().st_mode & 0o777) for p in written} == {oct(0o644)}

@@ -1,0 +1,243 @@
+"""One writer per bucket: a publisher's hold on its chain's pointer.
+
+A publisher that starts reads the pointer and its ``writer`` record. It takes the chain only if
+no other writer holds it: none is named, or the one named let go (closed), or is a process of
+this host that no longer runs, or its lease ended (``lease_ms`` after its last commit); or when
+told to (``take_over=True``). Taking it is a conditional rewrite of the pointer naming this
+writer, before a byte of data is written; after that every commit is conditional on the
+pointer being the one this writer last wrote (:func:`deltasync.stores.write_if`). A conditional
+write that fails stops the writer for good: it then writes and deletes nothing more.
+
+A writer that took the chain from one that may still be running starts two versions after
+the committed one: the old writer may still be writing the files of the version after it
+(which then never share a name with the new writer's), and its commit of them fails.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import secrets
+import socket
+import time
+import weakref
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from ..errors import ConflictError, NotFoundError, WriterConflictError
+from ..format import MAX_POINTER_BYTES, POINTER_PATH, Pointer, WriterRecord
+from ..stores import conditional_guarantee, read_tagged, write_if
+
+if TYPE_CHECKING:
+    from ..stores import Store
+
+__all__ = ["ChainOwnership", "now_ms"]
+
+logger = logging.getLogger("deltasync.trainer.publisher")  # the publisher's parts log as the publisher
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _utc(ms: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ms / 1000))
+
+
+_LIVE: weakref.WeakValueDictionary[str, ChainOwnership] = weakref.WeakValueDictionary()
+"""The writers of this process, by token, while their publisher can be reached."""
+
+
+def _gone_from_this_process(token: str) -> bool:
+    """Whether this process's writer ``token`` is gone: its publisher was closed or can no
+    longer be reached (collected), so it can never commit again."""
+    if token not in _LIVE:
+        return True
+    gc.collect()  # an unreachable publisher in a reference cycle
+    return token not in _LIVE
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this host (one we may not signal still runs)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+class ChainOwnership:
+    """This publisher's writer record, and the tag of the pointer it last read or wrote.
+
+    Args:
+        store: the bucket.
+        lease_s: how long after each commit this writer holds the chain (``PublishOptions.lease_seconds``).
+        take_over: take the chain even from a writer that holds it (one known to be dead).
+    """
+
+    def __init__(self, store: Store, *, lease_s: float, take_over: bool) -> None:
+        self.store = store
+        self.take_over = take_over
+        self.record = WriterRecord(
+            host=(socket.gethostname() or "unknown")[:255], pid=os.getpid(), started_ms=now_ms(),
+            token=secrets.token_hex(16), committed_ms=now_ms(), lease_ms=int(lease_s * 1000),
+        )  # fmt: skip
+        """This writer (``committed_ms`` is set at each commit)."""
+        self.tag: str | None = None
+        """The tag of the pointer this writer last read or wrote (None: there was none)."""
+        self.written: bytes | None = None
+        """The bytes of that pointer: a pointer rewritten with the same bytes (a bucket restored
+        from a copy) is still this writer's, though its tag changed."""
+        self.stopped: str | None = None
+        """Why this writer stopped (a conditional write failed), or None."""
+        _LIVE[self.record.token] = self
+        self.guarantee = conditional_guarantee(store)
+        if self.guarantee is None:
+            logger.warning(
+                "deltasync: bucket %s cannot write conditionally; one writer per bucket is checked by reading "
+                "the pointer before each commit, and a writer that commits between that read and the write "
+                "goes unseen (the last writer wins)", store.url,
+            )  # fmt: skip
+
+    @property
+    def where(self) -> str:
+        return f"{self.store.url}/{POINTER_PATH}"
+
+    # ------------------------------------------------------------------ start
+
+    def read(self) -> Pointer | None:
+        """The bucket's pointer (None in an empty bucket), remembering its tag."""
+        try:
+            data, self.tag = read_tagged(self.store, POINTER_PATH, MAX_POINTER_BYTES)
+        except NotFoundError:
+            self.tag = self.written = None
+            return None
+        self.written = data
+        return Pointer.from_bytes(data, where=self.where)
+
+    def claim(self, pointer: Pointer | None) -> tuple[Pointer | None, int]:
+        """Take the chain of ``pointer`` (just :meth:`read`) for this writer, or raise
+        :class:`WriterConflictError` having written nothing; return the pointer as rewritten
+        (naming this writer) and the version this writer starts at."""
+        if pointer is None:
+            return None, 0
+        held = pointer.writer
+        skip = 0
+        if held is not None and held.token != self.record.token:
+            free = self._free(held)
+            if free is None and not self.take_over:
+                raise WriterConflictError(
+                    f"bucket {self.store.url} is held by another writer ({held.describe()}; its last commit: "
+                    f"version {pointer.version} at {_utc(held.committed_ms)}; held until {_utc(held.expires_ms)} "
+                    "unless it commits again). This publisher wrote nothing. One bucket takes one writer: if "
+                    "that writer is dead, pass take_over=True (or wait for its lease to end); if it runs, "
+                    "publish into another bucket"
+                )
+            if free is None or free == "its lease ended":
+                skip = 1  # it may still be writing the files of the version after its last
+                logger.warning(
+                    "deltasync: taking bucket %s over from %s (%s; last commit: version %d); starting at version %d",
+                    self.store.url, held.describe(), "take_over=True" if free is None else free,
+                    pointer.version, pointer.version + 2,
+                )  # fmt: skip
+        claimed = self.commit(pointer, what="taking the chain")
+        return claimed, pointer.version + 1 + skip
+
+    def _free(self, held: WriterRecord) -> str | None:
+        """Why the chain ``held`` names is free to take, or None if that writer holds it."""
+        if held.lease_ms == 0:
+            return "it let go"
+        if held.host == self.record.host:
+            if held.pid == self.record.pid and _gone_from_this_process(held.token):
+                return "its publisher in this process is gone"
+            if held.pid != self.record.pid and _process_gone(held.pid):
+                return "its process is gone"
+        if now_ms() >= held.expires_ms:
+            return "its lease ended"
+        return None
+
+    # ------------------------------------------------------------------ commits
+
+    def check(self) -> None:
+        """Raise why this writer stopped, if it did."""
+        if self.stopped is not None:
+            raise WriterConflictError(self.stopped)
+
+    def commit(self, pointer: Pointer, *, what: str, lease_ms: int | None = None) -> Pointer:
+        """Write ``pointer``, naming this writer, only if the bucket's pointer is still the one this
+        writer last read or wrote; return it as written. On a conflict this writer stops, and
+        :class:`WriterConflictError` says who holds the chain now."""
+        self.check()
+        record = replace(self.record, committed_ms=now_ms(), lease_ms=self.record.lease_ms if lease_ms is None else lease_ms)
+        stamped = replace(pointer, writer=record)
+        data = stamped.to_bytes()
+        for attempt in range(2):
+            try:
+                self.tag = write_if(self.store, POINTER_PATH, data, self.tag, limit=MAX_POINTER_BYTES)
+                break
+            except ConflictError as exc:
+                if attempt == 0 and self._same_bytes():
+                    continue  # rewritten with this writer's own bytes: its tag is taken, and the write tried again
+                self.stopped = self._changed_under(what, exc)
+                raise WriterConflictError(self.stopped) from exc
+        self.written = data
+        return stamped
+
+    def _same_bytes(self) -> bool:
+        """Whether the bucket's pointer holds the bytes this writer last read or wrote (its tag
+        then becomes this writer's)."""
+        try:
+            data, tag = read_tagged(self.store, POINTER_PATH, MAX_POINTER_BYTES)
+        except NotFoundError:
+            return self.written is None and self.tag is None
+        if self.written is not None and data == self.written:
+            self.tag = tag
+            return True
+        return False
+
+    def still_ours(self, what: str) -> bool:
+        """Whether the bucket's pointer is still the one this writer last wrote (one read);
+        if not, this writer stops."""
+        if self.stopped is not None:
+            return False
+        try:
+            tag: str | None = read_tagged(self.store, POINTER_PATH, MAX_POINTER_BYTES)[1]
+        except NotFoundError:
+            tag = None
+        if tag != self.tag and not self._same_bytes():
+            self.stopped = self._changed_under(what, None)
+            logger.error("deltasync: %s", self.stopped)
+            return False
+        return True
+
+    def _changed_under(self, what: str, exc: Exception | None) -> str:
+        """The reason this writer stops: the pointer changed under it, and who wrote it now."""
+        try:
+            now = Pointer.from_bytes(read_tagged(self.store, POINTER_PATH, MAX_POINTER_BYTES)[0], where=self.where)
+            held = now.writer
+            who = (f"it now names version {now.version}, committed at {_utc(held.committed_ms)} by {held.describe()}"
+                   if held is not None else f"it now names version {now.version}, by a writer that names none")  # fmt: skip
+        except NotFoundError:
+            who = "it was deleted"
+        except Exception as read_error:  # noqa: BLE001  (the reason is what matters here)
+            who = f"it cannot be read now ({read_error})"
+        return (
+            f"the pointer {self.where} changed under this writer ({self.record.describe()}) while {what}: {who}. "
+            "Another writer took the chain; this publisher stops and writes nothing more "
+            f"(its own files of versions the pointer does not name are left for that writer's retention)"
+            + (f" [{exc}]" if exc is not None else "")
+        )
+
+    def release(self, pointer: Pointer | None) -> None:
+        """Let go of the chain (a writer that closes): rewrite the pointer with a lease of 0, so
+        that the next writer takes it at once. Never raises: a failure is logged."""
+        _LIVE.pop(self.record.token, None)
+        if pointer is None or self.stopped is not None:
+            return
+        try:
+            self.commit(pointer, what="letting go of the chain", lease_ms=0)
+        except Exception as exc:  # noqa: BLE001  (closing never fails on it)
+            logger.warning("deltasync: could not let go of bucket %s: %s", self.store.url, exc)
