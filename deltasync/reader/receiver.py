@@ -293,9 +293,16 @@ class DeltaReceiver:
         if self._manifest is not None:
             elements = sum(math.prod(shape) for shape in self._manifest.values())
             if pointer.total != elements:  # refused before a byte of the chain is read
+                if self.view is None and not pointer.view:
+                    why = "another model's weights, or a rewritten pointer"
+                else:  # name the chain asked for and the one found
+                    found = (f"view {pointer.view.get('scheme', '(unnamed)')}" if pointer.view
+                             else "no view (the bf16 chain, or a view written before views named themselves)")  # fmt: skip
+                    asked = "the bf16 chain" if self.view is None else f"view {self.view}"
+                    why = f"{asked} was asked for, the pointer names {found}"
                 raise FormatError(
                     f"{url}/{POINTER_PATH}: the bucket's state has {pointer.total} elements, the receiver "
-                    f"serves {elements} (another model's weights, or a rewritten pointer)"
+                    f"serves {elements} ({why})"
                 )
         if own and pointer.manifest is not None and self._state:
             mine = tensors_manifest(self._state)
