@@ -58,6 +58,7 @@ except ImportError:  # a checkout without an install: import the package next to
     sys.path.insert(0, str(REPO))
 
 from codec import ModelShape  # noqa: E402
+from scale import Weights, tensors  # noqa: E402  (Qwen2 checkpoint shapes; parameters under their names)
 
 from deltasync import DeltaPublisher  # noqa: E402
 from deltasync.trainer.publisher import PublishOptions  # noqa: E402
@@ -68,43 +69,6 @@ QUICK = ModelShape(hidden=256, intermediate=1024, layers=4, heads=4, kv_heads=2,
 
 def log(message: str) -> None:
     print(f"[gpu.py {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def tensors(shape: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor of a Qwen2 checkpoint of this shape (tied LM head), name and shape."""
-    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (shape.vocab, h))]
-    for i in range(shape.layers):
-        p = f"model.layers.{i}."
-        for proj, rows in (("q", q), ("k", kv), ("v", kv)):
-            out += [(f"{p}self_attn.{proj}_proj.weight", (rows, h)), (f"{p}self_attn.{proj}_proj.bias", (rows,))]
-        out += [(f"{p}self_attn.o_proj.weight", (h, q)), (f"{p}mlp.gate_proj.weight", (shape.intermediate, h)),
-                (f"{p}mlp.up_proj.weight", (shape.intermediate, h)), (f"{p}mlp.down_proj.weight", (h, shape.intermediate)),
-                (f"{p}input_layernorm.weight", (h,)), (f"{p}post_attention_layernorm.weight", (h,))]  # fmt: skip
-    return [*out, ("model.norm.weight", (h,))]
-
-
-class Weights(torch.nn.Module):
-    """bf16 parameters under checkpoint names; ``load_weights`` copies checkpoint tensors in, as a
-    vLLM model's loader does for unfused, unsharded parameters."""
-
-    def __init__(self, named: dict[str, torch.Tensor], *, trainable: bool) -> None:
-        super().__init__()
-        for name, t in named.items():
-            *path, leaf = name.split(".")
-            module: torch.nn.Module = self
-            for part in path:
-                if not hasattr(module, part):
-                    module.add_module(part, torch.nn.Module())
-                module = getattr(module, part)
-            module.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=trainable))
-
-    def load_weights(self, weights: Any) -> set[str]:
-        params, loaded = dict(self.named_parameters()), set()
-        for name, w in weights:
-            params[name].data.copy_(w)
-            loaded.add(name)
-        return loaded
 
 
 def sync(device: torch.device) -> None:
