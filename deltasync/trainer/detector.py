@@ -56,17 +56,19 @@ def _free_device_memory(device: torch.device) -> int | None:
     return None
 
 
-def _readable(name: str, tensor: torch.Tensor) -> None:
-    """A ConfigError unless the publisher can read the weight's values where it lives."""
-    if tensor.device.type == "meta" or getattr(tensor, "is_meta", False):
+def _readable(name: str, weight: Any) -> None:
+    """A ConfigError unless the publisher can read the weight where it lives (judged from its
+    device alone: a weight source may compute its values, which is not done here)."""
+    device = torch.device(weight.device)
+    if device.type == "meta":
         raise ConfigError(
             f"weight {name!r} is on the meta device (it has a shape but no values): materialise the model "
             "(to_empty() and load its weights, or build it on a real device) before publishing it"
         )
-    try:
-        tensor.detach().reshape(-1)[:1].to("cpu")
-    except (RuntimeError, AssertionError) as exc:
-        raise ConfigError(f"weight {name!r} on {tensor.device} cannot be read ({exc}); is the device still there?") from exc
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"weight {name!r} is on {device}, but this process sees {count} CUDA device(s)")
 
 
 def bf16_state_dict(model: torch.nn.Module, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -189,7 +191,7 @@ class BF16ChangeDetector:
         # While pinned: parameter -> the committed values kept aside (see commit).
         self._overlay: dict[str, Patch] = {}
         for name, value in self._tracked.items():
-            _readable(name, self._flat(name, value))
+            _readable(name, value)
         self._placement = self._place()
         # One stream per CUDA device for the detector's own work, so that a capture that overlaps
         # the trainer's next gradients runs beside them, not queued behind them.
@@ -211,7 +213,7 @@ class BF16ChangeDetector:
 
     def _place(self) -> dict[str, torch.device]:
         """Where each tracked weight's snapshot lives (see ``snapshot_device`` and ``snapshot_budget``)."""
-        own = {name: self._flat(name, value).device for name, value in self._tracked.items()}
+        own = {name: torch.device(value.device) for name, value in self._tracked.items()}
         cpu = torch.device("cpu")
 
         def target(name: str) -> torch.device:
@@ -223,7 +225,8 @@ class BF16ChangeDetector:
         for name, value in self._tracked.items():
             device = target(name)
             if device.type != "cpu" or not self._auto:
-                need[device] = need.get(device, 0) + 2 * self._flat(name, value).numel()
+                owned = value.numel() if self.layout is None else self._slices[name].end - self._slices[name].begin
+                need[device] = need.get(device, 0) + 2 * owned
         fits: dict[torch.device, bool] = {}
         for device, nbytes in need.items():
             budget = self._budget
