@@ -104,7 +104,9 @@ def greedy(url: str, prompts: Sequence[str | Sequence[int]] = PROMPTS, max_token
             "return_tokens_as_token_ids": True,
         }
         response = requests.post(f"{url}/v1/completions", json=body, timeout=300)
-        response.raise_for_status()
+        if not response.ok:  # the server's own words say what failed
+            raise requests.HTTPError(f"{response.status_code} from {url}/v1/completions: {response.text[:2000]}",
+                                     response=response)  # fmt: skip
         choice = response.json()["choices"][0]
         logprobs = choice["logprobs"]
         token_ids = choice.get("token_ids")

@@ -15,6 +15,14 @@ back into layers that received nothing. Two consequences shape this module:
 - A fused-MoE layer is one vLLM module for all experts of a layer (``mlp.experts``), whatever
   its checkpoint names (``mlp.experts.{e}.gate_proj.weight``, ...); ``landing`` (where the
   server's weight map saw each name land) groups them, as ``packed_modules_mapping`` cannot.
+- A kernel that keeps its weight elsewhere (vLLM-CPU's oneDNN int8 GEMM packs it into a
+  handler) leaves the parameter registered as None, and its forward reads it as such. vLLM 0.32's
+  reload puts back only the tensors, so the name would vanish and the next forward fail
+  (``AttributeError``): :func:`reload_weights` registers such names as None again.
+- vLLM-CPU's oneDNN int8 GEMM handler keeps a pointer to the scales it was made with. On a
+  reload those are the processed layer's own, which vLLM then copies into the old tensors and
+  drops: the handler would read freed memory (NaN answers). :func:`reload_weights` keeps the
+  tensors each new handler was made from alive with it (:func:`_handlers_keep_their_tensors`).
 - vLLM 0.32 sets a reloaded fused-MoE layer's kernel up without its experts' own
   post-load step (vLLM-CPU prepacks expert weights there): :func:`reload_weights` runs it for
   the layers it reloaded.
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -90,7 +99,8 @@ def reload_weights(
     model_config = vllm_config.model_config  # type: ignore[attr-defined]
     holders = _shared_parameter_holders(model)
     params = dict(model.named_parameters(remove_duplicate=False))
-    with set_current_vllm_config(vllm_config), torch.no_grad():  # type: ignore[arg-type]
+    empty = _empty_parameters(model)
+    with set_current_vllm_config(vllm_config), torch.no_grad(), _handlers_keep_their_tensors():  # type: ignore[arg-type]
         initialize_layerwise_reload(model)
         loaded: set[str] = set()
         try:
@@ -98,6 +108,7 @@ def reload_weights(
         finally:
             partial = _partially_loaded(model)
             finalize_layerwise_reload(model, model_config)
+            _restore_empty_parameters(model, empty)
             _prepack_reloaded_experts(model, loaded)
         # A tied lm_head shares its Parameter with embed_tokens, but the reload only
         # re-processes the module the checkpoint name maps to. On CPU the lm_head keeps its
@@ -107,6 +118,52 @@ def reload_weights(
                 if not name.startswith(module_name + ".") and hasattr(module, "quant_method"):
                     module.quant_method.process_weights_after_loading(module)
     return loaded, partial
+
+
+@contextmanager
+def _handlers_keep_their_tensors() -> Iterator[None]:
+    """While reloading, each oneDNN GEMM handler made holds the tensors it was made from."""
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:  # another vLLM: nothing known
+        yield
+        return
+    create = getattr(ops, "create_onednn_scaled_mm", None)
+    if create is None:
+        yield
+        return
+
+    def keeping(weight: torch.Tensor, weight_scales: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        handler = create(weight, weight_scales, *args, **kwargs)
+        handler.deltasync_scales = weight_scales  # the handler reads them at every GEMM
+        return handler
+
+    ops.create_onednn_scaled_mm = keeping
+    try:
+        yield
+    finally:
+        ops.create_onednn_scaled_mm = create
+
+
+def _empty_parameters(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Module name -> the parameter names it registers as None (a kernel holds those weights)."""
+    return {
+        name: nones
+        for name, module in model.named_modules()
+        if (nones := [key for key, value in module._parameters.items() if value is None])
+    }
+
+
+def _restore_empty_parameters(model: torch.nn.Module, empty: Mapping[str, list[str]]) -> None:
+    """Register again as None each name of :func:`_empty_parameters` that the reload dropped."""
+    modules = dict(model.named_modules())
+    for name, keys in empty.items():
+        module = modules.get(name)
+        if module is None:
+            continue
+        for key in keys:
+            if key not in module._parameters and not hasattr(module, key):
+                module.register_parameter(key, None)
 
 
 def post_load_experts(module: torch.nn.Module) -> Any:

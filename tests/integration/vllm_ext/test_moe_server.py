@@ -96,6 +96,7 @@ def test_trl_async_grpo_with_a_moe_keeps_the_server_exact(lab, servers, tmp_path
     from deltasync.trl import AsyncGRPOTrainer, DeltaSyncConfig
 
     url = servers[1].url
+    lab.publisher.close()  # one writer per bucket: the trainer's publisher takes the chain over from it
     config, dataset = tiny_grpo_args(tmp_path / "out", url, 3)
     trainer = AsyncGRPOTrainer(
         model=str(lab.model_dir), reward_funcs=[reward_target_letter], args=config, train_dataset=dataset,
