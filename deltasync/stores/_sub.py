@@ -7,6 +7,7 @@ from contextlib import AbstractContextManager
 from typing import BinaryIO
 
 from ._base import Store, StreamingStore, check_path, open_read, read_limited, write_stream
+from ._conditional import conditional_guarantee
 
 __all__ = ["SubStore", "sub_store"]
 
@@ -15,7 +16,7 @@ class SubStore:
     """Paths of ``parent`` under ``prefix`` (e.g. ``"views/FP8_DYNAMIC/"``), as a :class:`Store`.
 
     Every operation is the parent's on ``prefix + path``; the parent's guarantees (atomic
-    writes per file, bounded reads, streaming) hold. ``url`` is the parent's with the folder
+    writes per file, bounded reads, streaming, conditional writes) hold. ``url`` is the parent's with the folder
     appended, which :func:`~deltasync.stores.open_store` opens as the same files.
     """
 
@@ -51,6 +52,19 @@ class SubStore:
 
     def delete(self, paths: Iterable[str]) -> None:
         self.parent.delete([self.prefix + check_path(path) for path in paths])
+
+    # Conditional writes (:class:`~deltasync.stores.ConditionalStore`): the parent's, atomic where
+    # the parent's are. Where they are not, :func:`~deltasync.stores.write_if` reads, compares and
+    # writes through the methods above and never calls these two.
+
+    def conditional_writes(self) -> str | None:
+        return conditional_guarantee(self.parent)
+
+    def read_tagged(self, path: str, limit: int) -> tuple[bytes, str]:
+        return self.parent.read_tagged(self.prefix + check_path(path), limit)  # type: ignore[attr-defined,no-any-return]
+
+    def write_if(self, path: str, data: bytes, tag: str | None) -> str:
+        return self.parent.write_if(self.prefix + check_path(path), data, tag)  # type: ignore[attr-defined,no-any-return]
 
 
 class _StreamingSubStore(SubStore):

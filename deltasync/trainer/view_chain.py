@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import ConfigError, IntegrityError
+from ..errors import ConfigError, ConflictError, IntegrityError, NotFoundError, WriterConflictError
 from ..format import (
+    MAX_POINTER_BYTES,
     POINTER_PATH,
     AnchorSource,
     ChainEntry,
@@ -52,7 +53,7 @@ from ..format import (
     view_prefix,
 )
 from ..format.fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
-from ..stores import write_stream
+from ..stores import read_tagged, write_if, write_stream
 from ..stores._sub import sub_store
 from ..views.identity import ViewIdentity
 
@@ -165,6 +166,12 @@ class ViewChain:
         self.head: _Head | None = None
         self.broken = False
         """A version failed to commit: the next version starts a new chain (an anchor)."""
+        self._pointer_read = False
+        self._pointer_tag: str | None = None
+        self._pointer_bytes: bytes | None = None
+        self.stopped: str | None = None
+        """Why this view writes nothing more (its pointer changed under it), or None."""
+        """The tag of the view's pointer as this chain last wrote it (see :meth:`_write_pointer`)."""
 
     # ------------------------------------------------------------------ what a view holds
 
@@ -272,11 +279,66 @@ class ViewChain:
         """Write the view's pointer (the commit point: rank 0 of a split layout, once every rank wrote)."""
 
         def commit() -> tuple[None, None]:
-            if not self.split or (self.layout is not None and self.layout.rank == 0):
-                self.store.write_bytes(POINTER_PATH, pointer.to_bytes())
+            if self._commits:
+                self._write_pointer(what, pointer.to_bytes())
             return None, None
 
         self._agree(f"committing {what}", commit)
+
+    def _write_pointer(self, what: str, data: bytes) -> None:
+        """Write the view's pointer only if it is still the one this chain last wrote (the first
+        commit: the one found then), as the bf16 chain's commits are (:mod:`.ownership`). A
+        refused write raises :class:`WriterConflictError` and changes nothing; this chain then never
+        writes its pointer again (its tag stays the one another writer replaced)."""
+        self._check_writer()
+        if not self._pointer_read:
+            self._pointer_tag = self._read_tag()[1]
+            self._pointer_read = True
+        for attempt in range(2):
+            try:
+                self._pointer_tag = write_if(self.store, POINTER_PATH, data, self._pointer_tag, limit=MAX_POINTER_BYTES)
+                break
+            except ConflictError as exc:
+                found, tag = self._read_tag()
+                if attempt == 0 and found is not None and found == self._pointer_bytes:
+                    self._pointer_tag = tag  # rewritten with this chain's own bytes: still its own
+                    continue
+                self.stopped = self._changed(f"committing {what}", exc)
+                raise WriterConflictError(self.stopped) from exc
+        self._pointer_bytes = data
+
+    def _read_tag(self) -> tuple[bytes | None, str | None]:
+        """The view's pointer bytes and tag now (None, None: no pointer)."""
+        try:
+            return read_tagged(self.store, POINTER_PATH, MAX_POINTER_BYTES)
+        except NotFoundError:
+            return None, None
+
+    def _check_writer(self, what: str | None = None) -> None:
+        """Raise why this view stopped writing, if it did (inside a step all ranks agree on).
+        With ``what`` (before a version's data is written), the committing rank first reads the
+        pointer once: if it is no longer the one this chain wrote, the view stops here, so that
+        it writes no file it could not commit."""
+        if self.stopped is None and what is not None and self._pointer_read and self._commits:
+            found, tag = self._read_tag()
+            if tag != self._pointer_tag and (found is None or found != self._pointer_bytes):
+                self.stopped = self._changed(what, None)
+            elif tag != self._pointer_tag:
+                self._pointer_tag = tag  # its own bytes, written again: still its own
+        if self.stopped is not None:
+            raise WriterConflictError(self.stopped)
+
+    @property
+    def _commits(self) -> bool:
+        """This rank writes the view's pointer."""
+        return not self.split or (self.layout is not None and self.layout.rank == 0)
+
+    def _changed(self, what: str, exc: Exception | None) -> str:
+        return (
+            f"view {self.name}: the pointer {self.store.url}/{POINTER_PATH} changed under this writer while "
+            f"{what}: another writer commits this view. Nothing was committed, and this view writes nothing more"
+            + (f" [{exc}]" if exc is not None else "")
+        )
 
     # ------------------------------------------------------------------ versions
 
@@ -314,6 +376,7 @@ class ViewChain:
             amax = self._block_amax(f"the anchor of version {version}", sorted(self.targets), value)
 
             def quantize() -> tuple[list[AnchorSource], int]:
+                self._check_writer(f"writing the anchor of version {version}")
                 sources, self.quantized = self._anchor_sources(value, amax)
                 share = 0
                 for source in sources:
@@ -387,6 +450,7 @@ class ViewChain:
             amax = self._block_amax(f"version {version}", sorted(names), value)
 
             def diff() -> tuple[tuple[dict[str, Change], dict[str, dict[str, torch.Tensor]]], int]:
+                self._check_writer(f"writing delta {version}")
                 view_changes: dict[str, Change] = {}
                 new_layers: dict[str, dict[str, torch.Tensor]] = {}
                 requantize = set(names)

@@ -22,7 +22,7 @@ from servers import PROMPTS, TP2, Trainer, extension_args, greedy, requires_vllm
 
 from deltasync import DeltaPublisher, FormatError, RolloutClient, open_store
 from deltasync.cli import main as cli
-from deltasync.format import Change, encode_delta, sha256_hex, view_prefix
+from deltasync.format import POINTER_PATH, Change, encode_delta, sha256_hex, view_prefix
 from deltasync.stores._sub import sub_store
 from deltasync.views.identity import ViewIdentity
 
@@ -268,7 +268,11 @@ def test_fp8_tp2_follower_writes_every_version_in_place_and_refuses_another_sche
         view = next(v for v in world.publisher._views if v.name == FP8)  # noqa: SLF001 - the publisher's own chain
         folder, scratch = world.bucket / view_prefix(FP8), world.root / "fp8-next"
         honest, swapped = world.root / "fp8-honest", world.root / "fp8-swapped"
-        real, view.store = view.store, open_store(scratch)  # FP8's next version goes aside, for now
+        # FP8's next version goes aside, for now: on a copy of its pointer (its commits are
+        # conditional on the pointer it last wrote, whose bytes the copy holds).
+        scratch.mkdir()
+        shutil.copyfile(folder / POINTER_PATH, scratch / POINTER_PATH)
+        real, view.store = view.store, open_store(scratch)
         try:
             version = world.step(13)  # the bf16 chain and W8A8 at the next version
             shutil.copytree(world.bucket / view_prefix(W8A8), swapped)

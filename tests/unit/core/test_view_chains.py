@@ -310,3 +310,35 @@ def test_moe_views_quantize_each_expert_as_the_checkpoint_holds_it(tmp_path):
     # The routers stay bf16 and the config names them, as llm-compressor writes it.
     assert config["ignore"] == ignore_list(model, ("lm_head",))
     assert any(name.endswith("mlp.gate") for name in config["ignore"])
+
+
+def test_a_view_pointer_changed_under_its_writer_stops_that_view_and_changes_nothing(tmp_path):
+    """A view's commits are conditional, as the bf16 chain's: its own bytes written again are
+    still its own; another writer's pointer stops the view (said in the result's warnings), and
+    nothing of the view's folder changes after, while the bf16 chain goes on."""
+    model, optimizer, publisher = _trainer(tmp_path, anchor_every=1000)
+    store = open_store(tmp_path / "bucket")
+    folder = view_prefix(FP8)
+    pointer_path = folder + POINTER_PATH
+    with publisher:
+        publisher.publish()
+        store.write_bytes(pointer_path, store.read_bytes(pointer_path))  # same bytes, a new tag
+        train_step(model, optimizer, 0)
+        result = publisher.publish()
+        assert not result.warnings and result.view_nbytes.keys() == {FP8, W8A8}
+        assert_view_exact(tmp_path / "bucket", model, FP8, 1)
+        foreign = store.read_bytes(pointer_path).replace(b"{", b"{ ", 1)  # another writer's commit
+        Pointer.from_bytes(foreign)  # still a valid pointer
+        store.write_bytes(pointer_path, foreign)
+        files = {path: store.read_bytes(path) for path in store.list(folder)}
+        for step in (1, 2):
+            train_step(model, optimizer, step)
+            result = publisher.publish()
+            (warning,) = result.warnings
+            assert f"view {FP8}: the pointer {store.url}/{pointer_path} changed under this writer" in warning
+            assert "another writer commits this view" in warning, warning
+            assert result.view_nbytes.keys() == {W8A8}  # the other view goes on
+            assert {path: store.read_bytes(path) for path in store.list(folder)} == files
+        assert_view_exact(tmp_path / "bucket", model, W8A8, 3)
+        assert DeltaReceiver(tmp_path / "bucket").sync() == 3
+        assert DeltaReceiver(tmp_path / "bucket", view=FP8).sync() == 1  # the chain it found, whole
