@@ -589,7 +589,7 @@ def main() -> None:
     lrs = {d: learning_rate(params, d) for d in densities}
     f["adamw_step_s"] = adamw_step_s(model, device, lrs[densities[0]])
     r["floors"] = f
-    r["encode_threads"] = encode_threads(16_000_000 if args.quick else 40_000_000)
+    r["encode_threads"] = encode_threads(4_000_000 if args.quick else 40_000_000)
     log(f"encode: {r['encode_threads']}")
     save()
     log("floors: " + ", ".join(f"{k} {v:.4g}" for k, v in f.items()))
