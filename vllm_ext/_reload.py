@@ -22,7 +22,7 @@ back into layers that received nothing. Two consequences shape this module:
 - vLLM-CPU's oneDNN int8 GEMM handler keeps a pointer to the scales it was made with. On a
   reload those are the processed layer's own, which vLLM then copies into the old tensors and
   drops: the handler would read freed memory (NaN answers). :func:`reload_weights` keeps the
-  tensors each new handler was made from alive with it (:func:`_handlers_keep_their_tensors`).
+  scales each new handler was made from alive with it (:func:`_handlers_keep_their_scales`).
 - vLLM 0.32 sets a reloaded fused-MoE layer's kernel up without its experts' own
   post-load step (vLLM-CPU prepacks expert weights there): :func:`reload_weights` runs it for
   the layers it reloaded.
@@ -100,7 +100,7 @@ def reload_weights(
     holders = _shared_parameter_holders(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     empty = _empty_parameters(model)
-    with set_current_vllm_config(vllm_config), torch.no_grad(), _handlers_keep_their_tensors():  # type: ignore[arg-type]
+    with set_current_vllm_config(vllm_config), torch.no_grad(), _handlers_keep_their_scales():  # type: ignore[arg-type]
         initialize_layerwise_reload(model)
         loaded: set[str] = set()
         try:
@@ -121,8 +121,8 @@ def reload_weights(
 
 
 @contextmanager
-def _handlers_keep_their_tensors() -> Iterator[None]:
-    """While reloading, each oneDNN GEMM handler made holds the tensors it was made from."""
+def _handlers_keep_their_scales() -> Iterator[None]:
+    """While reloading, each oneDNN GEMM handler made holds the scales it was made from."""
     try:
         from vllm import _custom_ops as ops
     except ImportError:  # another vLLM: nothing known

@@ -168,10 +168,10 @@ class ViewChain:
         """A version failed to commit: the next version starts a new chain (an anchor)."""
         self._pointer_read = False
         self._pointer_tag: str | None = None
+        """The tag of the view's pointer as this chain last wrote it (see :meth:`_write_pointer`)."""
         self._pointer_bytes: bytes | None = None
         self.stopped: str | None = None
         """Why this view writes nothing more (its pointer changed under it), or None."""
-        """The tag of the view's pointer as this chain last wrote it (see :meth:`_write_pointer`)."""
 
     # ------------------------------------------------------------------ what a view holds
 
@@ -288,8 +288,8 @@ class ViewChain:
     def _write_pointer(self, what: str, data: bytes) -> None:
         """Write the view's pointer only if it is still the one this chain last wrote (the first
         commit: the one found then), as the bf16 chain's commits are (:mod:`.ownership`). A
-        refused write raises :class:`WriterConflictError` and changes nothing; this chain then never
-        writes its pointer again (its tag stays the one another writer replaced)."""
+        refused write raises :class:`WriterConflictError` and changes nothing; the view then
+        stops (:attr:`stopped`) and writes nothing more."""
         self._check_writer()
         if not self._pointer_read:
             self._pointer_tag = self._read_tag()[1]
