@@ -4,8 +4,9 @@ A real S3-protocol server (moto's) with two counting proxies in front (tests/fau
 no faults): one for the publisher, one for a follower. The trainer publishes a version every
 ``--step`` seconds (each step drawn within +-5%), 1% of a 131K-element bf16 state changed. The
 follower is what a rollout server in follow mode runs, engine aside: :class:`PollPolicy` says
-when to read the pointer, :class:`PointerWatch` reads it (a HEAD for the ETag, and a GET only
-when it changed), and a :class:`DeltaReceiver` syncs the new versions. Time is simulated (a fake
+when to read the pointer, :class:`PointerWatch` reads it (one GET with ``If-None-Match: <ETag>``,
+answered 304 while it is unchanged), and a :class:`DeltaReceiver` syncs the new versions from
+the pointer the watch read (as a server's workers do: ``DeltaReceiver.offer_pointer``). Time is simulated (a fake
 clock drives the trainer's steps and the follower's reads), so an hour of a 60 s trainer runs
 in seconds; every request is real and counted at the proxy.
 
@@ -86,6 +87,7 @@ def run(server: Any, step: float, versions: int, warmup: int, interval: float, s
             now[0] = read_at
             pointer = watch.read()
             if receiver.version is None or pointer.version > receiver.version:
+                receiver.offer_pointer(watch.data)  # as the follower hands it to its workers
                 receiver.sync(pointer.version)
                 for v in committed:
                     seen.setdefault(v, now[0]) if v <= pointer.version else None
@@ -95,6 +97,7 @@ def run(server: Any, step: float, versions: int, warmup: int, interval: float, s
             now[0] += wait
             pointer = watch.read()
             if pointer.version > (receiver.version or -1):
+                receiver.offer_pointer(watch.data)
                 receiver.sync(pointer.version)
                 for v in committed:
                     seen.setdefault(v, now[0]) if v <= pointer.version else None
@@ -116,7 +119,8 @@ def run(server: Any, step: float, versions: int, warmup: int, interval: float, s
         "publisher_requests_by_method": {m: sum(1 for r in pub if r[0] == m) for m in sorted({r[0] for r in pub})},
         "publisher_bytes_up_per_version": round(sum(r[2] for r in pub) / n),
         "follower_pointer_requests_per_version": round(sum(1 for r in fol if _pointer(r[1])) / n, 2),
-        "follower_pointer_heads_per_version": round(sum(1 for r in fol if _pointer(r[1]) and r[0] == "HEAD") / n, 2),
+        "follower_pointer_requests_by_method": {m: sum(1 for r in fol if _pointer(r[1]) and r[0] == m)
+                                                for m in sorted({r[0] for r in fol if _pointer(r[1])})},
         "follower_other_requests_per_version": round(sum(1 for r in fol if not _pointer(r[1])) / n, 2),
         "follower_bytes_down_per_version": round(sum(r[3] for r in fol) / n),
         "commit_to_seen_median_s": round(statistics.median(latency), 2),

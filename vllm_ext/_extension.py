@@ -29,10 +29,11 @@ class DeltaWorkerExtension:
         """Start downloading and decoding ``version`` in the background; returns at once."""
         return updater_of(self).prefetch(version, auth)
 
-    def deltasync_begin(self, version: int, auth: str | None = None) -> dict[str, Any]:
+    def deltasync_begin(self, version: int, auth: str | None = None, pointer: bytes | None = None) -> dict[str, Any]:
         """``deltasync_prefetch`` and ``deltasync_status`` in one call: the status, whose
-        ``prefetch`` is the answer to this prefetch (what the update route starts with)."""
-        return updater_of(self).begin(version, auth)
+        ``prefetch`` is the answer to this prefetch (what the update route starts with).
+        ``pointer``: the committed pointer's bytes, as the follower read them."""
+        return updater_of(self).begin(version, auth, pointer)
 
     def deltasync_apply(self, version: int, auth: str | None = None) -> dict[str, Any]:
         """Apply ``version`` now, without the weight-update routes.

@@ -108,11 +108,18 @@ class UpdateFlow(VersionedFlow):
         """This flow's metrics (exposed on ``/metrics`` while the server runs)."""
 
     async def bring_to(
-        self, version: object, auth: object = None, *, origin: str = "push", mode: str | None = None
+        self,
+        version: object,
+        auth: object = None,
+        *,
+        origin: str = "push",
+        mode: str | None = None,
+        pointer: bytes | None = None,
     ) -> UpdateOutcome:
         """Stage ``version`` while generating, then apply it on every worker: between two engine
         steps with no pause (``mode="inflight"``), or paused with the caches emptied ("pause");
-        label it, and resume."""
+        label it, and resume. ``pointer``: the committed pointer's bytes where the caller read
+        them already (the follower), handed to the workers so that none reads it again."""
         start = time.perf_counter()
         mode = mode or self.update_mode
         if mode not in UPDATE_MODES:
@@ -123,7 +130,7 @@ class UpdateFlow(VersionedFlow):
                 auth = update_tag(self.token, version)  # the follower acts for the server itself
             # One call into the workers says what they serve and starts staging (or finds the
             # version staged already): each call waits for an engine step to end.
-            workers = await self._begin(version, auth)
+            workers = await self._begin(version, auth, pointer)
             served = served_by(workers)
             self.served = served
             # An older version goes on to the workers, which refuse it in their own words.
@@ -240,11 +247,12 @@ class UpdateFlow(VersionedFlow):
             if all(j is not None and j.state in ("ready", "applied") for j in jobs):
                 return None
 
-    async def _begin(self, version: object, auth: object) -> list[WorkerStatus]:
+    async def _begin(self, version: object, auth: object, pointer: bytes | None = None) -> list[WorkerStatus]:
         """Every worker's status, after it was asked to stage ``version`` (``deltasync_begin``):
         each status's ``prefetch`` is the answer to that (None where the call failed)."""
+        args = (version, auth) if pointer is None else (version, auth, pointer)
         try:
-            answers = await self.engine.call_workers("deltasync_begin", version, auth)
+            answers = await self.engine.call_workers("deltasync_begin", *args)
         except Exception:  # noqa: BLE001  (a worker that cannot answer: the apply reports it)
             return [dataclasses.replace(w, prefetch=None) for w in await self.workers()]
         return [WorkerStatus.from_answer(a) for a in answers]

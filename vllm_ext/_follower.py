@@ -155,7 +155,8 @@ class Follower:
             self.latest_seen = pointer.version
             flow.metrics.latest.set(pointer.version)
             if flow.served is None or pointer.version > flow.served:
-                outcome = await flow.bring_to(pointer.version, origin="follow")
+                # The workers stage from the pointer read here: none reads it again.
+                outcome = await flow.bring_to(pointer.version, origin="follow", pointer=self._watch.data)
                 if not outcome.ok:
                     raise UpdateError(outcome.error or "the update failed")
         except asyncio.CancelledError:

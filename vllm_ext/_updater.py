@@ -143,6 +143,10 @@ class WorkerUpdater:
     def prefetch(self, version: object, auth: object = None) -> dict[str, Any]:
         """Start staging ``version`` in a background thread; the engine keeps generating.
         Returns a :class:`~deltasync.protocol.messages.PrefetchState` as plain data."""
+        self._forget_offer()
+        return self._start_prefetch(version, auth)
+
+    def _start_prefetch(self, version: object, auth: object) -> dict[str, Any]:
         self.target.settle()
         try:
             version = check_version(version)
@@ -176,15 +180,24 @@ class WorkerUpdater:
         job.thread.start()
         return job.describe().to_json()
 
-    def begin(self, version: object, auth: object = None) -> dict[str, Any]:
+    def begin(self, version: object, auth: object = None, pointer: bytes | None = None) -> dict[str, Any]:
         """:meth:`prefetch` and :meth:`status` in one call (``deltasync_begin``): the status,
         whose ``prefetch`` is this call's answer (``"refused"`` with the reason where the
         version or tag is wrong; this call never raises for that).
 
         The update flow starts with it: one call into the workers, between two engine steps,
-        tells it what is served and whether ``version`` is staged already."""
+        tells it what is served and whether ``version`` is staged already. ``pointer``: the
+        bytes of the committed pointer as the follower just read them, so that no worker reads
+        it again (:meth:`deltasync.DeltaReceiver.offer_pointer`); bytes that do not parse are
+        dropped, and the worker reads the bucket's pointer itself."""
+        self._forget_offer()
+        if pointer is not None and self.config.bucket:
+            try:
+                self._open_receiver().offer_pointer(pointer)
+            except DeltaSyncError as exc:
+                logger.warning("deltasync: the pointer the follower read is not used (%s); reading the bucket's", exc)
         try:
-            job = self.prefetch(version, auth)
+            job = self._start_prefetch(version, auth)
         except UpdateError as exc:  # the last worker raises its refusal (see _fail)
             job = PrefetchState(version=_version_or_none(version), state="refused", error=str(exc)).to_json()
         return {**self.status(), "prefetch": job}
@@ -202,6 +215,7 @@ class WorkerUpdater:
         staged: Staged | None = None
         error: str | None = None
         prefetched = False
+        self._forget_offer()
         try:
             version = check_version(version)
             check_update_tag(self.config.token, version, auth)
@@ -268,6 +282,12 @@ class WorkerUpdater:
         served = self.target.served()[0]
         if served is not None and version < served:
             raise VersionError(f"version {version} is older than the served version {served}")
+
+    def _forget_offer(self) -> None:
+        """Drop a pointer offered by an earlier ``begin`` and not used: a call without one reads
+        the bucket's."""
+        if self._receiver is not None:
+            self._receiver.offer_pointer(None)
 
     def _open_receiver(self) -> DeltaReceiver:
         if self._receiver is None:

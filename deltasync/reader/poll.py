@@ -12,9 +12,11 @@ sight (the vLLM follower uses them; another engine's would too):
   backs off when the trainer is late or has stopped. Until it knows a rhythm it polls at the
   interval, as a fixed poll does; after ``idle_after`` seconds without a change it backs off too.
 - :class:`PointerWatch` reads the pointer conditionally where the store can say cheaply that it
-  has not changed (a local file's ``stat``, an object's ETag or modification time through
-  fsspec, a Hub bucket file's content hash from ``get_bucket_paths_info``) and reads it whole
-  only when it did, or where the store cannot tell.
+  has not changed: in one request on S3 (a GET with ``If-None-Match: <ETag>``, answered 304
+  without a body while nothing changed); elsewhere by a metadata read (a local file's
+  ``stat``, an object's ETag or modification time through fsspec, a Hub bucket file's content
+  hash from ``get_bucket_paths_info``) and a read of the whole file only when it changed, or
+  where the store cannot tell.
 
 Both take a clock, so tests drive them with a fake one.
 """
@@ -30,13 +32,12 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, NotFoundError
-from ..format import POINTER_PATH, Pointer
+from ..errors import ConfigError, NotFoundError, VersionError
+from ..format import MAX_POINTER_BYTES, POINTER_PATH, Pointer
 from ..protocol.env import DEFAULT_FOLLOW_INTERVAL
-from ..stores import Store
-from .chain import read_pointer
+from ..stores import Store, read_limited
 
-__all__ = ["PointerWatch", "PollOptions", "PollPolicy", "pointer_tag"]
+__all__ = ["PointerWatch", "PollOptions", "PollPolicy", "pointer_tag", "read_if_changed"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,33 +190,63 @@ def pointer_tag(store: Store, path: str = POINTER_PATH) -> Hashable | None:
     return None
 
 
+def read_if_changed(store: Store, path: str, tag: Hashable | None, limit: int) -> tuple[bytes | None, Hashable | None]:
+    """The file ``path`` (at most ``limit + 1`` bytes) and its tag, or ``(None, tag)`` while it is
+    still the file ``tag`` names: one conditional GET on S3 (``If-None-Match``, answered 304
+    without a body), else a :func:`pointer_tag` read and, when that changed or says nothing, the
+    file. A tag of None reads the file. ``NotFoundError`` if it is missing."""
+    from ..stores import FsspecStore
+    from ..stores._sub import SubStore
+
+    if isinstance(store, SubStore):
+        return read_if_changed(store.parent, store.prefix + path, tag, limit)
+    if isinstance(store, FsspecStore) and store.conditional_reads():
+        return store.read_if_changed(path, tag if isinstance(tag, str) else None, limit)
+    try:
+        new = pointer_tag(store, path)
+    except NotFoundError:
+        new = None  # the read says it in its own words
+    if new is not None and new == tag:
+        return None, tag
+    return read_limited(store, path, limit), new
+
+
 class PointerWatch:
     """Reads a bucket's pointer, conditionally where the store can tell it has not changed.
 
-    :meth:`read` returns the committed pointer; while :func:`pointer_tag` says the file is as it
-    was, it returns the pointer it read last without reading the file again (one metadata
-    request instead of a download). A store that cannot tell is read whole every time.
+    :meth:`read` returns the committed pointer; while the file is as it was, it returns the
+    pointer it read last without downloading it again: on S3 one conditional GET (304 Not
+    Modified), elsewhere one metadata request (see :func:`read_if_changed`). A store that cannot
+    tell is read whole every time. :attr:`data` holds the bytes of the pointer returned, which a
+    follower hands to the readers it drives (:meth:`deltasync.DeltaReceiver.offer_pointer`) so
+    they need not read it again.
     """
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self._tag: Hashable | None = None
         self._pointer: Pointer | None = None
+        self.data: bytes | None = None
+        """The bytes of the pointer :meth:`read` returned last."""
         self.full_reads = 0
         """Reads of the whole pointer file."""
         self.tag_reads = 0
-        """Metadata reads that found the pointer unchanged."""
+        """Reads that found the pointer unchanged."""
 
     def read(self) -> Pointer:
         """The bucket's committed pointer (``VersionError`` if none is committed)."""
+        where = f"{self.store.url}/{POINTER_PATH}"
+        known = self._tag if self._pointer is not None else None
         try:
-            tag = pointer_tag(self.store)
-        except NotFoundError:
-            tag = None  # read_pointer says it in its own words
-        if tag is not None and tag == self._tag and self._pointer is not None:
+            data, tag = read_if_changed(self.store, POINTER_PATH, known, MAX_POINTER_BYTES)
+        except NotFoundError as exc:
+            self.full_reads += 1
+            raise VersionError(f"{where}: no version is committed in this bucket yet") from exc
+        if data is None and self._pointer is not None:
             self.tag_reads += 1
             return self._pointer
+        assert data is not None
         self.full_reads += 1
-        pointer = read_pointer(self.store)
-        self._tag, self._pointer = tag, pointer
+        pointer = Pointer.from_bytes(data, where=where)
+        self._tag, self._pointer, self.data = tag, pointer, data
         return pointer

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ConfigError, FormatError, IntegrityError, NotFoundError, VersionError
-from ..format import POINTER_PATH, Pointer, tensors_manifest, view_prefix
+from ..format import MAX_POINTER_BYTES, POINTER_PATH, Pointer, tensors_manifest, view_prefix
 from ..format.dtypes import read_lanes
 from ..format.fingerprint import fingerprint, fingerprint_update
 from ..protocol.messages import Heal
@@ -169,6 +169,7 @@ class DeltaReceiver:
         if max_attempts < 1:
             raise ConfigError(f"max_attempts must be >= 1, got {max_attempts}")
         self.max_attempts = max_attempts
+        self._offered: Pointer | None = None
 
     @property
     def manifest(self) -> dict[str, tuple[int, ...]] | None:
@@ -200,12 +201,30 @@ class DeltaReceiver:
         return other
 
     def pointer(self) -> Pointer:
-        """The bucket's committed pointer."""
-        return read_pointer(self.store)
+        """The bucket's committed pointer (the one offered, once, where one was: :meth:`offer_pointer`)."""
+        offered, self._offered = self._offered, None
+        return offered if offered is not None else read_pointer(self.store)
+
+    def offer_pointer(self, data: bytes | None) -> Pointer | None:
+        """Take the committed pointer as someone else just read it from this chain (a follower's
+        :class:`~deltasync.reader.PointerWatch`), so that this receiver does not read it again:
+        :meth:`latest` answers from it, and the next :meth:`pointer` or :meth:`stage` starts from
+        it (once). The bytes are parsed and checked as a read of the bucket's are, so a wrong or
+        hostile pointer is refused the same way. A stage that finds a file gone reads the
+        bucket's pointer afresh, as always. None forgets an offer not used yet."""
+        self._offered = None
+        if data is None:
+            return None
+        where = f"{self.store.url}/{POINTER_PATH}"
+        if len(data) > MAX_POINTER_BYTES:
+            raise FormatError(f"{where}: the pointer offered is {len(data)} bytes, more than {MAX_POINTER_BYTES}")
+        self._offered = Pointer.from_bytes(data, where=where)
+        return self._offered
 
     def latest(self) -> int:
-        """The newest committed version."""
-        return self.pointer().version
+        """The newest committed version (that of the pointer offered, where one was)."""
+        offered = self._offered
+        return offered.version if offered is not None else read_pointer(self.store).version
 
     # ------------------------------------------------------------------ sync
 
@@ -221,6 +240,9 @@ class DeltaReceiver:
         When the deltas on the receiver's own state fail (a file corrupt or missing) and an
         anchor can replace them, the update is built from the anchor instead: it is exact, and
         :attr:`StagedUpdate.healed` (and a warning naming the file) says what was wrong."""
+        offered = self._offered
+        if offered is not None and version is not None and version > offered.version:
+            self._offered = None  # the offer is older than the version asked for: read the bucket's
         pointer = self.pointer()
         try:
             for attempt in range(1, self.max_attempts + 1):
@@ -229,7 +251,7 @@ class DeltaReceiver:
                 except NotFoundError:
                     # A new anchor may have been committed and older files retired while we
                     # read: start over from the newest pointer, as long as the bucket moves.
-                    newer = self.pointer()
+                    newer = read_pointer(self.store)
                     if newer == pointer or attempt == self.max_attempts:
                         raise
                     pointer = newer

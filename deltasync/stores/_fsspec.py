@@ -10,7 +10,7 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
 
@@ -166,13 +166,34 @@ class FsspecStore(LimitedReads):
         if kind != "s3":
             data = self.read_bytes(path, limit=limit)
             return data, content_tag(data)
+        got, tag = self._s3_get(path, limit, None)
+        assert got is not None  # an unconditional GET has a body
+        return got, tag
+
+    def conditional_reads(self) -> bool:
+        """Whether :meth:`read_if_changed` is one request here (S3's conditional GET)."""
+        return self._kind() == "s3"
+
+    def read_if_changed(self, path: str, tag: str | None, limit: int) -> tuple[bytes | None, str]:
+        """One GET of at most the file's first ``limit + 1`` bytes, sent with ``If-None-Match:
+        <tag>``: ``(None, tag)`` when the file is still the one ``tag`` names (S3 answers 304
+        Not Modified, no body), else its bytes and new tag. On a store without conditional
+        reads, a plain read. ``NotFoundError`` if the file is missing."""
+        if not self.conditional_reads():
+            return self.read_tagged(path, limit)
+        return self._s3_get(path, limit, tag)
+
+    def _s3_get(self, path: str, limit: int, unless: str | None) -> tuple[bytes | None, str]:
         from fsspec.asyn import sync
 
         bucket, key, _ = self.fs.split_path(self._full(path))
+        condition = {} if unless is None else {"IfNoneMatch": unless}
 
         async def get() -> tuple[bytes, str]:
             # One GET: the bytes and the ETag of the same object.
-            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{limit}")
+            response = await self.fs._call_s3(
+                "get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{limit}", **condition
+            )
             body = response["Body"]
             try:
                 return await body.read(), str(response["ETag"])
@@ -187,6 +208,8 @@ class FsspecStore(LimitedReads):
             except FileNotFoundError as e:
                 raise NotFoundError(f"{path!r} is not in bucket {self.url}") from e
             except Exception as e:
+                if unless is not None and _status(e) == 304:
+                    return None, unless
                 if attempt + 1 < attempts and not isinstance(e, PermissionError):
                     time.sleep(min(2.0, 0.1 * 2**attempt))
                     continue
@@ -268,18 +291,33 @@ class FsspecStore(LimitedReads):
                 raise StoreError(f"cannot delete {path!r} from bucket {self.url}: {e!r}") from e
 
 
-def _precondition_failed(error: BaseException) -> bool:
-    """Whether S3 refused a conditional request (412 Precondition Failed, or 409 for a
-    conditional write racing another), through s3fs's translation of botocore's error."""
+def _responses(error: BaseException) -> Iterator[dict[str, Any]]:
+    """The botocore responses along ``error``'s chain (s3fs wraps botocore's errors)."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         response = getattr(current, "response", None)
         if isinstance(response, dict):
-            code = str(response.get("Error", {}).get("Code", ""))
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412") or status == 412:
-                return True
+            yield response
         current = current.__cause__ or current.__context__
+
+
+def _status(error: BaseException) -> int | None:
+    """The HTTP status S3 answered with, where ``error`` carries one."""
+    for response in _responses(error):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int):
+            return status
+    return None
+
+
+def _precondition_failed(error: BaseException) -> bool:
+    """Whether S3 refused a conditional request (412 Precondition Failed, or 409 for a
+    conditional write racing another), through s3fs's translation of botocore's error."""
+    for response in _responses(error):
+        code = str(response.get("Error", {}).get("Code", ""))
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in ("PreconditionFailed", "ConditionalRequestConflict", "412") or status == 412:
+            return True
     return isinstance(error, FileExistsError)

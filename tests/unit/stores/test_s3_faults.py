@@ -131,3 +131,28 @@ def test_a_follower_keeps_its_version_through_faults_then_catches_up(buckets: tu
         publisher.publish()
         assert follower.sync() == 2
         assert follower.fingerprint == fingerprint(bf16_state_dict(model))
+
+
+def test_the_watch_reads_an_s3_pointer_with_one_conditional_get_and_a_receiver_reads_it_no_more(buckets, proxy):
+    from deltasync.reader import PointerWatch
+
+    faulty, _ = buckets
+    model = Tiny()
+    with DeltaPublisher(faulty, model, None) as publisher:
+        publisher.publish()
+        watch, receiver = PointerWatch(faulty), DeltaReceiver(faulty)
+        proxy.take_log()
+        assert watch.read().version == 0 and watch.read().version == 0
+        reads = [(method, path) for method, path, *_ in proxy.take_log()]
+        # One GET each: the second sent If-None-Match and was answered 304, with no body.
+        assert reads == [("GET", reads[0][1])] * 2 and reads[0][1].endswith("/latest.json")
+        assert (watch.full_reads, watch.tag_reads) == (1, 1)
+        step(model, 1)
+        publisher.publish()
+        pointer = watch.read()
+        assert pointer.version == 1 and watch.full_reads == 2
+        receiver.offer_pointer(watch.data)  # what a follower hands its workers
+        proxy.take_log()
+        receiver.sync(pointer.version)
+        assert not [path for _, path, *_ in proxy.take_log() if path.endswith("/latest.json")]
+    assert receiver.fingerprint == fingerprint(bf16_state_dict(model))

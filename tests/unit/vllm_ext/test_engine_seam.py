@@ -183,5 +183,7 @@ def test_the_follower_runs_the_flow_on_a_fake_engine(tmp_path):
     sync = ServerSync(engine, token="tok", follow=FollowConfig(enabled=True, interval=0.5, bucket=str(tmp_path / "bucket")))
     assert asyncio.run(sync.follow_once()) == 0.5
     tag = update_tag("tok", 2)  # straight to the newest, tagged by the server itself
-    assert engine.calls == [("deltasync_begin", 2, tag), "pause", ("deltasync_apply", 2, tag), ("label", 2), "resume"]
+    pointer = (tmp_path / "bucket" / "latest.json").read_bytes()  # handed to the workers as read
+    assert engine.calls == [("deltasync_begin", 2, tag, pointer), "pause", ("deltasync_apply", 2, tag), ("label", 2),
+                            "resume"]  # fmt: skip
     assert sync.follow_status()["lag"] == 0 and sync.last_error is None

@@ -43,7 +43,9 @@ def test_the_follower_goes_straight_to_the_newest_version(tmp_path):
     sync = _sync(engine, bucket)
     delay = asyncio.run(sync.follow_once())
     tag = update_tag(TOKEN, 3)  # the follower tags its own updates with the server's token
-    assert engine.calls == [("deltasync_begin", 3, tag), ("pause", "keep", True), ("deltasync_apply", 3, tag),
+    # The workers are handed the pointer the follower read, byte for byte: none reads it again.
+    pointer = (bucket / "latest.json").read_bytes()
+    assert engine.calls == [("deltasync_begin", 3, tag, pointer), ("pause", "keep", True), ("deltasync_apply", 3, tag),
                             ("label", "3"), "resume"]  # fmt: skip
     assert (delay, sync.served, sync.latest_seen, sync.last_error) == (0.5, 3, 3, None)
     engine.calls.clear()

@@ -326,6 +326,43 @@ def test_begin_is_prefetch_and_status_in_one_call_and_never_raises(world, monkey
     assert WorkerStatus.from_answer(world.updater.begin(version, world.tag(version))).prefetch.state == "applied"
 
 
+def test_begin_with_the_followers_pointer_reads_no_pointer_and_drops_a_bad_one(world, monkeypatch, caplog):
+    from deltasync.reader import receiver as receiver_module
+
+    world.update(0)
+    version = world.edit("model.norm.weight", rows=slice(0, 64))
+    pointer = (world.bucket / "latest.json").read_bytes()
+    real_read = receiver_module.read_pointer
+    with monkeypatch.context() as patch:
+        patch.setattr(receiver_module, "read_pointer", lambda store: pytest.fail("the pointer was read again"))
+        begun = WorkerStatus.from_answer(world.updater.begin(version, world.tag(version), pointer))
+        assert begun.prefetch.version == version and begun.prefetch.state in ("running", "ready")
+        world.updater._prefetch.thread.join()
+        assert world.updater.status()["prefetch"]["state"] == "ready"
+        result = world.update(version)
+    assert result["prefetched"] is True and result["version"] == version
+    assert torch.equal(world.reload.calls[-1]["model.norm.weight"].view(torch.int16),
+                       world.state()["model.norm.weight"].view(torch.int16))  # fmt: skip
+
+    # Bytes that are not a pointer are dropped with a warning: the worker reads the bucket's.
+    version = world.edit("model.norm.weight", rows=slice(64, 128))
+    reads: list[str] = []
+    monkeypatch.setattr(receiver_module, "read_pointer", lambda store: reads.append(store.url) or real_read(store))
+    with caplog.at_level("WARNING", logger="vllm_ext._updater"):
+        begun = WorkerStatus.from_answer(world.updater.begin(version, world.tag(version), b'{"format": 1, "versio'))
+    assert begun.prefetch.state in ("running", "ready") and "is not used" in caplog.text
+    world.updater._prefetch.thread.join()
+    assert world.update(version)["version"] == version and reads
+
+    # An offer a stage did not use is forgotten by the next call without one: never read stale.
+    stale = (world.bucket / "latest.json").read_bytes()
+    world.updater.begin(version, world.tag(version), stale)  # applied already: nothing staged
+    newer = world.edit("model.norm.weight", rows=slice(0, 8))
+    assert world.updater.prefetch(newer, world.tag(newer))["version"] == newer
+    world.updater._prefetch.thread.join()
+    assert world.update(newer)["version"] == newer
+
+
 class _TwoWorkers:
     """A fake tensor-parallel group of two: this worker and a peer whose errors we script."""
 
