@@ -5,8 +5,8 @@ The fingerprint of a state is the sum, modulo 2**64, of one 64-bit hash per elem
     h(name, index, bits) = mix64(((index << 16) | bits) XOR seed(name))
 
 where ``bits`` is the element's bf16 bit pattern as an unsigned 16-bit integer (for the
-one-byte codes of a quantized view, its byte zero-extended: its lane, see
-:mod:`deltasync.format.dtypes`), ``seed(name)``
+one-byte codes of a quantized view, its byte zero-extended: its lane; which dtypes those are is
+:mod:`deltasync.format.dtypes`' table), ``seed(name)``
 is the first 8 bytes of BLAKE2b(name, digest_size=8) read little-endian, and ``mix64`` is the
 xor-shift-multiply finaliser documented in docs/protocol.md. A sum does not depend on the
 order of parameters or elements, and changing elements ``I`` of parameter ``n`` from ``old`` to
@@ -21,6 +21,8 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+
+from .dtypes import holds_byte_lanes
 
 __all__ = [
     "DeviceHasher",
@@ -40,10 +42,6 @@ _C2 = np.uint64(0x94D049BB133111EB)
 _CHUNK = 1 << 16
 """Elements hashed at a time: each of the three uint64 work buffers (512 KiB) stays in cache,
 and every step of the hash runs in place in them."""
-
-
-_BYTE_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
-"""One-byte element dtypes (a quantized view's codes): hashed by their bit pattern, never rounded."""
 
 
 def _seed(name: str) -> np.uint64:
@@ -74,7 +72,7 @@ def _device_bits(values: torch.Tensor) -> torch.Tensor:
     """The 16-bit lanes of ``values`` (bf16 patterns, or one-byte codes zero-extended) as int64
     on the tensor's own device."""
     flat = values.detach().reshape(-1)
-    if flat.dtype in _BYTE_DTYPES:
+    if holds_byte_lanes(flat.dtype):  # a one-byte element (a view's code): its byte, never rounded
         return flat.view(torch.uint8).to(torch.int64)
     if flat.dtype != torch.bfloat16:
         flat = flat.to(torch.bfloat16)
@@ -150,7 +148,7 @@ class DeviceHasher:
 
 
 def _bits_u16(values: torch.Tensor) -> np.ndarray:
-    if values.dtype in _BYTE_DTYPES:  # a one-byte element: its bits, zero-extended (its lane)
+    if holds_byte_lanes(values.dtype):  # a one-byte element: its bits, zero-extended (its lane)
         return values.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().astype(np.uint16)
     if values.dtype != torch.bfloat16:
         values = values.to(torch.bfloat16)

@@ -35,7 +35,7 @@ from ..format import (
     tensors_manifest,
 )
 from ..format.header import read_metadata
-from ..format.dtypes import from_lanes, lanes, read_lanes, write_lanes
+from ..format.dtypes import from_lanes, is_one_byte, lanes, read_lanes, write_lanes
 from ..format.fingerprint import fingerprint
 from ..protocol.messages import check_version
 from ..stores import read_limited
@@ -211,7 +211,7 @@ def check_view_values(items: Iterable[tuple[str, torch.Tensor]], where: str) -> 
 
     try:
         for name, values in items:
-            if values.dtype in (torch.float8_e4m3fn, torch.int8):
+            if is_one_byte(values.dtype):
                 check_codes(name, values)
             elif name.endswith("_scale"):
                 check_scale(name, values)

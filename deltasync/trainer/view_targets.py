@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..views.schemes import _ct
+from ..views.schemes.preset import compressed_tensors
 
 __all__ = ["ignore_list", "quantized_names"]
 
@@ -70,7 +70,7 @@ def ignore_list(model: torch.nn.Module, ignore: Sequence[str] = ("lm_head",)) ->
 
 
 def _targets(model: torch.nn.Module, ignore: Sequence[str]) -> list[_Target]:
-    _ct()
+    compressed_tensors()
     from compressed_tensors.utils.match import is_match
 
     # The trainer's model: imported here, so that a server reading views loads no trainer-side code.

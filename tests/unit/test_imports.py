@@ -31,11 +31,13 @@ OPTIONAL = ("trl", "transformers", "peft", "accelerate", "datasets", "openenv", 
 
 #: Import layers, lowest first: a module may import its own layer and those below, never above.
 LAYERS = (
-    ("deltasync.errors", "deltasync.protocol.env", "deltasync.protocol.routes", "deltasync.format.fingerprint",
-     "deltasync.collective", "deltasync.trainer.memory"),
+    ("deltasync.errors", "deltasync.protocol.env", "deltasync.protocol.routes", "deltasync.collective",
+     "deltasync.trainer.memory"),
+    # The one table of element types, which the fingerprint hashes by.
+    ("deltasync.format.dtypes", "deltasync.format.fingerprint"),
     # The format's foundations: the codecs know no file header, no pointer.
     ("deltasync.format.versions", "deltasync.format.limited_json", "deltasync.format.container",
-     "deltasync.format.dtypes", "deltasync.format.codecs"),
+     "deltasync.format.codecs"),
     ("deltasync.format", "deltasync.protocol.auth", "deltasync.protocol.messages", "deltasync.protocol.lora",
      "deltasync.protocol.token_versions", "deltasync.stores"),
     # The protocol as both sides import it; the foundations of the trainer and reader sides.

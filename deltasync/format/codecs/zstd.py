@@ -16,7 +16,7 @@ import torch
 import zstandard
 
 from ...errors import FormatError
-from ..dtypes import ELEMENT_DTYPES, from_lanes, lanes
+from ..dtypes import from_lanes, is_one_byte, lanes
 from .base import Change, Codec, DeltaContext, Table, known_numel
 
 __all__ = [
@@ -115,7 +115,7 @@ def _ordered_np(values: torch.Tensor) -> np.ndarray:
     """:func:`_ordered_lanes` in NumPy (int32): single-threaded per call, so that the encode
     threads do not each start a team of torch's intra-op threads."""
     values = values.detach().reshape(-1).cpu()
-    if values.dtype in ELEMENT_DTYPES and values.dtype != torch.bfloat16:
+    if is_one_byte(values.dtype):
         return values.contiguous().view(torch.uint8).numpy().astype(np.int32)
     if values.dtype != torch.bfloat16:
         values = values.to(torch.bfloat16)
@@ -203,7 +203,7 @@ def _ordered_lanes(values: torch.Tensor) -> torch.Tensor:
     """The ordered pattern (:func:`ordered`) of bf16 values; for one-byte elements their lane
     (the byte zero-extended), as int32. One-byte codes move by small steps of their byte, so
     their differences take the same symbols."""
-    if values.dtype in ELEMENT_DTYPES and values.dtype != torch.bfloat16:
+    if is_one_byte(values.dtype):
         return lanes(values.cpu()).to(torch.int32)
     return ordered(values)
 
