@@ -176,15 +176,15 @@ def read_checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple
 def read_checkpoint_dtypes(model_dir: str | os.PathLike[str]) -> dict[str, torch.dtype] | None:
     """Parameter name -> dtype for every tensor of the checkpoint in ``model_dir``; None when a
     tensor has a dtype no chain holds (the checkpoint cannot be followed element by element)."""
-    from deltasync.format.dtypes import ELEMENT_DTYPES
+    from deltasync.format.dtypes import dtype_from_code
 
-    codes = {code: dtype for dtype, code in ELEMENT_DTYPES.items()}
     dtypes: dict[str, torch.dtype] = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         for name, code in _header_info(path, "dtype").items():
-            if code not in codes:
+            try:
+                dtypes[name] = dtype_from_code(code, where=str(path))
+            except FormatError:  # not in the element table
                 return None
-            dtypes[name] = codes[code]
     return dtypes
 
 

@@ -20,6 +20,7 @@ from deltasync import DeltaReceiver, IntegrityError, NotFoundError
 from deltasync.errors import UpdateError
 from deltasync.protocol import Heal
 from deltasync.reader import ChainReader
+from deltasync.views import get_scheme
 
 from ._checkpoint import ServedCheckpoint
 from ._config import ServerConfig
@@ -212,8 +213,10 @@ def plan_in_place(
     assert expected is not None
     start = time.perf_counter()
     quantized = checkpoint.view is not None
-    with set_current_vllm_config(vllm_config), load_time_params(model):
-        weight_map = discover(model, expected, dtypes=checkpoint.dtypes, widen=quantized, values=checkpoint.reader())
+    scheme = None if checkpoint.view is None else get_scheme(checkpoint.view)  # its live layout
+    widen = scheme is not None and scheme.live.scales == "widened"
+    with set_current_vllm_config(vllm_config), load_time_params(model, scheme):
+        weight_map = discover(model, expected, dtypes=checkpoint.dtypes, widen=widen, values=checkpoint.reader())
     fallback: dict[str, str] = {}
     for theirs in gather(weight_map.fallback):  # every rank decides alike
         fallback.update(theirs)
@@ -235,7 +238,7 @@ def plan_in_place(
             raise UpdateError(f"modules {', '.join(partial[:5])} were loaded only in part")
 
     def load_dense(weights: Any) -> None:
-        with set_current_vllm_config(vllm_config), torch.no_grad(), load_time_params(model):
+        with set_current_vllm_config(vllm_config), torch.no_grad(), load_time_params(model, scheme):
             model.load_weights(weights)
 
     live = InPlaceState(

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._quantized import is_widening
+from ._quantized import is_widening, is_writable
 from ._reload import post_load_experts
 
 __all__ = ["Piece", "WeightMap", "discover"]
@@ -257,7 +257,7 @@ def discover(
     for name, param in params.items():
         if id(param) in repacked:
             unfit[name] = repacked[id(param)]
-        elif param.dtype not in _WRITABLE or (param.dtype == torch.float32 and not widen):
+        elif not is_writable(param.dtype, widen=widen):
             unfit[name] = f"it is {param.dtype}, which is not written in place"
         elif not param.is_contiguous() or param.numel() == 0:
             unfit[name] = "it is not a dense tensor (repacked for a kernel)"
@@ -293,8 +293,6 @@ def discover(
 
 
 _SAMPLES = 1024
-_WRITABLE = (torch.bfloat16, torch.float8_e4m3fn, torch.int8, torch.float32)
-"""Parameter dtypes the in-place writer holds (float32: bf16 values widened, see :mod:`._quantized`)."""
 
 
 def misplaced(pieces: list[Piece], params: Mapping[str, torch.Tensor], value: torch.Tensor | None) -> str | None:

@@ -52,6 +52,7 @@ from ..format import (
     sha256_hex,
     view_prefix,
 )
+from ..format.dtypes import element_type
 from ..format.fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
 from ..stores import read_tagged, write_if, write_stream
 from ..stores._sub import sub_store
@@ -525,7 +526,7 @@ def _diff(old: torch.Tensor, new: torch.Tensor, offset: int = 0) -> Change | Non
     if old.shape != new.shape or old.dtype != new.dtype:
         raise AssertionError(f"a quantized tensor changed shape or dtype: {tuple(old.shape)} {old.dtype} -> {tuple(new.shape)} {new.dtype}")
     o, n = old.reshape(-1), new.reshape(-1)
-    width = torch.int16 if o.dtype == torch.bfloat16 else torch.uint8
+    width = element_type(o.dtype).raw  # compared as bits: -0.0 and NaN payloads count
     index = torch.nonzero(o.view(width) != n.view(width)).reshape(-1)
     if not index.numel():
         return None
