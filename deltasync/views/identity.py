@@ -49,7 +49,7 @@ class ViewIdentity:
     """What a view's chain holds, as its scheme implies it."""
 
     scheme: str
-    """The compressed-tensors preset name (``"FP8_DYNAMIC"``): the folder's name."""
+    """The scheme's registered name (``"FP8_DYNAMIC"``): the folder's name."""
     codes: str
     """The safetensors code of the quantized weights' elements (``"F8_E4M3"``, ``"I8"``)."""
     scales: str

@@ -110,8 +110,9 @@ class ViewScheme(ABC):
     # ------------------------------------------------------------------ full tensors
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``{"weight": codes, "weight_scale": scale}`` of the 2-D weight ``[out, in]``, bit for bit
-        what llm-compressor's checkpoint stores for a Linear layer holding ``weight``."""
+        """``{"weight": codes, "weight_scale": scale}`` of the 2-D weight ``[out, in]`` (for a
+        compressed-tensors preset, bit for bit what llm-compressor's checkpoint stores for a
+        Linear layer holding ``weight``)."""
         self._check_shape("weight", weight.shape)
         low, high = self._observe(weight)
         return self.compress(weight, low, high)
