@@ -276,6 +276,7 @@ class DeltaPublisher:
         self._views: list[ViewChain] = ViewPublisher.build(
             self.store, options.views, options.view_ignore, source.checkpoint_model, layout, codec=options.codec,
             level=level, keep_anchors=options.keep_anchors, group=self._delta_group,
+            writer=None if self._writer.owner is None else self._writer.owner.record,
         )  # fmt: skip
         self._view_publisher = ViewPublisher(self._views, self.detector, params, checkpoint, live_layout, layout, self._warnings)
         if layout.rank == 0:
