@@ -187,7 +187,9 @@ class ChainCommitter:
         if record is not None:
             writer = owner.writer
             named = {} if writer is None else {"writer": {"host": writer.host, "pid": writer.pid, "token": writer.token}}
-            history[check_int(record["version"], where="a history record", field="version")] = {**record, **named}
+            version = record["version"]
+            assert isinstance(version, int)
+            history[version] = {**record, **named}
         for item in pointer.anchors:
             if item.version in history and "anchor_nbytes" not in history[item.version]:
                 history[item.version] = {**history[item.version], "anchor_nbytes": item.nbytes}
