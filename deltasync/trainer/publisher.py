@@ -438,7 +438,8 @@ class DeltaPublisher:
 
     def _result(self, capture: Capture, entry: ChainEntry, total: int, scheduled: bool) -> PublishResult:
         seconds = time.perf_counter() - capture.started
-        self._writer.note_seconds(capture.version, seconds)
+        for chain in (self._writer, *(view.chain for view in self._views)):  # the views committed it by now
+            chain.note_seconds(capture.version, seconds)
         return PublishResult(
             version=capture.version, kind="delta", path=entry.path or entry.parts[0].path, nbytes=entry.nbytes,
             changed=entry.changed, total=total, fingerprint=capture.fingerprint, seconds=seconds,

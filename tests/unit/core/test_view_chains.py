@@ -374,6 +374,8 @@ def test_a_view_chain_has_a_history_naming_its_writer_per_version_and_verify_che
         assert {r["version"]: r["writer"]["token"] for r in records} == tokens
         assert all((r["writer"]["host"], r["writer"]["pid"]) == (socket.gethostname(), os.getpid()) for r in records)
         assert "anchor_nbytes" in records[2]  # the anchor beside version 2's delta
+        # Capture to commit, written with the next commit (the last publisher's last version has none).
+        assert all(r["seconds"] > 0 for r in records[:3]) and records[3]["seconds"] == 0.0
         assert records[4]["fingerprint"] == pointer.fingerprint and pointer.version == 4
         assert cli(["verify", str(bucket), "--view", view]) == 0
     # Another writer's record of version 1 of a view: verify names both writers.
