@@ -27,8 +27,8 @@ import secrets
 import socket
 import time
 import weakref
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..errors import DeltaSyncError, NotFoundError, WriterConflictError
