@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .errors import DeltaSyncError, NotFoundError, VersionError
-from .format import HISTORY_PATH, POINTER_PATH, Pointer, get_codec, read_header
+from .format import HISTORY_PATH, POINTER_PATH, Pointer, get_codec, read_header, view_prefix
 
 __all__ = ["main"]
 
@@ -137,7 +137,8 @@ def _verify(args: argparse.Namespace) -> int:
             print(f"error: the anchor of version {entry.version} is bad ({', '.join(f.path for f in entry.files)})", file=sys.stderr)
             return 1
         print(f"anchor {entry.version}: ok  {_human(entry.nbytes):>10s}  fingerprint {late.fingerprint}")
-    problem = _two_writers(receiver.store, pointer)
+    # Every chain has its history in its folder: the bucket's, or a view's (views/<SCHEME>/).
+    problem = _two_writers(receiver.store, pointer, (view_prefix(args.view) if args.view else "") + HISTORY_PATH)
     if problem is not None:
         print(f"history: BAD: {problem}")
         print(f"error: {problem}", file=sys.stderr)
@@ -147,10 +148,12 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _two_writers(store: Any, pointer: Pointer) -> str | None:
-    """What says that two writers published one version: history lines of one version that
-    name different writers, or a line naming another writer than the pointer for a version
-    whose fingerprint it gives otherwise. None if nothing does (or there is no history)."""
+def _two_writers(store: Any, pointer: Pointer, name: str = HISTORY_PATH) -> str | None:
+    """What says that two writers published one version of the chain in ``store`` (the bucket,
+    or a view's folder): history lines of one version that name different writers, or a line
+    naming another writer than the pointer (where it names one) for a version whose
+    fingerprint it gives otherwise. None if nothing does (or there is no history). ``name``:
+    the history's path in the bucket, for the message."""
     try:
         text = store.read_bytes(HISTORY_PATH).decode(errors="replace")
     except NotFoundError:
@@ -168,13 +171,13 @@ def _two_writers(store: Any, pointer: Pointer) -> str | None:
         who = f"host {writer.get('host')!r}, process {writer.get('pid')}"
         other = seen.setdefault(version, writer)
         if other.get("token") != writer.get("token"):
-            return (f"{HISTORY_PATH} names two writers for version {version}: host {other.get('host')!r}, process "
+            return (f"{name} names two writers for version {version}: host {other.get('host')!r}, process "
                     f"{other.get('pid')} and {who}; two publishers wrote into this bucket")  # fmt: skip
         committed = pointer.fingerprint_at(version)
         held = pointer.writer
         if (committed is not None and record.get("fingerprint") != committed and held is not None
                 and held.token != writer.get("token")):  # fmt: skip
-            return (f"{HISTORY_PATH} names {who} for version {version} with fingerprint {record.get('fingerprint')}, "
+            return (f"{name} names {who} for version {version} with fingerprint {record.get('fingerprint')}, "
                     f"the pointer's chain has {committed} from {held.describe()}; two publishers wrote into this bucket")
     return None
 

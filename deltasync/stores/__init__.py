@@ -17,7 +17,7 @@ from ._base import (
     read_limited,
     write_stream,
 )
-from ._conditional import ConditionalStore, conditional_guarantee, read_tagged, write_if
+from ._conditional import ConditionalStore, TaggedFile, conditional_guarantee, read_tagged, write_if
 from ._fsspec import FsspecStore
 from ._hf import HfBucketStore
 from ._local import LocalStore
@@ -32,6 +32,7 @@ __all__ = [
     "LocalStore",
     "Store",
     "StreamingStore",
+    "TaggedFile",
     "TempCleaningStore",
     "conditional_guarantee",
     "open_read",

@@ -16,17 +16,22 @@ optional capability :class:`ConditionalStore`:
 Any other store (a Hub bucket, whose API has no precondition; gs:// and other fsspec
 backends) gets the same calls done as read, compare, write: a change between the read and the
 write goes unseen. :func:`conditional_guarantee` says which a store has.
+
+:class:`TaggedFile` is what a single writer builds on it: one file it replaces conditionally
+(a chain's pointer, the bf16 chain's or a view's), the tag it last read or wrote, and, once a
+conditional write or a check found the file changed under it, why it stops.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from ..errors import ConflictError, NotFoundError
+from ..errors import ConflictError, NotFoundError, WriterConflictError
 from ._base import Store, read_limited
 
-__all__ = ["ConditionalStore", "conditional_guarantee", "content_tag", "read_tagged", "write_if"]
+__all__ = ["ConditionalStore", "TaggedFile", "conditional_guarantee", "content_tag", "read_tagged", "write_if"]
 
 
 @runtime_checkable
@@ -98,3 +103,95 @@ def conflict(store: Store, path: str, expected: str | None, found: str | None) -
     else:
         why = "it changed since this writer last read or wrote it"
     return ConflictError(f"conditional write of {path!r} to bucket {store.url} refused: {why}; nothing was written")
+
+
+class TaggedFile:
+    """One file that one writer replaces conditionally, and whether that writer may go on.
+
+    Every write names the tag this writer last read or wrote (:func:`write_if`). A file
+    rewritten with this writer's own bytes (a bucket restored from a copy) is still its own,
+    though its tag changed. A refused write, or a check that finds the file changed, stops the
+    writer for good: :attr:`stopped` says why, in the words ``changed(what, error)`` gives, and
+    every later write raises :class:`~deltasync.errors.WriterConflictError` with them.
+
+    Args:
+        store: the bucket (or a folder of it).
+        path: the file.
+        limit: the most bytes read back from it.
+        changed: the reason the writer stops, from what it was doing and the refused write's
+            error (None: a check found the change).
+    """
+
+    def __init__(self, store: Store, path: str, *, limit: int, changed: Callable[[str, Exception | None], str]) -> None:
+        self.store = store
+        self.path = path
+        self.limit = limit
+        self.changed = changed
+        self.tag: str | None = None
+        """The tag of the file this writer last read or wrote (None: there was none)."""
+        self.written: bytes | None = None
+        """The bytes of that file."""
+        self.known = False
+        """The file was read or written once: :attr:`tag` is the one writes are conditional on."""
+        self.stopped: str | None = None
+        """Why this writer stopped (the file changed under it), or None."""
+
+    @property
+    def where(self) -> str:
+        return f"{self.store.url}/{self.path}"
+
+    def read(self) -> bytes | None:
+        """The file's bytes now (None: there is none); later writes are conditional on its tag."""
+        try:
+            data, self.tag = read_tagged(self.store, self.path, self.limit)
+        except NotFoundError:
+            self.tag = self.written = None
+            data = None
+        self.written, self.known = data, True
+        return data
+
+    def check(self) -> None:
+        """Raise why this writer stopped, if it did."""
+        if self.stopped is not None:
+            raise WriterConflictError(self.stopped)
+
+    def write(self, data: bytes, *, what: str) -> None:
+        """Replace the file with ``data`` only if it is still the one this writer last read or
+        wrote; on a conflict this writer stops, and :class:`WriterConflictError` says why."""
+        self.check()
+        for attempt in range(2):
+            try:
+                self.tag = write_if(self.store, self.path, data, self.tag, limit=self.limit)
+                break
+            except ConflictError as exc:
+                if attempt == 0 and self.same_bytes():
+                    continue  # rewritten with this writer's own bytes: its tag is taken, and the write tried again
+                self.stopped = self.changed(what, exc)
+                raise WriterConflictError(self.stopped) from exc
+        self.written, self.known = data, True
+
+    def same_bytes(self) -> bool:
+        """Whether the file holds the bytes this writer last read or wrote (its tag then
+        becomes this writer's)."""
+        try:
+            data, tag = read_tagged(self.store, self.path, self.limit)
+        except NotFoundError:
+            return self.written is None and self.tag is None
+        if self.written is not None and data == self.written:
+            self.tag = tag
+            return True
+        return False
+
+    def still_ours(self, what: str) -> bool:
+        """Whether the file is still the one this writer last read or wrote (one read); if
+        not, this writer stops."""
+        if self.stopped is not None:
+            return False
+        try:
+            tag: str | None = read_tagged(self.store, self.path, self.limit)[1]
+        except NotFoundError:
+            tag = None
+        if tag != self.tag and not self.same_bytes():
+            self.stopped = self.changed(what, None)
+            return False
+        return True

@@ -11,6 +11,11 @@ write that fails stops the writer for good: it then writes and deletes nothing m
 A writer that took the chain from one that may still be running starts two versions after
 the committed one: the old writer may still be writing the files of the version after it
 (which then never share a name with the new writer's), and its commit of them fails.
+
+:class:`PointerFile` is a chain's pointer under those conditional writes
+(:class:`~deltasync.stores.TaggedFile`); the bf16 chain's :class:`ChainOwnership` adds the
+writer record, the lease and taking over, and a quantized view's chain commits through a
+plain one, whose first commit is conditional on the pointer it finds then.
 """
 
 from __future__ import annotations
@@ -22,17 +27,18 @@ import secrets
 import socket
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..errors import ConflictError, NotFoundError, WriterConflictError
+from ..errors import DeltaSyncError, NotFoundError, WriterConflictError
 from ..format import MAX_POINTER_BYTES, POINTER_PATH, Pointer, WriterRecord
-from ..stores import conditional_guarantee, read_tagged, write_if
+from ..stores import TaggedFile, conditional_guarantee, read_tagged
 
 if TYPE_CHECKING:
     from ..stores import Store
 
-__all__ = ["ChainOwnership", "now_ms"]
+__all__ = ["ChainOwnership", "PointerFile", "now_ms"]
 
 logger = logging.getLogger("deltasync.trainer.publisher")  # the publisher's parts log as the publisher
 
@@ -69,7 +75,71 @@ def _process_gone(pid: int) -> bool:
     return False
 
 
-class ChainOwnership:
+class PointerFile:
+    """A chain's pointer as one writer commits it: each commit is written only if the pointer is
+    still the one this writer last read or wrote (the first commit without a :meth:`read`: the
+    one found then).
+
+    Args:
+        store: the chain's folder (the bucket, or a view's folder).
+        changed: why the writer stops when the pointer changed under it, from what it was doing
+            and the refused write's error (None: a check found the change).
+        writer: the writer whose commits these are; the history names it at each version.
+    """
+
+    def __init__(self, store: Store, changed: Callable[[str, Exception | None], str], writer: WriterRecord | None) -> None:
+        self.store = store
+        self.writer = writer
+        self.file = TaggedFile(store, POINTER_PATH, limit=MAX_POINTER_BYTES, changed=changed)
+
+    @property
+    def where(self) -> str:
+        return self.file.where
+
+    @property
+    def stopped(self) -> str | None:
+        """Why this writer stopped (the pointer changed under it), or None."""
+        return self.file.stopped
+
+    def read(self) -> Pointer | None:
+        """The chain's pointer (None where there is none); the next commit is conditional on it."""
+        data = self.file.read()
+        return None if data is None else Pointer.from_bytes(data, where=self.where)
+
+    def found(self) -> Pointer | None:
+        """:meth:`read`, but None for a pointer that cannot be read too (a new chain replaces it)."""
+        try:
+            return self.read()
+        except DeltaSyncError as exc:
+            logger.warning("deltasync: %s: the pointer found cannot be read, a new chain replaces it: %s", self.where, exc)
+            return None
+
+    @property
+    def known(self) -> bool:
+        """The pointer was read or written: commits are conditional on its tag."""
+        return self.file.known
+
+    def check(self) -> None:
+        """Raise why this writer stopped, if it did."""
+        self.file.check()
+
+    def commit(self, pointer: Pointer, *, what: str) -> Pointer:
+        """Write ``pointer`` only if the chain's pointer is still the one this writer last read or
+        wrote; return it as written. On a conflict this writer stops (:class:`WriterConflictError`)."""
+        if not self.file.known:
+            self.file.read()
+        self.file.write(pointer.to_bytes(), what=what)
+        return pointer
+
+    def still_ours(self, what: str) -> bool:
+        """Whether the chain's pointer is still the one this writer last read or wrote (one read;
+        before either, it has nothing to compare); if not, this writer stops."""
+        if not self.file.known:
+            return self.file.stopped is None
+        return self.file.still_ours(what)
+
+
+class ChainOwnership(PointerFile):
     """This publisher's writer record, and the tag of the pointer it last read or wrote.
 
     Args:
@@ -79,20 +149,13 @@ class ChainOwnership:
     """
 
     def __init__(self, store: Store, *, lease_s: float, take_over: bool) -> None:
-        self.store = store
         self.take_over = take_over
         self.record = WriterRecord(
             host=(socket.gethostname() or "unknown")[:255], pid=os.getpid(), started_ms=now_ms(),
             token=secrets.token_hex(16), committed_ms=now_ms(), lease_ms=int(lease_s * 1000),
         )  # fmt: skip
         """This writer (``committed_ms`` is set at each commit)."""
-        self.tag: str | None = None
-        """The tag of the pointer this writer last read or wrote (None: there was none)."""
-        self.written: bytes | None = None
-        """The bytes of that pointer: a pointer rewritten with the same bytes (a bucket restored
-        from a copy) is still this writer's, though its tag changed."""
-        self.stopped: str | None = None
-        """Why this writer stopped (a conditional write failed), or None."""
+        super().__init__(store, self._changed_under, self.record)
         _LIVE[self.record.token] = self
         self.guarantee = conditional_guarantee(store)
         if self.guarantee is None:
@@ -102,21 +165,7 @@ class ChainOwnership:
                 "goes unseen (the last writer wins)", store.url,
             )  # fmt: skip
 
-    @property
-    def where(self) -> str:
-        return f"{self.store.url}/{POINTER_PATH}"
-
     # ------------------------------------------------------------------ start
-
-    def read(self) -> Pointer | None:
-        """The bucket's pointer (None in an empty bucket), remembering its tag."""
-        try:
-            data, self.tag = read_tagged(self.store, POINTER_PATH, MAX_POINTER_BYTES)
-        except NotFoundError:
-            self.tag = self.written = None
-            return None
-        self.written = data
-        return Pointer.from_bytes(data, where=self.where)
 
     def claim(self, pointer: Pointer | None) -> tuple[Pointer | None, int]:
         """Take the chain of ``pointer`` (just :meth:`read`) for this writer, or raise
@@ -161,54 +210,20 @@ class ChainOwnership:
 
     # ------------------------------------------------------------------ commits
 
-    def check(self) -> None:
-        """Raise why this writer stopped, if it did."""
-        if self.stopped is not None:
-            raise WriterConflictError(self.stopped)
-
     def commit(self, pointer: Pointer, *, what: str, lease_ms: int | None = None) -> Pointer:
         """Write ``pointer``, naming this writer, only if the bucket's pointer is still the one this
         writer last read or wrote; return it as written. On a conflict this writer stops, and
         :class:`WriterConflictError` says who holds the chain now."""
         self.check()
         record = replace(self.record, committed_ms=now_ms(), lease_ms=self.record.lease_ms if lease_ms is None else lease_ms)
-        stamped = replace(pointer, writer=record)
-        data = stamped.to_bytes()
-        for attempt in range(2):
-            try:
-                self.tag = write_if(self.store, POINTER_PATH, data, self.tag, limit=MAX_POINTER_BYTES)
-                break
-            except ConflictError as exc:
-                if attempt == 0 and self._same_bytes():
-                    continue  # rewritten with this writer's own bytes: its tag is taken, and the write tried again
-                self.stopped = self._changed_under(what, exc)
-                raise WriterConflictError(self.stopped) from exc
-        self.written = data
-        return stamped
-
-    def _same_bytes(self) -> bool:
-        """Whether the bucket's pointer holds the bytes this writer last read or wrote (its tag
-        then becomes this writer's)."""
-        try:
-            data, tag = read_tagged(self.store, POINTER_PATH, MAX_POINTER_BYTES)
-        except NotFoundError:
-            return self.written is None and self.tag is None
-        if self.written is not None and data == self.written:
-            self.tag = tag
-            return True
-        return False
+        return super().commit(replace(pointer, writer=record), what=what)
 
     def still_ours(self, what: str) -> bool:
         """Whether the bucket's pointer is still the one this writer last wrote (one read);
         if not, this writer stops."""
         if self.stopped is not None:
             return False
-        try:
-            tag: str | None = read_tagged(self.store, POINTER_PATH, MAX_POINTER_BYTES)[1]
-        except NotFoundError:
-            tag = None
-        if tag != self.tag and not self._same_bytes():
-            self.stopped = self._changed_under(what, None)
+        if not super().still_ours(what):
             logger.error("deltasync: %s", self.stopped)
             return False
         return True

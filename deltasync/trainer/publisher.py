@@ -276,6 +276,7 @@ class DeltaPublisher:
         self._views: list[ViewChain] = ViewPublisher.build(
             self.store, options.views, options.view_ignore, source.checkpoint_model, layout, codec=options.codec,
             level=level, keep_anchors=options.keep_anchors, group=self._delta_group,
+            writer=None if self._writer.owner is None else self._writer.owner.record,
         )  # fmt: skip
         self._view_publisher = ViewPublisher(self._views, self.detector, params, checkpoint, live_layout, layout, self._warnings)
         if layout.rank == 0:
@@ -437,7 +438,8 @@ class DeltaPublisher:
 
     def _result(self, capture: Capture, entry: ChainEntry, total: int, scheduled: bool) -> PublishResult:
         seconds = time.perf_counter() - capture.started
-        self._writer.note_seconds(capture.version, seconds)
+        for chain in (self._writer, *(view.chain for view in self._views)):  # the views committed it by now
+            chain.note_seconds(capture.version, seconds)
         return PublishResult(
             version=capture.version, kind="delta", path=entry.path or entry.parts[0].path, nbytes=entry.nbytes,
             changed=entry.changed, total=total, fingerprint=capture.fingerprint, seconds=seconds,

@@ -1,7 +1,8 @@
 """The publisher's retention: what the committed pointer no longer needs leaves the bucket.
 
-Runs on rank 0 after an anchor commits (and temp cleaning when a publisher starts). Never
-fails a publish: the version is committed already, and old files only cost space.
+Runs on rank 0 after an anchor commits (and temp cleaning when a publisher starts), for the
+bf16 chain and, in its folder, for each quantized view's chain. Never fails a publish: the
+version is committed already, and old files only cost space.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ class Retention:
     """Deletes the data files the committed pointer no longer names, and stale temporary files.
 
     Args:
-        store: the bucket.
-        pointer: returns the pointer last committed, or None where the bucket's pointer is no
-            longer this writer's (checked in the bucket under the commit lock).
+        store: the chain's folder (the bucket, or a view's folder).
+        pointer: returns the pointer last committed, or None where the chain's pointer is no
+            longer this writer's (checked in the store under the commit lock:
+            :meth:`~deltasync.trainer.committer.ChainCommitter.owned_pointer`).
         stale_temp_seconds: ``PublishOptions.stale_temp_seconds``.
     """
 

@@ -17,6 +17,11 @@ changes from the bf16 chain's detection, and their values from its snapshot.
 Under a sharded trainer (FSDP2, HSDP) each writing rank quantizes its own rows and writes one
 part of each view version, as it does for the bf16 chain, and rank 0 commits (:class:`ViewChain`
 says how block scales cross shard boundaries); under DDP rank 0 alone keeps and writes the view.
+A view's files, part entries, agreement of the ranks, history, conditional pointer and
+retention are the bf16 chain's code (:class:`~deltasync.trainer.committer.ChainCommitter`):
+what is a view's own is here, quantizing, diffing the codes, and its identity in the pointer.
+The view's history (``views/<SCHEME>/history.jsonl``) names the publisher's writer at each
+version, as the bf16 chain's does.
 
 The bf16 chain commits first. A view that fails to write a version never fails the trainer:
 the failure is reported with the next result, and the view starts a new chain (an anchor) at
@@ -34,34 +39,31 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import ConfigError, ConflictError, IntegrityError, NotFoundError, WriterConflictError
+from ..errors import ConfigError, IntegrityError
 from ..format import (
-    MAX_POINTER_BYTES,
     POINTER_PATH,
     AnchorSource,
     ChainEntry,
     Change,
-    PartEntry,
     Pointer,
-    anchor_path,
     anchor_stream,
-    delta_path,
     encode_delta,
     manifest_digest,
-    part_path,
-    sha256_hex,
     view_prefix,
 )
 from ..format.dtypes import element_type
 from ..format.fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
-from ..stores import read_tagged, write_if, write_stream
 from ..stores._sub import sub_store
 from ..views.identity import ViewIdentity
+from .committer import ChainCommitter
+from .ownership import PointerFile
+from .retention import Retention
+from .sharded import ShardLayout
 
 if TYPE_CHECKING:
+    from ..format import WriterRecord
     from ..stores import Store
     from ..views import ViewScheme
-    from .sharded import ShardLayout
 
 __all__ = ["ViewChain", "view_tensor_names", "read_view_config", "CONFIG_KEY", "VIEW_KEY"]
 
@@ -92,6 +94,9 @@ class _Head:
 
 _SUFFIXES = ("weight", "weight_scale")
 
+_ONE_WRITER = ShardLayout(rank=0, world=1, writer=True, part=0, parts=1, description="one writer", slices={})
+"""The ranks of a view written one file a version: the writing rank alone."""
+
 
 class ViewChain:
     """One view's chain: quantizes the bf16 chain's versions and commits them in its folder.
@@ -110,6 +115,12 @@ class ViewChain:
     through :meth:`~deltasync.trainer.sharded.ShardLayout.agree` over ``group``, so a failure on one
     rank fails the version on every rank alike.
 
+    The files, the commits and retention go through :attr:`chain`, the commit sequence the
+    bf16 chain's writer shares. The view's pointer is written conditionally, as the bf16
+    chain's: on the tag it last wrote (the first commit: the one found then), and read once
+    more before a version's files are written. A view whose pointer changed under it stops
+    alone (:attr:`stopped`), and says why in each result's warnings.
+
     Args:
         parent: the bucket.
         scheme: the view's scheme.
@@ -120,6 +131,8 @@ class ViewChain:
         keep_anchors: complete anchors to keep (as the bf16 chain's).
         layout: how the ranks write the bf16 chain, in checkpoint layout (None: one process).
         group: the process group of the publisher's background thread (split layouts).
+        writer: the publisher's writer (the bf16 chain's, on rank 0), which the view's history
+            names at each version it commits.
     """
 
     def __init__(
@@ -135,6 +148,7 @@ class ViewChain:
         keep_anchors: int,
         layout: ShardLayout | None = None,
         group: Any = None,
+        writer: WriterRecord | None = None,
     ) -> None:
         self.scheme = scheme
         self.name = scheme.name
@@ -167,12 +181,24 @@ class ViewChain:
         self.head: _Head | None = None
         self.broken = False
         """A version failed to commit: the next version starts a new chain (an anchor)."""
-        self._pointer_read = False
-        self._pointer_tag: str | None = None
-        """The tag of the view's pointer as this chain last wrote it (see :meth:`_write_pointer`)."""
-        self._pointer_bytes: bytes | None = None
-        self.stopped: str | None = None
+        # One file a version: the writing rank alone writes and commits it, as a world of one.
+        ranks = layout if self.split and layout is not None else _ONE_WRITER
+        owner = PointerFile(self.store, self._changed, writer) if ranks.rank == 0 else None
+        self.chain = ChainCommitter(self.store, ranks, owner, label=f"view {self.name}: ")
+        """The view's files and commits: the bf16 chain's code, in the view's folder."""
+        self._retention = Retention(self.store, self.chain.owned_pointer, 0.0)
+
+    @property
+    def stopped(self) -> str | None:
         """Why this view writes nothing more (its pointer changed under it), or None."""
+        return None if self.chain.owner is None else self.chain.owner.stopped
+
+    def _changed(self, what: str, exc: Exception | None) -> str:
+        return (
+            f"view {self.name}: the pointer {self.store.url}/{POINTER_PATH} changed under this writer while "
+            f"{what}: another writer commits this view. Nothing was committed, and this view writes nothing more"
+            + (f" [{exc}]" if exc is not None else "")
+        )
 
     # ------------------------------------------------------------------ what a view holds
 
@@ -231,21 +257,7 @@ class ViewChain:
 
     def _agree(self, what: str, step: Callable[[], tuple[Any, Any]]) -> tuple[Any, list[Any]]:
         """Run ``step`` (returns ``(result, shared)``); split: on every rank, all failing if one does."""
-        if not self.split:
-            result, shared = step()
-            return result, [shared]
-        assert self.layout is not None
-        return self.layout.agree(f"view {self.name}: {what}", step, self.group)
-
-    @property
-    def _writer(self) -> bool:
-        return self.layout is None or self.layout.writer
-
-    def _path(self, kind: str, version: int) -> str:
-        if not self.split:
-            return anchor_path(version) if kind == "anchor" else delta_path(version)
-        assert self.layout is not None
-        return part_path(kind, version, self.layout.part)
+        return self.chain.agree(what, step, self.group)
 
     def _block_amax(self, what: str, names: list[str], value: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
         """Split layouts, block scales: every block's abs-max over all ranks (an all-reduce MAX
@@ -272,74 +284,6 @@ class ViewChain:
             out[name] = amax[at : at + math.prod(shape)].view(shape)
             at += math.prod(shape)
         return out
-
-    def _entry(self, kind: str, version: int, fp: str, written: list[PartEntry | None]) -> ChainEntry:
-        return ChainEntry.of_files(kind, version, fp, [w for w in written if w is not None], self.split)
-
-    def _commit(self, what: str, pointer: Pointer) -> None:
-        """Write the view's pointer (the commit point: rank 0 of a split layout, once every rank wrote)."""
-
-        def commit() -> tuple[None, None]:
-            if self._commits:
-                self._write_pointer(what, pointer.to_bytes())
-            return None, None
-
-        self._agree(f"committing {what}", commit)
-
-    def _write_pointer(self, what: str, data: bytes) -> None:
-        """Write the view's pointer only if it is still the one this chain last wrote (the first
-        commit: the one found then), as the bf16 chain's commits are (:mod:`.ownership`). A
-        refused write raises :class:`WriterConflictError` and changes nothing; the view then
-        stops (:attr:`stopped`) and writes nothing more."""
-        self._check_writer()
-        if not self._pointer_read:
-            self._pointer_tag = self._read_tag()[1]
-            self._pointer_read = True
-        for attempt in range(2):
-            try:
-                self._pointer_tag = write_if(self.store, POINTER_PATH, data, self._pointer_tag, limit=MAX_POINTER_BYTES)
-                break
-            except ConflictError as exc:
-                found, tag = self._read_tag()
-                if attempt == 0 and found is not None and found == self._pointer_bytes:
-                    self._pointer_tag = tag  # rewritten with this chain's own bytes: still its own
-                    continue
-                self.stopped = self._changed(f"committing {what}", exc)
-                raise WriterConflictError(self.stopped) from exc
-        self._pointer_bytes = data
-
-    def _read_tag(self) -> tuple[bytes | None, str | None]:
-        """The view's pointer bytes and tag now (None, None: no pointer)."""
-        try:
-            return read_tagged(self.store, POINTER_PATH, MAX_POINTER_BYTES)
-        except NotFoundError:
-            return None, None
-
-    def _check_writer(self, what: str | None = None) -> None:
-        """Raise why this view stopped writing, if it did (inside a step all ranks agree on).
-        With ``what`` (before a version's data is written), the committing rank first reads the
-        pointer once: if it is no longer the one this chain wrote, the view stops here, so that
-        it writes no file it could not commit."""
-        if self.stopped is None and what is not None and self._pointer_read and self._commits:
-            found, tag = self._read_tag()
-            if tag != self._pointer_tag and (found is None or found != self._pointer_bytes):
-                self.stopped = self._changed(what, None)
-            elif tag != self._pointer_tag:
-                self._pointer_tag = tag  # its own bytes, written again: still its own
-        if self.stopped is not None:
-            raise WriterConflictError(self.stopped)
-
-    @property
-    def _commits(self) -> bool:
-        """This rank writes the view's pointer."""
-        return not self.split or (self.layout is not None and self.layout.rank == 0)
-
-    def _changed(self, what: str, exc: Exception | None) -> str:
-        return (
-            f"view {self.name}: the pointer {self.store.url}/{POINTER_PATH} changed under this writer while "
-            f"{what}: another writer commits this view. Nothing was committed, and this view writes nothing more"
-            + (f" [{exc}]" if exc is not None else "")
-        )
 
     # ------------------------------------------------------------------ versions
 
@@ -377,7 +321,7 @@ class ViewChain:
             amax = self._block_amax(f"the anchor of version {version}", sorted(self.targets), value)
 
             def quantize() -> tuple[list[AnchorSource], int]:
-                self._check_writer(f"writing the anchor of version {version}")
+                self.chain.check_owner(f"writing the anchor of version {version}")
                 sources, self.quantized = self._anchor_sources(value, amax)
                 share = 0
                 for source in sources:
@@ -395,33 +339,27 @@ class ViewChain:
                     f"{self.head.fingerprint} (the snapshot is not the published state)"
                 )
             total = sum(math.prod(shape) for shape in self._view_shapes().values())
-            path = self._path("anchor", version)
             # Every rank lists every tensor (its own slice of each), under its full shape.
             manifest = manifest_digest((s.name, s.shape, s.dtype) for s in sources)
-
-            def write() -> tuple[None, PartEntry | None]:
-                if not self._writer:
-                    return None, None
-                stream = anchor_stream(
-                    sources, version=version, fingerprint=fp, total=total, extra_metadata=self.metadata,
-                    part=self.layout.part if self.split and self.layout else None,
-                    parts=self.layout.parts if self.split and self.layout else None,
-                    manifest=manifest,
-                )
-                nbytes, digest = write_stream(self.store, path, stream)
-                return None, PartEntry(path=path, nbytes=nbytes, sha256=digest, changed=sum(s.end - s.begin for s in sources))
-
-            _, written = self._agree(f"writing the anchor of version {version}", write)
-            entry = self._entry("anchor", version, fp, written)
-            restart = self.head is None or new_chain or self.broken
-            view = self.identity.to_json()
-            pointer = Pointer.start(entry, total=total, manifest=manifest, view=view) if restart else self.head.pointer.with_anchor(entry, self.keep_anchors)  # type: ignore[union-attr]
-            self._commit(f"the anchor of version {version}", pointer)
-            if restart:
+            part, parts = self.chain.part or (None, None)
+            stream = lambda: anchor_stream(  # noqa: E731
+                sources, version=version, fingerprint=fp, total=total, extra_metadata=self.metadata, part=part,
+                parts=parts, manifest=manifest,
+            )  # fmt: skip
+            changed = sum(s.end - s.begin for s in sources)
+            # The pointer was checked as the version was quantized.
+            entry, _ = self.chain.write_anchor_file(version, fp, stream, changed, self.group, check=False)
+            head = None if new_chain or self.broken else self.head
+            if head is None:
+                pointer = Pointer.start(entry, total=total, manifest=manifest, view=self.identity.to_json())
+                record: dict[str, object] | None = self.chain.record("anchor", entry, total)
+            else:
+                pointer, record = head.pointer.with_anchor(entry, self.keep_anchors), None
+            self.chain.commit(f"the anchor of version {version}", lambda _: pointer, record, self.group)
+            if head is None:
                 self.head = _Head(pointer, version, fp, total)
             else:
-                assert self.head is not None
-                self.head.pointer = pointer
+                head.pointer = pointer
             self.broken = False
         except BaseException:
             self.quantized = quantized_before
@@ -451,7 +389,7 @@ class ViewChain:
             amax = self._block_amax(f"version {version}", sorted(names), value)
 
             def diff() -> tuple[tuple[dict[str, Change], dict[str, dict[str, torch.Tensor]]], int]:
-                self._check_writer(f"writing delta {version}")
+                self.chain.check_owner(f"writing delta {version}")
                 view_changes: dict[str, Change] = {}
                 new_layers: dict[str, dict[str, torch.Tensor]] = {}
                 requantize = set(names)
@@ -481,25 +419,19 @@ class ViewChain:
             (view_changes, new_layers), shares = self._agree(f"quantizing version {version}", diff)
             fp = format_fingerprint(parse_fingerprint(head.fingerprint) + sum(shares))
             numels = {key: math.prod(shape) for key, shape in self._view_shapes().items()}
-            path = self._path("delta", version)
 
-            def write() -> tuple[None, PartEntry | None]:
-                if not self._writer:
-                    return None, None
+            def encode() -> tuple[bytes, int]:
                 data = encode_delta(
                     view_changes, version=version, anchor=head.pointer.root, codec=self.codec, total=head.total,
                     fingerprint=fp, base_fingerprint=head.fingerprint, level=self.level, numels=numels,
-                    part=(self.layout.part, self.layout.parts) if self.split and self.layout else None,
-                    manifest=head.pointer.manifest, extra_metadata=self.identity.metadata(),
-                )
-                self.store.write_bytes(path, data)
-                count = sum(c.index.numel() for c in view_changes.values())
-                return None, PartEntry(path=path, nbytes=len(data), sha256=sha256_hex(data), changed=count)
+                    part=self.chain.part, manifest=head.pointer.manifest, extra_metadata=self.identity.metadata(),
+                )  # fmt: skip
+                return data, sum(c.index.numel() for c in view_changes.values())
 
-            _, written = self._agree(f"writing delta {version}", write)
-            entry = self._entry("delta", version, fp, written)
+            # The pointer was checked as the version was quantized.
+            entry = self.chain.write_delta_file(version, fp, encode, self.group, check=False)
             pointer = replace(head.pointer, version=version, fingerprint=fp, chain=(*head.pointer.chain, entry))
-            self._commit(f"version {version}", pointer)
+            self.chain.commit(f"version {version}", lambda _: pointer, self.chain.record("delta", entry, head.total), self.group)
         except BaseException:
             self.broken = True
             raise
@@ -509,13 +441,10 @@ class ViewChain:
 
     def _retain(self) -> None:
         """Delete the view's data files its pointer no longer needs (rank 0; never raises)."""
-        head = self.head
-        if head is None or (self.split and self.layout is not None and self.layout.rank != 0):
+        if self.head is None or self.chain.owner is None:
             return
         try:
-            stale = head.pointer.stale([*self.store.list("anchors/"), *self.store.list("deltas/")])
-            if stale:
-                self.store.delete(stale)
+            self._retention.retain()
         except Exception as exc:  # noqa: BLE001 - housekeeping never fails a publish
             logger.warning("deltasync: view %s: retention failed, old files are left: %s", self.name, exc)
 

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from .view_chain import ViewChain
 
 if TYPE_CHECKING:
-    from ..format import Change
+    from ..format import Change, WriterRecord
     from ..stores import Store
     from .checkpoint_layout import CheckpointLayout
     from .detector import BF16ChangeDetector
@@ -70,10 +70,11 @@ class ViewPublisher:
     @staticmethod
     def build(
         store: Store, names: Sequence[str], ignore: Sequence[str], model: object, layout: ShardLayout, *,
-        codec: str, level: int | None, keep_anchors: int, group: Any,
+        codec: str, level: int | None, keep_anchors: int, group: Any, writer: WriterRecord | None = None,
     ) -> list[ViewChain]:  # fmt: skip
         """One :class:`ViewChain` per scheme name in ``names``, for ``model`` (an nn.Module,
-        whose Linear layers the views quantize, but those ``ignore`` names)."""
+        whose Linear layers the views quantize, but those ``ignore`` names); ``writer``: the
+        publisher's, which each view's history names."""
         if not names:
             return []
         from ..views import get_scheme
@@ -94,7 +95,7 @@ class ViewPublisher:
         return [
             ViewChain(
                 store, get_scheme(name), targets=targets, shapes=shapes, ignore=listed, codec=codec, level=level,
-                keep_anchors=keep_anchors, layout=layout if layout.world > 1 else None, group=group,
+                keep_anchors=keep_anchors, layout=layout if layout.world > 1 else None, group=group, writer=writer,
             )
             for name in names
         ]

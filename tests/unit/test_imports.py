@@ -43,7 +43,10 @@ LAYERS = (
     # The protocol as both sides import it; the foundations of the trainer and reader sides.
     ("deltasync.protocol", "deltasync.trainer.sharded", "deltasync.reader.parts", "deltasync.control.client",
      "deltasync.control.http", "deltasync.control.vllm_routes", "deltasync.control.lora_client",
-     "deltasync.trainer.checkpoint_layout", "deltasync.trainer.sources", "deltasync.trainer.ownership"),
+     "deltasync.trainer.checkpoint_layout", "deltasync.trainer.sources", "deltasync.trainer.ownership",
+     "deltasync.trainer.retention"),
+    # The commit sequence every chain shares: the bf16 chain's and each view's.
+    ("deltasync.trainer.committer",),
     # Quantized views: schemes (compressed-tensors, imported lazily), checkpoint writer, serving.
     ("deltasync.views",),
     ("deltasync.reader.chain", "deltasync.reader.poll"),
@@ -51,7 +54,7 @@ LAYERS = (
      "deltasync.trainer.view_targets"),
     # The publisher's parts: capture, writer, anchor schedule, retention, views.
     ("deltasync.trainer.capture", "deltasync.trainer.writer", "deltasync.trainer.anchors",
-     "deltasync.trainer.retention", "deltasync.trainer.view_publishing"),
+     "deltasync.trainer.view_publishing"),
     ("deltasync.reader", "deltasync.trainer.publisher"),
     ("deltasync.trainer", "deltasync.control", "deltasync.export"),
     ("deltasync",),

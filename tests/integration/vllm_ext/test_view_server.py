@@ -255,6 +255,15 @@ def _follows_to(client: RolloutClient, world, version: int) -> None:
     assert (status.version, status.fingerprint) == (version, world.publisher.view_fingerprint(FP8)), detail
 
 
+def _writes_into(view, store):
+    """Point a view's writes (its files, history, pointer and retention) at ``store``; return the
+    store they went to before."""
+    before = view.store
+    view.store = view.chain.store = view._retention.store = store  # noqa: SLF001 - the publisher's own chain
+    view.chain.owner.store = view.chain.owner.file.store = store
+    return before
+
+
 def test_fp8_tp2_follower_writes_every_version_in_place_and_refuses_another_schemes_chain(world):
     with world.server(FP8, "fp8-tp2", tp=2, DELTASYNC_FOLLOW="1", DELTASYNC_FOLLOW_INTERVAL="0.5") as server:
         client = RolloutClient(server.url)
@@ -272,7 +281,7 @@ def test_fp8_tp2_follower_writes_every_version_in_place_and_refuses_another_sche
         # conditional on the pointer it last wrote, whose bytes the copy holds).
         scratch.mkdir()
         shutil.copyfile(folder / POINTER_PATH, scratch / POINTER_PATH)
-        real, view.store = view.store, open_store(scratch)
+        real = _writes_into(view, open_store(scratch))
         try:
             version = world.step(13)  # the bf16 chain and W8A8 at the next version
             shutil.copytree(world.bucket / view_prefix(W8A8), swapped)
@@ -291,7 +300,7 @@ def test_fp8_tp2_follower_writes_every_version_in_place_and_refuses_another_sche
                 os.rename(folder, swapped)
                 shutil.copytree(scratch, honest, dirs_exist_ok=True)
                 os.rename(honest, folder)
-            view.store = real
+            _writes_into(view, real)
         _follows_to(client, world, version)
         assert server.is_running()
 

@@ -8,6 +8,8 @@ weights the scheme leaves alone in bf16.
 from __future__ import annotations
 
 import json
+import os
+import socket
 
 import pytest
 import torch
@@ -342,3 +344,49 @@ def test_a_view_pointer_changed_under_its_writer_stops_that_view_and_changes_not
         assert_view_exact(tmp_path / "bucket", model, W8A8, 3)
         assert DeltaReceiver(tmp_path / "bucket").sync() == 3
         assert DeltaReceiver(tmp_path / "bucket", view=FP8).sync() == 1  # the chain it found, whole
+
+
+def test_a_view_chain_has_a_history_naming_its_writer_per_version_and_verify_checks_it(tmp_path, capsys):
+    """Each view's folder has the history the bf16 chain has: a record of each version naming the
+    publisher that committed it, carried on by the next publisher; ``verify --view`` reports a
+    history that names two writers for one version of the view."""
+    bucket = tmp_path / "bucket"
+    model, optimizer, publisher = _trainer(tmp_path, anchor_every=2)
+    with publisher:
+        for step in range(4):
+            if step:
+                train_step(model, optimizer, step)
+            publisher.publish()
+        publisher.flush()
+    with DeltaPublisher(bucket, model, optimizer, views=(FP8, W8A8)) as second:
+        train_step(model, optimizer, 4)
+        assert second.publish().version == 4  # the first let go: no version skipped
+    tokens = {r["version"]: r["writer"]["token"] for r in map(json.loads, (bucket / "history.jsonl").read_text().splitlines())}
+    assert tokens[0] == tokens[3] != tokens[4]
+    for view in (FP8, W8A8):
+        folder = bucket / view_prefix(view)
+        records = [json.loads(line) for line in (folder / "history.jsonl").read_text().splitlines()]
+        pointer = Pointer.from_bytes((folder / POINTER_PATH).read_bytes())
+        assert pointer.writer is None and pointer.view is not None  # the view's pointer, as before: its identity
+        assert [r["version"] for r in records] == [0, 1, 2, 3, 4]
+        # A new publisher starts the view anew: an anchor of its first version.
+        assert [r["kind"] for r in records] == ["anchor", "delta", "delta", "delta", "anchor"]
+        assert {r["version"]: r["writer"]["token"] for r in records} == tokens
+        assert all((r["writer"]["host"], r["writer"]["pid"]) == (socket.gethostname(), os.getpid()) for r in records)
+        assert "anchor_nbytes" in records[2]  # the anchor beside version 2's delta
+        # Capture to commit, written with the next commit (the last publisher's last version has none).
+        assert all(r["seconds"] > 0 for r in records[:3]) and records[3]["seconds"] == 0.0
+        assert records[4]["fingerprint"] == pointer.fingerprint and pointer.version == 4
+        assert cli(["verify", str(bucket), "--view", view]) == 0
+    # Another writer's record of version 1 of a view: verify names both writers.
+    path = bucket / view_prefix(FP8) / "history.jsonl"
+    lines = path.read_text().splitlines()
+    other = {**json.loads(lines[1]), "writer": {"host": "elsewhere", "pid": 7, "token": "f" * 32}, "fingerprint": "0" * 16}
+    path.write_text("\n".join([*lines, json.dumps(other, sort_keys=True)]) + "\n")
+    capsys.readouterr()
+    assert cli(["verify", str(bucket), "--view", FP8]) == 1
+    err = capsys.readouterr().err
+    assert f"views/{FP8}/history.jsonl names two writers for version 1" in err, err
+    assert "host 'elsewhere', process 7" in err
+    assert cli(["verify", str(bucket), "--view", W8A8]) == 0  # each chain's history is its own
+    assert cli(["verify", str(bucket)]) == 0

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from deltasync import ConflictError
-from deltasync.stores import LocalStore, Store, conditional_guarantee, read_tagged, write_if
+from deltasync import ConflictError, WriterConflictError
+from deltasync.stores import LocalStore, Store, TaggedFile, conditional_guarantee, read_tagged, write_if
 
 ATOMIC = {"LocalStore", "memory", "s3"}
 
@@ -116,3 +116,38 @@ def test_local_lock_files_are_hidden(tmp_path) -> None:
     write_if(store, "views/A/latest.json", b"x", None, limit=10)
     assert (tmp_path / "views" / "A" / ".latest.json.lock").exists()
     assert store.list() == ["views/A/latest.json"]
+
+
+def test_a_tagged_file_is_its_writers_until_it_changes_under_it(store: Store) -> None:
+    """The one writer's file (a chain's pointer): its own bytes written again stay its own; any
+    other change stops the writer for good, in its own words, and nothing more is written."""
+    reasons: list[tuple[str, bool]] = []
+
+    def changed(what: str, error: Exception | None) -> str:
+        reasons.append((what, error is not None))
+        return f"changed while {what}"
+
+    file = TaggedFile(store, "latest.json", limit=100, changed=changed)
+    assert not file.known and file.still_ours("checking")  # nothing read yet: nothing to compare
+    store.write_bytes("latest.json", b"found")
+    assert file.read() == b"found" and file.known
+    file.write(b"one", what="committing 1")
+    store.write_bytes("latest.json", b"one")  # the same bytes, a new file (a bucket restored from a copy)
+    assert file.still_ours("checking")
+    file.write(b"two", what="committing 2")
+    store.write_bytes("latest.json", b"two")
+    file.write(b"three", what="committing 3")  # refused once, then written on the tag of its own bytes
+    assert store.read_bytes("latest.json") == b"three" and not reasons
+    store.write_bytes("latest.json", b"theirs")
+    with pytest.raises(WriterConflictError, match="changed while committing 4"):
+        file.write(b"four", what="committing 4")
+    assert reasons == [("committing 4", True)] and file.stopped == "changed while committing 4"
+    assert not file.still_ours("checking")
+    with pytest.raises(WriterConflictError, match="changed while committing 4"):
+        file.write(b"five", what="committing 5")  # it stays stopped
+    assert store.read_bytes("latest.json") == b"theirs"
+    other = TaggedFile(store, "latest.json", limit=100, changed=changed)
+    other.read()
+    store.write_bytes("latest.json", b"someone else")
+    assert not other.still_ours("writing delta 9") and other.stopped == "changed while writing delta 9"
+    assert reasons[-1] == ("writing delta 9", False)
