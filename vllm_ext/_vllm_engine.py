@@ -122,15 +122,16 @@ def _child_of(internal: str, external: str) -> int:
     return int(head) if head.isdigit() else 0
 
 
-def _apply_counted(self: Any, *args: Any) -> dict[str, Any]:
+def _apply_counted(self: Any, version: Any, auth: Any = None) -> dict[str, Any]:
     """:data:`ENGINE_METHOD`: the output tokens of every unfinished request, then the apply
-    (``args``: :meth:`ApplyCall.args`) on every worker, in one utility call."""
+    (:meth:`ApplyCall.args`) on every worker, in one utility call. Its parameters are named one
+    by one: vLLM's engine core matches a utility's arguments against its signature."""
     counts = [
         [request_id, getattr(request, "external_req_id", None),
          int(request.num_output_tokens) + int(getattr(request, "num_output_placeholders", 0) or 0)]
         for request_id, request in self.scheduler.requests.items()
     ]  # fmt: skip
-    answers = self.collective_rpc(ApplyCall.method, None, args, None)
+    answers = self.collective_rpc(ApplyCall.method, None, (version, auth), None)
     return {"tokens": counts, "answers": answers}
 
 

@@ -97,3 +97,13 @@ def test_answers_are_typed_and_a_malformed_one_names_its_field() -> None:
         LoraModulesCall().answers([{"modules": "q_proj"}])
     assert LoraModulesCall().answers([{"modules": ["q_proj"], "loadable": ["q_proj", "k_proj"]}]) == [
         LoraModulesAnswer(modules=["q_proj"], loadable=["q_proj", "k_proj"])]  # fmt: skip
+
+
+@requires_vllm
+def test_the_engine_cores_counted_apply_takes_the_applys_arguments_one_by_one() -> None:
+    # vLLM's engine core checks a utility's arguments against its signature (no *args).
+    from vllm_ext._vllm_engine import _apply_counted
+
+    params = list(inspect.signature(_apply_counted).parameters.values())[1:]
+    assert [p.name for p in params] == [f.name for f in fields(ApplyCall)]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
