@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltasync.protocol import check_update_tag, check_version
+from deltasync.protocol import LoraFingerprintAnswer, LoraModulesAnswer, check_update_tag, check_version
 from deltasync.protocol.lora import LORA_NAME_RE, AdapterError
 
 __all__ = ["AdapterRequest", "AdapterStatus", "AdapterUpdate", "FailedUpdate", "LoraModules", "ServedFingerprint"]
@@ -90,11 +90,11 @@ class LoraModules:
     problem: str | None = None
 
     @classmethod
-    def from_answers(cls, answers: list[Any]) -> LoraModules:
-        problem = next((a["problem"] for a in answers if a.get("problem")), None)
+    def from_answers(cls, answers: list[LoraModulesAnswer]) -> LoraModules:
+        problem = next((a.problem for a in answers if a.problem), None)
         if problem:
             return cls(modules=None, problem=problem)
-        return cls(modules=sorted({m for a in answers for m in a["modules"]}))
+        return cls(modules=sorted({m for a in answers for m in a.modules}))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,13 +107,14 @@ class ServedFingerprint:
     """A worker holds tensors that differ from the adapter's files (not merely cannot tell)."""
 
     @classmethod
-    def from_answers(cls, adapter: str, answers: list[Any]) -> ServedFingerprint:
+    def from_answers(cls, adapter: str, answers: list[LoraFingerprintAnswer]) -> ServedFingerprint:
         for rank, reply in enumerate(answers):
-            if reply["fingerprint"] is None:
-                what = [f"{k}: {reply[k]}" for k in ("inexact", "missing", "unclaimed") if reply[k]]
+            if reply.fingerprint is None:
+                what = [f"{k}: {v}" for k, v in (("inexact", reply.inexact), ("missing", reply.missing),
+                                                  ("unclaimed", reply.unclaimed)) if v]  # fmt: skip
                 return cls(mismatch=True,
                            error=f"worker {rank} does not hold {adapter} as loaded from the bucket ({'; '.join(what)})")  # fmt: skip
-        found = {a["fingerprint"] for a in answers}
+        found = {a.fingerprint for a in answers if a.fingerprint is not None}  # (none is None by now)
         if len(found) != 1:
             return cls(error=f"the workers disagree on {adapter}: {sorted(found)}")
         return cls(fingerprint=found.pop())

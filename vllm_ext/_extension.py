@@ -3,7 +3,8 @@
 ``--worker-extension-cls vllm_ext.DeltaWorkerExtension`` appends this class to the
 bases of every vLLM worker. vLLM refuses an extension attribute that the worker already
 has, so every name here starts with ``deltasync_``. Arguments and results are plain data,
-as collective_rpc requires.
+as collective_rpc requires. Each method answers one call of :mod:`deltasync.protocol.calls`
+(its name, arguments and answer are defined there) and takes the call's fields in order.
 """
 
 from __future__ import annotations

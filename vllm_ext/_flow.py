@@ -26,6 +26,9 @@ from typing import Literal
 from deltasync.protocol import (
     MAX_POLL_S,
     UPDATE_MODES,
+    ApplyCall,
+    BeginCall,
+    StatusCall,
     UpdateAnswer,
     UpdateMode,
     WorkerStatus,
@@ -78,11 +81,10 @@ class VersionedFlow:
         """Held by every update, so none overlaps another."""
 
     @staticmethod
-    def order(version: object, served: int | None) -> Literal["served", "older", "newer"]:
+    def order(version: int, served: int | None) -> Literal["served", "older", "newer"]:
         """Where ``version`` stands against the version served: "served" (the update is a
-        no-op), "older" or "newer". What is not a version counts as newer: the checks that
-        follow refuse it in their own words."""
-        if not isinstance(version, int) or isinstance(version, bool) or served is None:
+        no-op), "older" or "newer" (also when none is served yet)."""
+        if served is None:
             return "newer"
         return "served" if version == served else "older" if version < served else "newer"
 
@@ -109,8 +111,8 @@ class UpdateFlow(VersionedFlow):
 
     async def bring_to(
         self,
-        version: object,
-        auth: object = None,
+        version: int,
+        auth: str | None = None,
         *,
         origin: str = "push",
         mode: str | None = None,
@@ -118,26 +120,27 @@ class UpdateFlow(VersionedFlow):
     ) -> UpdateOutcome:
         """Stage ``version`` while generating, then apply it on every worker: between two engine
         steps with no pause (``mode="inflight"``), or paused with the caches emptied ("pause");
-        label it, and resume. ``pointer``: the committed pointer's bytes where the caller read
-        them already (the follower), handed to the workers so that none reads it again."""
+        label it, and resume. ``version`` and ``auth`` were checked where they entered
+        (:meth:`deltasync.protocol.VersionRequest.parse`); the workers check the tag.
+        ``pointer``: the committed pointer's bytes where the caller read them already (the
+        follower), handed to the workers so that none reads it again."""
         start = time.perf_counter()
         mode = mode or self.update_mode
         if mode not in UPDATE_MODES:
             return UpdateOutcome(version=-1, ok=False, status=400,
                                  error=f"mode must be one of {', '.join(UPDATE_MODES)}, got {mode!r}")  # fmt: skip
         async with self.lock:
-            if auth is None and self.token is not None and origin == "follow" and isinstance(version, int):
+            if auth is None and self.token is not None and origin == "follow":
                 auth = update_tag(self.token, version)  # the follower acts for the server itself
             # One call into the workers says what they serve and starts staging (or finds the
             # version staged already): each call waits for an engine step to end.
-            workers = await self._begin(version, auth, pointer)
+            workers = await self._begin(BeginCall(version=version, auth=auth, pointer=pointer))
             served = served_by(workers)
             self.served = served
             # An older version goes on to the workers, which refuse it in their own words.
             if self.order(version, served) == "served":
-                assert isinstance(version, int)
                 return UpdateOutcome(version=version, ok=True, noop=True, seconds=time.perf_counter() - start)
-            outcome = await self._stage_and_apply(version, auth, mode, workers)
+            outcome = await self._stage_and_apply(ApplyCall(version=version, auth=auth), mode, workers)
             outcome = replace(outcome, seconds=time.perf_counter() - start)
             if outcome.ok:
                 self.served = outcome.version
@@ -148,8 +151,8 @@ class UpdateFlow(VersionedFlow):
                 logger.warning("deltasync: %s update to version %s failed: %s", origin, version, outcome.error)
             return outcome
 
-    async def _stage_and_apply(self, version: object, auth: object, mode: UpdateMode, workers: list[WorkerStatus]) -> UpdateOutcome:
-        safe_version = version if isinstance(version, int) and not isinstance(version, bool) else -1
+    async def _stage_and_apply(self, call: ApplyCall, mode: UpdateMode, workers: list[WorkerStatus]) -> UpdateOutcome:
+        version = call.version
         note = None
         if mode == "inflight":
             reload = [w for w in workers if w.mode != "in-place"]
@@ -165,65 +168,64 @@ class UpdateFlow(VersionedFlow):
         jobs = [w.prefetch for w in workers]
         refused = any(j is None or j.state == "refused" for j in jobs)
         if not refused and not all(j is not None and j.state == "ready" for j in jobs):
-            failed = await self._wait_staged(safe_version)
+            failed = await self._wait_staged(version)
             if failed is not None:
                 # The version cannot be staged (a bad file, a hostile pointer): nothing is paused.
-                return UpdateOutcome(version=safe_version, ok=False, error=failed, status=500)
+                return UpdateOutcome(version=version, ok=False, error=failed, status=500)
         # A refused staging (a wrong tag, a version not committed or older than served) goes on
         # to the apply, which refuses it in the workers' own words before it writes anything.
         if mode == "inflight":
-            return await self._apply_inflight(safe_version, version, auth)
-        outcome = await self._apply_paused(safe_version, version, auth)
+            return await self._apply_inflight(call)
+        outcome = await self._apply_paused(call)
         return replace(outcome, note=note)
 
-    async def _apply_inflight(self, safe_version: int, version: object, auth: object) -> UpdateOutcome:
+    async def _apply_inflight(self, call: ApplyCall) -> UpdateOutcome:
         """The in-place write as one call between two engine steps: no forward pass runs on any
         rank meanwhile, and running requests keep their KV. New requests are salted with the
         version they are admitted at, so none reuses the prefix cache of older weights (see
         :meth:`vllm_ext._seam.Engine.salt`)."""
+        version = call.version
         try:
-            results, failed_one = await self._apply_and_label(safe_version, version, auth)
+            results, failed_one = await self._apply_and_label(call)
         except Exception as exc:  # noqa: BLE001  (the worker's own message names what was wrong)
-            return UpdateOutcome(version=safe_version, ok=False, error=str(exc), status=500, mode="inflight")
+            return UpdateOutcome(version=version, ok=False, error=str(exc), status=500, mode="inflight")
         # Nothing pauses (paused_s 0). The engine does not step while the write runs: each
         # worker's apply_s is that standstill. The request's own wall time is longer: each
         # call waits for the engine step in progress, which goes on generating.
         if failed_one is not None:
-            return UpdateOutcome(version=safe_version, ok=False, error=failed_one.error, status=500, mode="inflight")
-        return UpdateOutcome(version=safe_version, ok=True, results=results, mode="inflight")
+            return UpdateOutcome(version=version, ok=False, error=failed_one.error, status=500, mode="inflight")
+        return UpdateOutcome(version=version, ok=True, results=results, mode="inflight")
 
-    async def _apply_and_label(
-        self, safe_version: int, version: object, auth: object
-    ) -> tuple[tuple[UpdateAnswer, ...], UpdateAnswer | None]:
+    async def _apply_and_label(self, call: ApplyCall) -> tuple[tuple[UpdateAnswer, ...], UpdateAnswer | None]:
         """Apply on every worker and label the served version; the answers, and the first
         worker that reports a failure without raising (only the last worker raises)."""
-        raw = await self.tokens.apply(self.engine, version, auth)
-        results = tuple(UpdateAnswer.from_answer(r) for r in raw)
+        results = tuple(call.answers(await self.tokens.apply(self.engine, call)))
         failed_one = next((r for r in results if r.error), None)
         if failed_one is None:
-            await self.engine.label(safe_version)  # the workers applied it: an int
+            await self.engine.label(call.version)
         return results, failed_one
 
-    async def _apply_paused(self, safe_version: int, version: object, auth: object) -> UpdateOutcome:
+    async def _apply_paused(self, call: ApplyCall) -> UpdateOutcome:
+        version = call.version
         paused = False
         pause_start = time.perf_counter()
         try:
             self._resumed.clear()
             await self.engine.pause()
             paused = True
-            results, failed_one = await self._apply_and_label(safe_version, version, auth)
+            results, failed_one = await self._apply_and_label(call)
         except Exception as exc:  # noqa: BLE001  (the worker's own message names what was wrong)
             status = 500 if paused else 503
             message = str(exc) if paused else f"pausing the server failed ({type(exc).__name__}: {exc})"
-            return UpdateOutcome(version=safe_version, ok=False, error=message, status=status)
+            return UpdateOutcome(version=version, ok=False, error=message, status=status)
         finally:
             if paused:
                 await self.engine.resume()
             self._resumed.set()
             paused_s = time.perf_counter() - pause_start
         if failed_one is not None:  # a worker reported an error without raising: never a success
-            return UpdateOutcome(version=safe_version, ok=False, error=failed_one.error, status=500, paused_s=paused_s)
-        return UpdateOutcome(version=safe_version, ok=True, paused_s=paused_s, results=results)
+            return UpdateOutcome(version=version, ok=False, error=failed_one.error, status=500, paused_s=paused_s)
+        return UpdateOutcome(version=version, ok=True, paused_s=paused_s, results=results)
 
     async def _wait_staged(self, version: int) -> str | None:
         """Wait until every worker has ``version`` staged (it was found still staging); the
@@ -247,20 +249,19 @@ class UpdateFlow(VersionedFlow):
             if all(j is not None and j.state in ("ready", "applied") for j in jobs):
                 return None
 
-    async def _begin(self, version: object, auth: object, pointer: bytes | None = None) -> list[WorkerStatus]:
-        """Every worker's status, after it was asked to stage ``version`` (``deltasync_begin``):
-        each status's ``prefetch`` is the answer to that (None where the call failed)."""
-        args = (version, auth) if pointer is None else (version, auth, pointer)
+    async def _begin(self, call: BeginCall) -> list[WorkerStatus]:
+        """Every worker's status, after it was asked to stage the version (``call``): each
+        status's ``prefetch`` is the answer to that (None where the call failed)."""
         try:
-            answers = await self.engine.call_workers("deltasync_begin", *args)
+            answers = await self.engine.call_workers(call)
         except Exception:  # noqa: BLE001  (a worker that cannot answer: the apply reports it)
             return [dataclasses.replace(w, prefetch=None) for w in await self.workers()]
-        return [WorkerStatus.from_answer(a) for a in answers]
+        return call.answers(answers)
 
     async def workers(self) -> list[WorkerStatus]:
         """Every worker's typed status."""
-        answers = await self.engine.call_workers("deltasync_status")
-        return [WorkerStatus.from_answer(a) for a in answers]
+        call = StatusCall()
+        return call.answers(await self.engine.call_workers(call))
 
     async def admitted(self) -> int | None:
         """The version a request admitted now is served by (waits out an update's pause, and a

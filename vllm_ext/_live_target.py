@@ -38,7 +38,7 @@ __all__ = ["LiveTarget", "plan_in_place"]
 logger = logging.getLogger(__name__)
 
 
-class LiveTarget(UpdateTarget):
+class LiveTarget(UpdateTarget[LiveStaged]):
     """Applies versions by writing into the live weights of one rank.
 
     Args:
@@ -105,7 +105,7 @@ class LiveTarget(UpdateTarget):
             dense=full,
         )
 
-    def agree(self, error: str | None, staged: LiveStaged | None) -> LiveStaged:  # type: ignore[override]
+    def agree(self, error: str | None, staged: LiveStaged | None) -> LiveStaged:
         # One round trip: every rank's error, fingerprint shares and broken deltas.
         answers = gather((error, None if staged is None else staged.shares, None if staged is None else staged.broken))
         error = next((e for e, _, _ in answers if e is not None), None)
@@ -137,7 +137,7 @@ class LiveTarget(UpdateTarget):
         anchor.healed = Heal(version=anchor.version, anchor=anchor.dense.versions[0], error=broken, time=time.time())
         return anchor
 
-    def apply(self, staged: LiveStaged) -> Applied:  # type: ignore[override]
+    def apply(self, staged: LiveStaged) -> Applied:
         applied = Applied(changed=len(staged.names), sent=len(staged.writes), undo=[])
         what, start = "writing", time.perf_counter()
         try:
@@ -155,7 +155,7 @@ class LiveTarget(UpdateTarget):
             applied.extra = {"load_s": time.perf_counter() - start, "served_hash": "after the pause"}
         return applied
 
-    def rollback(self, staged: LiveStaged, applied: Applied, error: str) -> str:  # type: ignore[override]
+    def rollback(self, staged: LiveStaged, applied: Applied, error: str) -> str:
         live = self.live
         if staged.kind == "anchor":
             served = live.full_fingerprint()
@@ -168,7 +168,7 @@ class LiveTarget(UpdateTarget):
             return f"{live.tainted}: the next update loads the newest anchor again"
         return f"every rank put its previous values back: still serving {self.served_text()}"
 
-    def commit(self, staged: LiveStaged, applied: Applied) -> None:  # type: ignore[override]
+    def commit(self, staged: LiveStaged, applied: Applied) -> None:
         self.live.commit(staged.version, staged.fingerprint)
         if staged.kind == "anchor":
             # The full hash of the served weights runs after the pause, while the engine generates;

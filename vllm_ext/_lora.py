@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from deltasync import AuthError, DeltaReceiver, DeltaSyncError, StagedUpdate, VersionError
-from deltasync.protocol import BUCKET_ENV
+from deltasync.protocol import BUCKET_ENV, LoraFingerprintCall, LoraModulesCall
 from deltasync.protocol.lora import (
     ADAPTER_CONFIG_KEY,
     BASE_FINGERPRINT_KEY,
@@ -174,7 +174,8 @@ class AdapterFlow(VersionedFlow):
         """The adapter modules whose LoRA this server's vLLM loads and applies (asked once)."""
         if self.modules is None:
             try:
-                self.modules = LoraModules.from_answers(await self.engine.call_workers("deltasync_lora_modules"))
+                call = LoraModulesCall()
+                self.modules = LoraModules.from_answers(call.answers(await self.engine.call_workers(call)))
             except Exception as exc:  # noqa: BLE001  (reported: the workers lack the extension)
                 self.modules = LoraModules(modules=None, problem=f"the workers cannot tell ({type(exc).__name__}: {exc}); "
                                            "start the server with --worker-extension-cls vllm_ext.DeltaWorkerExtension")  # fmt: skip
@@ -186,9 +187,8 @@ class AdapterFlow(VersionedFlow):
         if request is None:
             return ServedFingerprint(error=f"{adapter} is not loaded")
         try:
-            answers = await self.engine.call_workers(
-                "deltasync_lora_fingerprint", request.lora_int_id, str(self.directory / adapter), names
-            )
+            call = LoraFingerprintCall(lora_id=request.lora_int_id, path=str(self.directory / adapter), names=names)
+            answers = call.answers(await self.engine.call_workers(call))
         except Exception as exc:  # noqa: BLE001  (reported, with what to do)
             return ServedFingerprint(error=f"the workers cannot hash {adapter} ({type(exc).__name__}: {exc}); "
                                            "start the server with --worker-extension-cls vllm_ext.DeltaWorkerExtension")  # fmt: skip

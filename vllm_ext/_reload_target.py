@@ -27,7 +27,7 @@ __all__ = ["ReloadTarget"]
 logger = logging.getLogger(__name__)
 
 
-class ReloadTarget(UpdateTarget):
+class ReloadTarget(UpdateTarget[StagedUpdate]):
     """Applies versions by reloading modules from a host copy of the weights.
 
     Args:
@@ -62,7 +62,7 @@ class ReloadTarget(UpdateTarget):
         self.checkpoint.check(staged)
         return staged
 
-    def apply(self, staged: StagedUpdate) -> Applied:  # type: ignore[override]
+    def apply(self, staged: StagedUpdate) -> Applied:
         """Load the staged values into the model; the host copy is not committed here."""
         try:
             changed, sent = self._reload(staged)
@@ -93,7 +93,7 @@ class ReloadTarget(UpdateTarget):
                 raise UpdateError(f"modules {', '.join(partial[:5])} were still loaded only in part")
         return len(changed), len(send)
 
-    def rollback(self, staged: StagedUpdate, applied: Applied, error: str) -> str:  # type: ignore[override]
+    def rollback(self, staged: StagedUpdate, applied: Applied, error: str) -> str:
         """Reload the state from before the failed update (the host copy's, or the checkpoint's)."""
         receiver = self.receiver
         try:
@@ -110,7 +110,7 @@ class ReloadTarget(UpdateTarget):
             return "restoring the previous weights failed too: restart this server"
         return f"the weights were restored: still serving {self.served_text()}"
 
-    def commit(self, staged: StagedUpdate, applied: Applied) -> None:  # type: ignore[override]
+    def commit(self, staged: StagedUpdate, applied: Applied) -> None:
         assert self.receiver is not None
         self.receiver.apply(staged)
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from deltasync.protocol import ApplyCall, WorkerCall
+
 __all__ = ["Applied", "Engine", "RequestTokens", "SentRequest"]
 
 
@@ -41,7 +43,7 @@ class Applied:
     """What :meth:`Engine.apply` returns."""
 
     answers: list[Any]
-    """Each worker's answer to ``deltasync_apply``, in rank order."""
+    """Each worker's answer to the :class:`~deltasync.protocol.ApplyCall`, in rank order (plain data)."""
     tokens: list[RequestTokens] | None
     """Every unfinished request's output tokens at the write; None where the engine cannot tell."""
 
@@ -49,14 +51,16 @@ class Applied:
 class Engine(Protocol):
     """The engine a server runs: what the flow calls, and what each call must guarantee."""
 
-    async def call_workers(self, method: str, *args: Any) -> list[Any]:
-        """Run the worker-extension method ``method(*args)`` on every worker and return each
-        worker's answer in rank order. The call must run between two engine steps on every
-        worker (no forward pass on any rank meanwhile), and must raise if any worker raised."""
+    async def call_workers(self, call: WorkerCall[Any]) -> list[Any]:
+        """Run ``call`` (the worker-extension method ``call.method(*call.args())``, see
+        :mod:`deltasync.protocol.calls`) on every worker and return each worker's answer, as plain
+        data, in rank order (the caller types them: ``call.answers``). The call must run between
+        two engine steps on every worker (no forward pass on any rank meanwhile), and must raise
+        if any worker raised."""
         ...
 
-    async def apply(self, version: Any, auth: Any) -> Applied:
-        """``call_workers("deltasync_apply", version, auth)``, with the output tokens of every
+    async def apply(self, call: ApplyCall) -> Applied:
+        """``call_workers(call)``, with the output tokens of every
         unfinished request taken in the same pause between two steps (no token is sampled
         between the count and the write). It must send the call before it first awaits
         anything else, so that no request is sent to the engine in between."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from deltasync import DeltaReceiver
 from deltasync.protocol import Heal
@@ -42,6 +42,10 @@ class Staged(Protocol):
     """Set when the version was built from an anchor because a delta file was corrupt or missing."""
 
 
+S = TypeVar("S", bound=Staged)
+"""The staged type of a target."""
+
+
 @dataclass
 class Applied:
     """What one rank's :meth:`UpdateTarget.apply` did."""
@@ -63,8 +67,9 @@ class Refused(Exception):
     starts with "refused" and says why."""
 
 
-class UpdateTarget(ABC):
-    """The served weights of one worker, as the update flow moves them."""
+class UpdateTarget(ABC, Generic[S]):
+    """The served weights of one worker, as the update flow moves them; ``S``: what its
+    :meth:`stage` makes and every later step takes."""
 
     #: The ``mode`` an update's answer reports.
     answer_mode: str
@@ -89,11 +94,11 @@ class UpdateTarget(ABC):
         """Bytes of the weights this worker keeps on the host beside the live ones."""
 
     @abstractmethod
-    def stage(self, version: int, receiver: DeltaReceiver) -> Staged:
+    def stage(self, version: int, receiver: DeltaReceiver) -> S:
         """Download, decode and check ``version`` against what is served; change nothing.
         Runs while the engine generates, possibly in a background thread."""
 
-    def agree(self, error: str | None, staged: Staged | None) -> Staged:
+    def agree(self, error: str | None, staged: S | None) -> S:
         """Every rank's staging outcome (a collective): the staged update to apply, or
         :class:`Refused` with the first rank's ``error``."""
         error = agree(error)
@@ -103,19 +108,19 @@ class UpdateTarget(ABC):
         return staged
 
     @abstractmethod
-    def apply(self, staged: Staged) -> Applied:
+    def apply(self, staged: S) -> Applied:
         """Write ``staged`` into this rank's served weights (never raises: see ``Applied.error``)."""
 
     @abstractmethod
-    def rollback(self, staged: Staged, applied: Applied, error: str) -> str:
+    def rollback(self, staged: S, applied: Applied, error: str) -> str:
         """Put back what was served before ``apply`` (on every rank, after ``error`` on any);
         says what is served now."""
 
     @abstractmethod
-    def commit(self, staged: Staged, applied: Applied) -> None:
+    def commit(self, staged: S, applied: Applied) -> None:
         """Every rank applied ``staged``: it is what is served now."""
 
-    def settle(self) -> None:  # noqa: B027  (an optional hook)
+    def settle(self) -> None:  # an optional hook
         """Finish any check of the served weights still running after the last update (a
         collective: every worker calls this first in every deltasync call)."""
 

@@ -22,7 +22,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltasync.protocol import TokenVersions
+from deltasync.protocol import ApplyCall, TokenVersions
 
 from ._seam import Engine, SentRequest
 
@@ -79,12 +79,12 @@ class TokenVersionLog:
         prompt = int(rest[1:]) if rest.startswith("-") and rest[1:].isdigit() else 0
         tracked.choices[request.request_id] = _Choice(prompt, request.choice, self.epoch, external)
 
-    async def apply(self, engine: Engine, version: Any, auth: Any) -> list[Any]:
-        """Run ``deltasync_apply`` on every worker (:meth:`Engine.apply`) and record where
-        ``version`` began; the workers' answers."""
+    async def apply(self, engine: Engine, call: ApplyCall) -> list[Any]:
+        """Run ``call`` on every worker (:meth:`Engine.apply`) and record where its version
+        began; the workers' answers."""
         self.epoch += 1
         epoch = self.epoch
-        applied = await engine.apply(version, auth)
+        applied = await engine.apply(call)
         tokens: dict[str, int] | None = None
         if applied.tokens is not None:
             tokens = {}
@@ -93,14 +93,13 @@ class TokenVersionLog:
                 tokens[request.request_id] = counted.output_tokens
                 if request.external_id:  # also by the id this server gave it, and the choice's index
                     tokens[f"{request.external_id}#{request.choice}"] = counted.output_tokens
-        self.record(epoch, version, tokens, applied.answers)
+        self.record(epoch, call.version, tokens, applied.answers)
         return list(applied.answers)
 
-    def record(self, epoch: int, version: object, tokens: dict[str, int] | None, answers: Any) -> None:
+    def record(self, epoch: int, version: int, tokens: dict[str, int] | None, answers: Any) -> None:
         """Keep apply ``epoch`` if every worker applied ``version``."""
-        ok = isinstance(version, int) and all(not (isinstance(a, dict) and a.get("error")) for a in answers)
+        ok = all(not (isinstance(a, dict) and a.get("error")) for a in answers)
         if ok and self._tracked:
-            assert isinstance(version, int)
             self._applies.append(_Apply(epoch, version, tokens))
 
     def note_unknown(self, version: int) -> None:

@@ -34,6 +34,7 @@ import json
 import logging
 from typing import Any
 
+from deltasync.errors import DeltaSyncError
 from deltasync.protocol import (
     INFERENCE_ROUTES,
     STATUS_ROUTE,
@@ -41,6 +42,8 @@ from deltasync.protocol import (
     UPDATE_ROUTE,
     VERSION_HEADER,
     VERSIONS_HEADER,
+    ApplyCall,
+    VersionRequest,
     bearer_matches,
     check_update_mode,
     fits_bounds,
@@ -63,7 +66,6 @@ logger = logging.getLogger(__name__)
 _INFERENCE_ROUTES = INFERENCE_ROUTES
 #: vLLM's routes that can change the weights behind the flow (the "delta" backend's apply).
 _WEIGHT_ROUTES = frozenset({"/collective_rpc", "/update_weights", "/finish_weight_update"})
-_APPLY_METHODS = frozenset({"deltasync_apply"})
 
 
 class UpdateMiddleware:
@@ -135,7 +137,7 @@ class UpdateMiddleware:
                 method = request.get("method")
             except (ValueError, AttributeError):
                 request, method = None, None
-            if method not in _APPLY_METHODS:
+            if method != ApplyCall.method:
                 await self.app(scope, _replay(body, receive), send)
                 return
             call = _apply_call(request)
@@ -143,7 +145,7 @@ class UpdateMiddleware:
                 # Through the engine core's counted apply, so the token versions stay exact.
                 async with sync.outside_update(counted=True):
                     try:
-                        results = await sync.tokens.apply(sync.engine, *call)
+                        results = await sync.tokens.apply(sync.engine, call)
                     except Exception as exc:  # noqa: BLE001  (vLLM's route answers a failed call with 500 too)
                         await answer(send, 500, error_body(str(exc), "InternalServerError", 500))
                         return
@@ -173,10 +175,11 @@ class UpdateMiddleware:
             request = json.loads(await read_body(receive) or b"{}")
             if not isinstance(request, dict) or set(request) - {"version", "auth", "mode"}:
                 raise ValueError('the body must be a JSON object {"version": N, "auth": TAG, "mode": "pause"|"inflight"}')
-        except ValueError as exc:
+            update = VersionRequest.parse(request.get("version"), request.get("auth"))
+        except (ValueError, DeltaSyncError) as exc:
             await answer(send, 400, error_body(f"{UPDATE_ROUTE}: bad body ({exc})", "BadRequest", 400))
             return
-        outcome = await self._sync(scope).bring_to(request.get("version"), request.get("auth"), mode=request.get("mode"))
+        outcome = await self._sync(scope).bring_to(update.version, update.auth, mode=request.get("mode"))
         if not outcome.ok:
             await answer(send, outcome.status, error_body(outcome.error or "the update failed", "UpdateError", outcome.status))
             return
@@ -211,9 +214,10 @@ class UpdateMiddleware:
         })  # fmt: skip
 
 
-def _apply_call(request: Any) -> tuple[Any, Any] | None:
-    """``(version, auth)`` of a ``/collective_rpc`` body calling ``deltasync_apply``, or None
-    for a call it cannot be (vLLM then answers it, with the worker's own error)."""
+def _apply_call(request: Any) -> ApplyCall | None:
+    """The apply a ``/collective_rpc`` body calling :attr:`ApplyCall.method` makes, or None for
+    a call it cannot be, or whose version or tag is not one (vLLM then answers it, with the
+    worker's own error)."""
     args, kwargs = request.get("args") or [], request.get("kwargs") or {}
     if not isinstance(args, list) or not isinstance(kwargs, dict) or set(kwargs) - {"version", "auth"}:
         return None
@@ -221,7 +225,10 @@ def _apply_call(request: Any) -> tuple[Any, Any] | None:
     if len(args) > 2 or ("version" in kwargs and args) or ("auth" in kwargs and len(args) > 1):
         return None
     values = [*args, *named[len(args):]]
-    return (values[0], values[1])
+    try:
+        return ApplyCall.parse(values[0], values[1])
+    except DeltaSyncError:
+        return None
 
 
 def _salted(engine: Engine, body: bytes, version: int | None) -> bytes:

@@ -20,17 +20,18 @@ from typing import Any
 
 import torch
 
-from deltasync import ConfigError, DeltaReceiver, DeltaSyncError, VersionError
+from deltasync import ConfigError, DeltaReceiver, DeltaSyncError, FormatError, VersionError
 from deltasync.errors import UpdateError
 from deltasync.protocol import (
     BUCKET_ENV,
     TEST_HOOKS_ENV,
+    ApplyCall,
     Heal,
+    PrefetchCall,
     PrefetchState,
     UpdateAnswer,
     WorkerStatus,
     check_update_tag,
-    check_version,
 )
 from deltasync.views.serving import resolve_view
 
@@ -98,7 +99,7 @@ class WorkerUpdater:
         self._prefetch: _Prefetch | None = None
         live, self.fallback = plan_in_place(model, vllm_config, packed, self.checkpoint, self.background)
         """Checkpoint names rebuilt through vLLM's layerwise reload, and why."""
-        self.target: UpdateTarget = (
+        self.target: UpdateTarget[Any] = (
             ReloadTarget(model, vllm_config, packed, self.checkpoint) if live is None
             else LiveTarget(live, self.checkpoint, self.rank)
         )  # fmt: skip
@@ -142,21 +143,25 @@ class WorkerUpdater:
 
     def prefetch(self, version: object, auth: object = None) -> dict[str, Any]:
         """Start staging ``version`` in a background thread; the engine keeps generating.
-        Returns a :class:`~deltasync.protocol.messages.PrefetchState` as plain data."""
+        Returns a :class:`~deltasync.protocol.messages.PrefetchState` as plain data (the answer
+        of :class:`~deltasync.protocol.PrefetchCall`); a refusal is raised by the last worker."""
         self._forget_offer()
-        return self._start_prefetch(version, auth)
+        return self._start_prefetch(version, auth, raise_refusal=True).to_json()
 
-    def _start_prefetch(self, version: object, auth: object) -> dict[str, Any]:
+    def _start_prefetch(self, version: object, auth: object, *, raise_refusal: bool) -> PrefetchState:
+        """:meth:`prefetch`, its arguments parsed here, where the call enters the worker."""
         self.target.settle()
+        checked: int | None = None
         try:
-            version = check_version(version)
-            check_update_tag(self.config.token, version, auth)
+            request = PrefetchCall.parse(version, auth)
+            version = checked = request.version
+            check_update_tag(self.config.token, version, request.auth)
             self._check_not_older(version)
             job = self._prefetch
             if job is not None and job.version == version and job.state != "failed":
                 # Already staging or staged, after the same checks: the call returns without
                 # reading the bucket (it runs between two engine steps).
-                return job.describe().to_json()
+                return job.describe()
             receiver = self._open_receiver()
             latest = receiver.latest()
             if version > latest:
@@ -164,26 +169,27 @@ class WorkerUpdater:
                     f"version {version} is not committed in {receiver.store.url} (the newest is {latest})"
                 )
         except DeltaSyncError as exc:
-            return self._refuse_prefetch(version, f"deltasync: prefetch of version {version} refused: {exc}")
+            return self._refuse_prefetch(version, checked, f"deltasync: prefetch of version {version} refused: {exc}",
+                                         raise_refusal)  # fmt: skip
         if job is not None and job.thread is not None and job.thread.is_alive():
-            return self._refuse_prefetch(version, f"deltasync: prefetch of version {version} refused: version "
-                                                  f"{job.version} is still being prefetched; update to it or wait "
-                                                  "until it is ready")  # fmt: skip
+            return self._refuse_prefetch(version, version, f"deltasync: prefetch of version {version} refused: version "
+                                                           f"{job.version} is still being prefetched; update to it or "
+                                                           "wait until it is ready", raise_refusal)  # fmt: skip
         job = _Prefetch(version)
         if self.target.served()[0] == version:
             job.state = "applied"
-            return job.describe().to_json()
+            return job.describe()
         job.thread = threading.Thread(
             target=self._run_prefetch, args=(job, receiver), name=f"deltasync-prefetch-{version}", daemon=True
         )
         self._prefetch = job
         job.thread.start()
-        return job.describe().to_json()
+        return job.describe()
 
-    def begin(self, version: object, auth: object = None, pointer: bytes | None = None) -> dict[str, Any]:
-        """:meth:`prefetch` and :meth:`status` in one call (``deltasync_begin``): the status,
-        whose ``prefetch`` is this call's answer (``"refused"`` with the reason where the
-        version or tag is wrong; this call never raises for that).
+    def begin(self, version: object, auth: object = None, pointer: object = None) -> dict[str, Any]:
+        """:meth:`prefetch` and :meth:`status` in one call (:class:`~deltasync.protocol.BeginCall`):
+        the status, whose ``prefetch`` is this call's answer (``"refused"`` with the reason where
+        the version or tag is wrong; this call never raises for that).
 
         The update flow starts with it: one call into the workers, between two engine steps,
         tells it what is served and whether ``version`` is staged already. ``pointer``: the
@@ -193,18 +199,18 @@ class WorkerUpdater:
         self._forget_offer()
         if pointer is not None and self.config.bucket:
             try:
+                if not isinstance(pointer, bytes):
+                    raise FormatError(f"the pointer offered is {type(pointer).__name__}, not bytes")
                 self._open_receiver().offer_pointer(pointer)
             except DeltaSyncError as exc:
                 logger.warning("deltasync: the pointer the follower read is not used (%s); reading the bucket's", exc)
-        try:
-            job = self._start_prefetch(version, auth)
-        except UpdateError as exc:  # the last worker raises its refusal (see _fail)
-            job = PrefetchState(version=_version_or_none(version), state="refused", error=str(exc)).to_json()
-        return {**self.status(), "prefetch": job}
+        job = self._start_prefetch(version, auth, raise_refusal=False)
+        return {**self.status(), "prefetch": job.to_json()}
 
     def update(self, version: object, auth: object = None) -> dict[str, Any]:
         """Stage, check and apply ``version``; returns what was done (a
-        :class:`~deltasync.protocol.messages.UpdateAnswer` as plain data).
+        :class:`~deltasync.protocol.messages.UpdateAnswer` as plain data: the answer of
+        :class:`~deltasync.protocol.ApplyCall`, whose arguments are parsed here).
 
         On any failure the served weights and version stay those from before the call, and
         :class:`UpdateError` is raised (by the last worker only: see :meth:`_fail`).
@@ -216,9 +222,11 @@ class WorkerUpdater:
         error: str | None = None
         prefetched = False
         self._forget_offer()
+        checked: int | None = None
         try:
-            version = check_version(version)
-            check_update_tag(self.config.token, version, auth)
+            request = ApplyCall.parse(version, auth)
+            version = checked = request.version
+            check_update_tag(self.config.token, version, request.auth)
             receiver = self._open_receiver()
             self._check_not_older(version)
             staged = self._take_prefetched(version)
@@ -232,8 +240,8 @@ class WorkerUpdater:
         try:
             staged = target.agree(error, staged)
         except Refused as exc:
-            return self._fail(version, f"deltasync: update to version {version} {exc}; "
-                                       f"still serving {target.served_text()}")  # fmt: skip
+            return self._fail(version, checked, f"deltasync: update to version {version} {exc}; "
+                                                f"still serving {target.served_text()}")  # fmt: skip
         answer = UpdateAnswer(version=staged.version, fingerprint=staged.fingerprint, kind=staged.kind,
                               mode=target.answer_mode, nbytes=staged.nbytes, prefetched=prefetched,
                               stage_s=staged.seconds if prefetched else time.perf_counter() - start,
@@ -244,7 +252,8 @@ class WorkerUpdater:
             error = agree(applied.error)
             if error is not None:
                 # Every worker puts the previous state back, those whose writes worked too.
-                return self._fail(staged.version, f"deltasync: {error}; {target.rollback(staged, applied, error)}")
+                return self._fail(staged.version, staged.version,
+                                  f"deltasync: {error}; {target.rollback(staged, applied, error)}")  # fmt: skip
             target.commit(staged, applied)
             if staged.healed is not None:
                 self.last_heal = staged.healed
@@ -261,22 +270,25 @@ class WorkerUpdater:
 
     # ------------------------------------------------------------------ internals
 
-    def _fail(self, version: object, message: str) -> dict[str, Any]:
-        """Report a failure: the last worker raises it, the others answer with it.
+    def _fail(self, version: object, checked: int | None, message: str, *, raising: bool = True) -> dict[str, Any]:
+        """Report a failure of the call for ``version`` (as the call named it; ``checked``: the
+        version it parsed to, None if it was none): the last worker raises it, the others
+        answer with it. ``raising=False`` (a refused ``deltasync_begin``): every worker answers.
 
         vLLM's multiprocess executor reads the workers' answers in rank order and stops at
         the first error, leaving later workers' answers queued, where the next call would
         read them. Raising only on the last worker keeps every queue drained.
         """
         self.last_error = {"version": version, "error": message, "time": time.time()}
-        if self.last_rank:
+        if not self.last_rank:
+            logger.error("%s", message)
+        elif raising:
             raise UpdateError(message)
-        logger.error("%s", message)
-        return UpdateAnswer(version=_version_or_none(version), error=message).to_json()
+        return UpdateAnswer(version=checked, error=message).to_json()
 
-    def _refuse_prefetch(self, version: object, message: str) -> dict[str, Any]:
-        answer = self._fail(version, message)
-        return PrefetchState(version=answer["version"], state="refused", error=message).to_json()
+    def _refuse_prefetch(self, version: object, checked: int | None, message: str, raising: bool) -> PrefetchState:
+        self._fail(version, checked, message, raising=raising)
+        return PrefetchState(version=checked, state="refused", error=message)
 
     def _check_not_older(self, version: int) -> None:
         served = self.target.served()[0]
@@ -322,11 +334,6 @@ class WorkerUpdater:
             job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
             return
         job.staged, job.state = staged, "ready"
-
-
-def _version_or_none(version: object) -> int | None:
-    """``version`` as an answer carries it: an integer, or None for anything else."""
-    return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
 #: The attribute of a worker's model that holds the worker's updater.

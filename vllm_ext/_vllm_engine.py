@@ -9,8 +9,8 @@ Every apply runs as one utility call in vLLM's engine core, :data:`ENGINE_METHOD
 ``EngineCore`` by :func:`install_engine_core_method` (the ``vllm.general_plugins`` entry point
 runs it in the engine-core process). The engine core handles utility calls between two engine
 steps, so in that one call it reads how many output tokens each unfinished request has (its
-scheduler's requests: running, waiting and preempted) and then runs ``deltasync_apply`` on every
-worker. Tokens a step still has in flight (vLLM's async scheduling) count as sampled before: a
+scheduler's requests: running, waiting and preempted) and then runs the apply
+(:class:`~deltasync.protocol.ApplyCall`) on every worker. Tokens a step still has in flight (vLLM's async scheduling) count as sampled before: a
 write is ordered after the work already queued on the device.
 """
 
@@ -21,6 +21,8 @@ import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
+
+from deltasync.protocol import ApplyCall, WorkerCall
 
 from ._seam import Applied, RequestTokens, SentRequest
 
@@ -39,24 +41,24 @@ class VllmEngine:
         self.client = client
         """vLLM's engine client (``AsyncLLM``)."""
 
-    async def call_workers(self, method: str, *args: Any) -> list[Any]:
+    async def call_workers(self, call: WorkerCall[Any]) -> list[Any]:
         # vLLM's engine core runs a collective_rpc between two steps, on every worker.
-        return list(await self.client.collective_rpc(method, args=args))
+        return list(await self.client.collective_rpc(call.method, args=call.args()))
 
-    async def apply(self, version: Any, auth: Any) -> Applied:
+    async def apply(self, call: ApplyCall) -> Applied:
         core = getattr(self.client, "engine_core", None)
-        call: Callable[..., Any] | None = getattr(core, "call_utility_async", None)
-        if call is None:
-            return Applied(await self.call_workers("deltasync_apply", version, auth), None)
+        utility: Callable[..., Any] | None = getattr(core, "call_utility_async", None)
+        if utility is None:
+            return Applied(await self.call_workers(call), None)
         try:
             # The coroutine runs up to its send before anything else can send: no ADD slips between.
-            result = await call(ENGINE_METHOD, version, auth)
+            result = await utility(ENGINE_METHOD, *call.args())
         except Exception as exc:
             if f"no attribute '{ENGINE_METHOD}'" not in str(exc):
                 raise
             logger.warning("deltasync: the engine core lacks %s (is vllm_ext's plugin installed?): token "
                            "versions will be reported as unknown ('?')", ENGINE_METHOD)  # fmt: skip
-            return Applied(await self.call_workers("deltasync_apply", version, auth), None)
+            return Applied(await self.call_workers(call), None)
         tokens = [
             RequestTokens(SentRequest(internal, external or "", _child_of(internal, external or "")), count)
             for internal, external, count in result["tokens"]
@@ -121,12 +123,15 @@ def _child_of(internal: str, external: str) -> int:
 
 
 def _apply_counted(self: Any, version: Any, auth: Any = None) -> dict[str, Any]:
+    """:data:`ENGINE_METHOD`: the output tokens of every unfinished request, then the apply
+    (:meth:`ApplyCall.args`) on every worker, in one utility call. Its parameters are named one
+    by one: vLLM's engine core matches a utility's arguments against its signature."""
     counts = [
         [request_id, getattr(request, "external_req_id", None),
          int(request.num_output_tokens) + int(getattr(request, "num_output_placeholders", 0) or 0)]
         for request_id, request in self.scheduler.requests.items()
     ]  # fmt: skip
-    answers = self.collective_rpc("deltasync_apply", None, (version, auth), None)
+    answers = self.collective_rpc(ApplyCall.method, None, (version, auth), None)
     return {"tokens": counts, "answers": answers}
 
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import ConfigError, FormatError
 from ..protocol.auth import update_tag
+from ..protocol.calls import PrefetchCall, StatusCall
 from ..protocol.messages import ServedBody, check_version
 from ..protocol.routes import MAX_POLL_S, STATUS_ROUTE, UPDATE_ROUTE, VERSION_HEADER
 from ..protocol.token_versions import VersionedCompletion, versioned_completion
@@ -425,7 +426,7 @@ class RolloutClient(BaseRolloutClient):
 
     def _prefetch_one(self, server: ServerHandle, version: int, tag: str | None) -> ServerResult:
         try:
-            workers = server.rpc("deltasync_prefetch", [version, tag], self.timeout)
+            workers = server.rpc(PrefetchCall(version=version, auth=tag), self.timeout)
         except RequestError as exc:
             return ServerResult(url=server.url, ok=False, error=str(exc))
         failed = [w for w in workers if w.get("error")]
@@ -462,7 +463,7 @@ class RolloutClient(BaseRolloutClient):
 
     def _status_one(self, server: ServerHandle) -> ServerStatus:
         try:
-            workers = server.rpc("deltasync_status", [], self.timeout, attempts=3)
+            workers = server.rpc(StatusCall(), self.timeout, attempts=3)
         except RequestError as exc:
             return ServerStatus(url=server.url, ok=False, error=str(exc))
         return _combine(server.url, workers)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import httpx
+
+    from ..protocol.calls import WorkerCall
 
 __all__ = ["RequestError", "ServerHandle", "error_text"]
 
@@ -66,8 +67,11 @@ class ServerHandle:
         except ValueError:
             return response.text
 
-    def rpc(self, method: str, args: Sequence[Any], timeout: float, *, attempts: int = 1) -> list[Any]:
-        body = {"method": method, "args": list(args), "timeout": timeout}
+    def rpc(self, call: WorkerCall[Any], timeout: float, *, attempts: int = 1) -> list[Any]:
+        """``call`` on every worker of the server (``POST /collective_rpc``): each worker's
+        answer, an object, in rank order."""
+        method = call.method
+        body = {"method": method, "args": list(call.args()), "timeout": timeout}
         answer = self.post("/collective_rpc", body=body, attempts=attempts)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list) or not results:

@@ -2,6 +2,8 @@
 
 - :mod:`.routes`: the HTTP routes and headers of a server's update surface;
 - :mod:`.messages`: the typed messages they carry (answers, worker status, heals);
+- :mod:`.calls`: the worker calls (each method's name, arguments and answer), and the typed
+  update request every entry point parses;
 - :mod:`.auth`: the bearer token and the per-update tag;
 - :mod:`.env`: the environment variables a server reads, and the update modes;
 - :mod:`.token_versions`: which weights sampled each token (``x-deltasync-token-versions``);
@@ -29,7 +31,28 @@ from .env import (
     UpdateMode,
     check_update_mode,
 )
-from .messages import Heal, PrefetchState, ServedBody, UpdateAnswer, WorkerStatus, check_version
+from .calls import (
+    ALL_CALLS,
+    ApplyCall,
+    BeginCall,
+    LoraFingerprintCall,
+    LoraModulesCall,
+    PrefetchCall,
+    StatusCall,
+    VerifyCall,
+    VersionRequest,
+    WorkerCall,
+)
+from .messages import (
+    Heal,
+    LoraFingerprintAnswer,
+    LoraModulesAnswer,
+    PrefetchState,
+    ServedBody,
+    UpdateAnswer,
+    WorkerStatus,
+    check_version,
+)
 from .routes import (
     INFERENCE_ROUTES,
     LORA_STATUS_ROUTE,
@@ -52,6 +75,7 @@ from .token_versions import (
 )
 
 __all__ = [
+    "ALL_CALLS",
     "BUCKET_ENV",
     "DEFAULT_FOLLOW_INTERVAL",
     "DEFAULT_STAGING_NICE",
@@ -75,13 +99,24 @@ __all__ = [
     "VERSIONS_HEADER",
     "VERSION_HEADER",
     "VIEW_ENV",
+    "ApplyCall",
+    "BeginCall",
     "Heal",
+    "LoraFingerprintAnswer",
+    "LoraFingerprintCall",
+    "LoraModulesAnswer",
+    "LoraModulesCall",
+    "PrefetchCall",
     "PrefetchState",
     "ServedBody",
+    "StatusCall",
     "TokenVersions",
     "UpdateAnswer",
     "UpdateMode",
+    "VerifyCall",
+    "VersionRequest",
     "VersionedCompletion",
+    "WorkerCall",
     "WorkerStatus",
     "bearer_matches",
     "check_update_mode",

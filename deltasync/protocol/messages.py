@@ -15,7 +15,10 @@ from typing import Any
 
 from ..errors import FormatError, VersionError
 
-__all__ = ["Heal", "PrefetchState", "ServedBody", "UpdateAnswer", "WorkerStatus", "check_version"]
+__all__ = [
+    "Heal", "LoraFingerprintAnswer", "LoraModulesAnswer", "PrefetchState", "ServedBody", "UpdateAnswer", "WorkerStatus",
+    "check_version",
+]  # fmt: skip
 
 
 def check_version(version: object, error: type[Exception] = VersionError) -> int:
@@ -226,6 +229,55 @@ class WorkerStatus:
         out["fallback"] = list(self.fallback)
         out["last_update"] = None if self.last_update is None else self.last_update.to_json()
         return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraModulesAnswer:
+    """One worker's answer to ``deltasync_lora_modules``: the adapter modules whose LoRA it loads
+    and applies."""
+
+    modules: list[str]
+    """Loaded and applied (empty where ``problem`` says why none can be)."""
+    loadable: list[str] = field(default_factory=list)
+    """What vLLM's loader accepts in an adapter file."""
+    problem: str | None = None
+    """Why this worker serves no adapter (a model vLLM cannot serve LoRA on)."""
+
+    @classmethod
+    def from_answer(cls, data: object, where: str = "lora modules answer") -> LoraModulesAnswer:
+        d = _mapping(data, where)
+        return cls(
+            modules=[str(m) for m in _take(d, "modules", (list, tuple), where)],
+            loadable=[str(m) for m in _take(d, "loadable", (list, tuple), where, ())],
+            problem=_take(d, "problem", (str,), where, None),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraFingerprintAnswer:
+    """One worker's answer to ``deltasync_lora_fingerprint``: a loaded adapter's fingerprint
+    from the tensors it holds."""
+
+    fingerprint: str | None
+    """None unless every tensor held is exactly what vLLM makes of the adapter's files."""
+    inexact: list[str] = field(default_factory=list)
+    """Tensor names whose held tensor differs."""
+    missing: list[str] = field(default_factory=list)
+    """Tensor names the worker holds nothing for."""
+    unclaimed: int = 0
+    """Held tensors that no name maps to."""
+    dtype: str | None = None
+
+    @classmethod
+    def from_answer(cls, data: object, where: str = "lora fingerprint answer") -> LoraFingerprintAnswer:
+        d = _mapping(data, where)
+        return cls(
+            fingerprint=_take(d, "fingerprint", (str,), where, None),
+            inexact=[str(n) for n in _take(d, "inexact", (list, tuple), where, ())],
+            missing=[str(n) for n in _take(d, "missing", (list, tuple), where, ())],
+            unclaimed=_take(d, "unclaimed", (int,), where, 0),
+            dtype=_take(d, "dtype", (str,), where, None),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,13 +42,16 @@ def test_the_update_route_answers_the_status_and_what_the_update_did():
 def test_the_workers_answers():
     from vllm_ext._adapter_messages import LoraModules, ServedFingerprint
 
-    assert LoraModules.from_answers([{"modules": ["q_proj", "v_proj"]}, {"modules": ["q_proj"]}]).modules == ["q_proj", "v_proj"]
-    assert LoraModules.from_answers([{"modules": [], "problem": "MoE"}]) == LoraModules(modules=None, problem="MoE")
-    ok = {"fingerprint": "ab", "inexact": [], "missing": [], "unclaimed": []}
-    assert ServedFingerprint.from_answers("p-v1", [ok, ok]) == ServedFingerprint(fingerprint="ab")
-    bad = ServedFingerprint.from_answers("p-v1", [ok, {**ok, "fingerprint": None, "missing": ["a.lora_A"]}])
+    from deltasync.protocol import LoraFingerprintCall, LoraModulesCall
+
+    modules, held = LoraModulesCall().answers, LoraFingerprintCall(lora_id=1, path="p", names=[]).answers
+    assert LoraModules.from_answers(modules([{"modules": ["q_proj", "v_proj"]}, {"modules": ["q_proj"]}])).modules == ["q_proj", "v_proj"]
+    assert LoraModules.from_answers(modules([{"modules": [], "problem": "MoE"}])) == LoraModules(modules=None, problem="MoE")
+    ok = {"fingerprint": "ab", "inexact": [], "missing": [], "unclaimed": 0}
+    assert ServedFingerprint.from_answers("p-v1", held([ok, ok])) == ServedFingerprint(fingerprint="ab")
+    bad = ServedFingerprint.from_answers("p-v1", held([ok, {**ok, "fingerprint": None, "missing": ["a.lora_A"]}]))
     assert bad.mismatch and bad.error == "worker 1 does not hold p-v1 as loaded from the bucket (missing: ['a.lora_A'])"
-    apart = ServedFingerprint.from_answers("p-v1", [ok, {**ok, "fingerprint": "cd"}])
+    apart = ServedFingerprint.from_answers("p-v1", held([ok, {**ok, "fingerprint": "cd"}]))
     assert not apart.mismatch and apart.error == "the workers disagree on p-v1: ['ab', 'cd']"
 
 

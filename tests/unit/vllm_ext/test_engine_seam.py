@@ -16,6 +16,7 @@ from typing import Any
 
 from servers import REPO_ROOT, requires_vllm
 
+from deltasync.protocol import ApplyCall, BeginCall, StatusCall, WorkerCall
 from deltasync.protocol.auth import update_tag
 
 pytestmark = requires_vllm  # importing vllm_ext registers its backend with vLLM
@@ -73,25 +74,25 @@ class FakeEngine:
         return [{"rank": r, "version": self.served, "fingerprint": "ab" * 8, "mode": self.mode, "prefetch": prefetch}
                 for r in range(self.workers)]  # fmt: skip
 
-    async def call_workers(self, method: str, *args: Any) -> list[Any]:
-        if method == "deltasync_status":
+    async def call_workers(self, call: WorkerCall[Any]) -> list[Any]:
+        if isinstance(call, StatusCall):
             return self._status(None)
-        self.calls.append((method, *args))
-        if method == "deltasync_begin":
-            state = "applied" if args[0] == self.served else "ready"
-            return self._status({"version": args[0], "state": state})
-        if method == "deltasync_apply":
-            if args[1] != "good-tag" and args[1] != update_tag("tok", args[0]):
+        self.calls.append((call.method, *call.args()))
+        if isinstance(call, BeginCall):
+            state = "applied" if call.version == self.served else "ready"
+            return self._status({"version": call.version, "state": state})
+        if isinstance(call, ApplyCall):
+            if call.auth != "good-tag" and call.auth != update_tag("tok", call.version):
                 return [{"version": self.served, "error": "deltasync: the tag is wrong"}] * self.workers
-            self.served = args[0]
-            return [{"version": args[0], "nbytes": 10}] * self.workers
-        raise AssertionError(method)
+            self.served = call.version
+            return [{"version": call.version, "nbytes": 10}] * self.workers
+        raise AssertionError(call)
 
-    async def apply(self, version: Any, auth: Any) -> Any:
+    async def apply(self, call: ApplyCall) -> Any:
         from vllm_ext._seam import Applied, RequestTokens, SentRequest
 
         tokens = [RequestTokens(SentRequest(i, i.rsplit("-", 1)[0], 0), n) for i, n in self.requests.items()]
-        answers = await self.call_workers("deltasync_apply", version, auth)
+        answers = await self.call_workers(call)
         return Applied(answers, tokens)
 
     def watch_requests(self, sent: Callable[..., None]) -> None:

@@ -13,6 +13,8 @@ from types import SimpleNamespace
 from servers import requires_vllm
 from test_update_route import TOKEN, Engine, _post
 
+from deltasync.protocol import ApplyCall
+
 pytestmark = requires_vllm
 
 
@@ -129,6 +131,17 @@ def test_weight_routes_hold_admissions_until_the_served_version_is_read_back():
     assert passed == ["/update_weights"] and engine.reads == 1
 
 
+def test_an_apply_whose_version_is_not_one_goes_on_to_vllm_and_still_holds_admissions():
+    # Parsed where it enters: not an apply the middleware can run, so vLLM's route answers it
+    # (with the workers' own refusal); the served version is still read back after it.
+    engine = Engine(served=1)
+    for args in (["2", None], [True], [2, 5]):
+        engine.reads = 0
+        _, _, passed = _post(engine, {"method": ApplyCall.method, "args": args}, path="/collective_rpc")
+        assert passed == ["/collective_rpc"] and engine.reads == 1, args
+    assert engine.calls == []
+
+
 def test_token_version_log_tells_finished_requests_from_ones_sent_after_the_write():
     """The engine core reports the tokens of the requests it holds at the write; of the others,
     one sent before the write had finished, one sent after it has every token from the new version."""
@@ -162,11 +175,11 @@ def test_token_version_log_tells_finished_requests_from_ones_sent_after_the_writ
         await engine.engine_core.add_request_async(request(f"0_chatcmpl-{two}-ijklmnop", f"chatcmpl-{two}"))
         held.update({f"cmpl-{one}-0-abcdefgh": 7, f"1_chatcmpl-{two}-ijklmnop": 3, f"0_chatcmpl-{two}-ijklmnop": 3})
         # cmpl-{one}-1 finished before the write
-        assert await log.apply(VllmEngine(engine), 5, None) == [{"version": 5}]
+        assert await log.apply(VllmEngine(engine), ApplyCall(version=5)) == [{"version": 5}]
         await engine.engine_core.add_request_async(request(f"cmpl-{late}-0-qrstuvwx", f"cmpl-{late}-0"))
         held.clear()
         held[f"cmpl-{late}-0-qrstuvwx"] = 2
-        await log.apply(VllmEngine(engine), 6, None)
+        await log.apply(VllmEngine(engine), ApplyCall(version=6))
 
     asyncio.run(scenario())
     assert log.versions(one) == [[(4, 0), (5, 7)], [(4, 0)]]  # prompt 0, then prompt 1 (finished before)

@@ -170,6 +170,11 @@ def test_refusals_before_anything_happens():
         ({}, b"{not json", (400, "/deltasync/update: bad body")),
         ({}, [1], (400, 'the body must be a JSON object {"version": N, "auth": TAG, "mode": "pause"|"inflight"}')),
         ({}, {"version": 1, "path": "/etc"}, (400, "the body must be a JSON object")),
+        # The version and the tag are parsed where they enter: nothing is staged or paused.
+        ({}, {"version": "3", "auth": "tag"}, (400, "/deltasync/update: bad body (version must be a non-negative integer, got '3')")),
+        ({}, {"version": True}, (400, "version must be a non-negative integer, got True")),
+        ({}, {"auth": "tag"}, (400, "version must be a non-negative integer, got None")),
+        ({}, {"version": 3, "auth": 5}, (400, "the auth tag of the update to version 3 must be a string, got int")),
     ]:
         engine = Engine()
         status, answer, passed = _post(engine, body, **kwargs)

@@ -1,0 +1,85 @@
+"""The fingerprint (deltasync/format/fingerprint.py): golden values, its documented definition, and its
+properties."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from format_example import (
+    bf16,
+    apply,
+    example_state,
+    example_changes,
+    ref_seed,
+    ref_mix64,
+    ref_fingerprint,
+    random_bits,
+)
+from format_golden import FP0, FP1
+
+from deltasync.format.fingerprint import fingerprint, fingerprint_update
+
+
+def test_fingerprint_golden() -> None:
+    state = example_state()
+    assert fingerprint(state) == FP0
+    assert fingerprint(apply(state, example_changes())) == FP1
+    assert ref_seed("model.norm.weight") == 0x3BBD05D3E6D4D252
+    assert ref_seed("model.proj.weight") == 0x45D35D8BF4389C77
+    # mix64 is SplitMix64's output function: its first output from seed 0 is a known value.
+    assert ref_mix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
+
+
+def random_state(seed: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    return {name: bf16(random_bits(rng, int(np.prod(shape)))).reshape(shape) for name, shape in shapes.items()}
+
+
+SHAPES = {"embed.weight": (64, 8), "layers.0.mlp.weight": (16, 16), "norm.weight": (8,), "tiny": (1,)}
+
+
+def test_fingerprint_matches_its_definition() -> None:
+    for state in (example_state(), random_state(0, SHAPES)):
+        assert fingerprint(state) == ref_fingerprint(state)
+
+
+def test_fingerprint_does_not_depend_on_order() -> None:
+    state = random_state(1, SHAPES)
+    forward = fingerprint(state)
+    assert fingerprint(dict(reversed(list(state.items())))) == forward
+    halves = [dict(list(state.items())[:2]), dict(list(state.items())[2:])]
+    total = (int(fingerprint(halves[0]), 16) + int(fingerprint(halves[1]), 16)) % 2**64
+    assert f"{total:016x}" == forward
+
+
+def test_fingerprint_incremental_update_equals_full_recompute() -> None:
+    state = random_state(2, SHAPES)
+    value = fingerprint(state)
+    rng = np.random.default_rng(2)
+    for _ in range(5):
+        for name in reversed(list(state)):
+            flat = state[name].view(-1)
+            index = torch.from_numpy(np.flatnonzero(rng.random(flat.numel()) < 0.3))
+            new = bf16(random_bits(rng, index.numel()))
+            value = fingerprint_update(value, name, index, flat[index].clone(), new)
+            flat[index] = new
+            assert value == fingerprint(state)
+    assert fingerprint_update(value, "norm.weight", torch.tensor([], dtype=torch.int64), bf16([]), bf16([])) == value
+
+
+def test_fingerprint_is_bit_exact() -> None:
+    plus = {"w": bf16([0x0000, 0x3F80])}
+    minus = {"w": bf16([0x8000, 0x3F80])}
+    assert fingerprint(plus) != fingerprint(minus)  # +0.0 == -0.0 as numbers, not as bits
+    assert fingerprint({"w": bf16([0x7FC0])}) != fingerprint({"w": bf16([0x7FC1])})  # NaN payloads
+    assert fingerprint({"w": bf16([1, 2])}) != fingerprint({"w": bf16([2, 1])})  # positions
+    assert fingerprint({"w": bf16([1])}) != fingerprint({"v": bf16([1])})  # names
+    assert fingerprint({"w": bf16([0])}) != fingerprint({})  # a zero element still counts
+    assert fingerprint({}) == "0000000000000000"
+
+
+def test_fingerprint_hashes_other_dtypes_as_their_bf16_rounding() -> None:
+    fp32 = torch.tensor([1.0 + 2**-9, -3.14159, 1e-40])
+    assert fingerprint({"w": fp32}) == fingerprint({"w": fp32.to(torch.bfloat16)})
+    assert fingerprint({"w": fp32.reshape(3, 1)}) == fingerprint({"w": fp32})  # shapes are not hashed

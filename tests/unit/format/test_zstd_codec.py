@@ -1,0 +1,219 @@
+"""The zstd codec (deltasync/format/codecs/zstd.py): golden streams and bytes, the documented stream
+definitions, the ordered bit-pattern transform, and what its decoder refuses."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from safetensors.torch import load as st_load
+
+from format_example import (
+    bf16,
+    bits_of,
+    rebuild,
+    apply,
+    decode,
+    example_state,
+    example_files,
+    big_gap_changes,
+    zstd_streams,
+    ref_ordered,
+    ref_from_ordered,
+    ref_streams,
+    make_case,
+    CASES,
+    encode,
+    _big_gap_file,
+)
+from format_golden import (
+    ZSTD_GOLDEN_LIBZSTD,
+    FP0,
+    FP1,
+    ZSTD_METADATA_TEXT,
+    ZSTD_TENSOR_ORDER,
+    ZSTD_COUNTS,
+    ZSTD_STREAMS,
+    ZSTD_DELTA_SHA256,
+    BIG_GAP_STREAMS,
+)
+
+from deltasync import FormatError
+from deltasync import format as F
+from deltasync.format.codecs import zstd as Z
+from deltasync.format.fingerprint import fingerprint
+
+
+# --------------------------------------------------------------------------- golden bytes
+
+
+def test_zstd_delta_golden_header_and_streams() -> None:
+    data = example_files()["zstd"]
+    tensors = st_load(data)
+    # The header is exactly what the layout rules give; only the compressed sizes are free.
+    entries, offset = [], 0
+    for key in ZSTD_TENSOR_ORDER:
+        size = tensors[key].numel() * tensors[key].element_size()
+        dtype = "I64" if key == "zstd:counts" else "U8"
+        shape = tensors[key].numel()
+        entries.append(f'"{key}":{{"dtype":"{dtype}","shape":[{shape}],"data_offsets":[{offset},{offset + size}]}}')
+        offset += size
+    text = b'{"__metadata__":' + ZSTD_METADATA_TEXT + b"," + ",".join(entries).encode() + b"}"
+    text += b" " * (-len(text) % 8)
+    assert data[:8] == struct.pack("<Q", len(text))
+    assert data[8 : 8 + len(text)] == text
+    assert len(data) == 8 + len(text) + offset
+    assert tensors["zstd:counts"].numpy().tobytes().hex() == ZSTD_COUNTS
+    assert {key: raw.hex() for key, raw in zstd_streams(data).items()} == ZSTD_STREAMS
+    assert tensors["zstd:gap_hi"].shape == tensors["zstd:gap_big"].shape == (0,)  # empty streams: no frame
+
+
+@pytest.mark.skipif(
+    zstandard.ZSTD_VERSION != ZSTD_GOLDEN_LIBZSTD,
+    reason=f"compressed bytes are pinned for libzstd {ZSTD_GOLDEN_LIBZSTD}, this is {zstandard.ZSTD_VERSION}",
+)
+def test_zstd_delta_golden_file_bytes() -> None:
+    assert F.sha256_hex(example_files()["zstd"]) == ZSTD_DELTA_SHA256
+
+
+def test_zstd_streams_are_single_frames_with_content_size() -> None:
+    _, changes = big_gap_changes()
+    data = F.encode_delta(
+        changes, version=1, anchor=0, codec="zstd", total=70000, fingerprint=FP1, base_fingerprint=FP0
+    )
+    tensors = st_load(data)
+    for key in Z.STREAMS:
+        blob = tensors["zstd:" + key].numpy().tobytes()
+        assert blob[:4] == bytes.fromhex("28b52ffd")  # every stream of this example is non-empty
+        params = zstandard.get_frame_parameters(blob)
+        assert params.content_size == len(bytes.fromhex(BIG_GAP_STREAMS[key]))
+
+
+def test_big_gaps_golden_streams() -> None:
+    state, changes = big_gap_changes()
+    streams, counts = Z.zstd_streams(list(changes.items()))
+    assert counts == [4]
+    assert {key: raw.hex() for key, raw in streams.items()} == BIG_GAP_STREAMS
+    data = F.encode_delta(
+        changes, version=1, anchor=0, codec="zstd", total=70000, fingerprint=FP1, base_fingerprint=FP0
+    )
+    _, decoded = decode(data, state)
+    assert decoded["model.embed.weight"].index.tolist() == [5, 300, 600, 69999]
+    assert bits_of(decoded["model.embed.weight"].new) == [0x0001, 0x8001, 0x3C00, 0x0003]
+
+
+# --------------------------------------------------------------------------- the streams
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("case", list(CASES))
+def test_zstd_streams_are_the_same_when_transformed_in_chunks(case: str, chunk: int, monkeypatch) -> None:
+    """The codec transforms each parameter's changes a bounded chunk at a time (memory); the
+    streams, and so the file bytes, must not depend on the chunk."""
+    state, changes = CASES[case]()
+    whole = encode(changes, state, "zstd")
+    monkeypatch.setattr(Z, "ENCODE_CHUNK", chunk)
+    assert encode(changes, state, "zstd") == whole
+
+
+def test_gap_big_is_used_from_255_times_256() -> None:
+    _state, changes = CASES["gaps of 255*256 and more use gap_big"]()
+    streams, _ = Z.zstd_streams(list(changes.items()))
+    # gaps 65280 (high part 255: escaped), 65279 (high part 254), 69438 (high part 271: escaped)
+    assert streams["gap_hi_mask"] == bytes([0b111])
+    assert streams["gap_hi"] == bytes([255, 254, 255])
+    assert streams["gap_big"] == (255).to_bytes(8, "little") + (271).to_bytes(8, "little")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_zstd_streams_follow_the_documented_definitions(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    numels = {"a": int(rng.integers(1, 400000)), "b": int(rng.integers(1, 50))}
+    index = {
+        name: sorted(set(rng.integers(0, n, size=int(rng.integers(1, 40))).tolist())) for name, n in numels.items()
+    }
+    _state, changes = make_case(numels, index, seed=seed)
+    streams, counts = Z.zstd_streams(list(changes.items()))
+    items = [(c.index.tolist(), bits_of(c.old), bits_of(c.new)) for c in changes.values()]
+    assert streams == ref_streams(items)
+    assert counts == [len(i) for i, _, _ in items]
+
+
+def test_ordered_bit_pattern_transform() -> None:
+    every = torch.arange(-0x8000, 0x8000, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    ordered = Z.ordered(every)
+    bits = bits_of(every)
+    assert ordered.tolist() == [ref_ordered(b) for b in bits]
+    assert sorted(ordered.tolist()) == list(range(-0x8000, 0x8000))  # a bijection onto int16
+    assert bits_of(Z.from_ordered(ordered)) == bits
+    assert bits_of(Z.from_ordered(ordered + 0x10000)) == bits  # taken modulo 2**16
+    assert Z.ordered(bf16([0x0000, 0x8000, 0x0001, 0x8001, 0x7FFF, 0xFFFF])).tolist() == [0, -1, 1, -2, 32767, -32768]
+    finite = torch.tensor([-3.0, -1.0, -1e-30, 0.0, 1e-30, 2.0, float("inf")], dtype=torch.bfloat16)
+    assert Z.ordered(finite).tolist() == sorted(Z.ordered(finite).tolist())  # monotone in the value
+    assert all(ref_from_ordered(ref_ordered(b)) == b for b in range(0x10000))
+    # The decoder's int16 form of both: the same map on every pattern, and (ordered + d) taken
+    # back for every pattern at every difference the symbols code (1-3 each way) and at the extremes.
+    flip = Z._flip16(every.view(torch.int16))
+    assert flip.tolist() == [o - 0x10000 if o >= 0x8000 else o for o in (ref_ordered(b) for b in bits)]
+    assert Z._flip16(flip).tolist() == every.view(torch.int16).tolist()
+    for d in (1, -1, 2, -2, 3, -3, 0x7FFF, -0x8000):
+        moved = bits_of(Z._flip16(flip + torch.tensor(d, dtype=torch.int16)).view(torch.bfloat16))
+        assert moved == [ref_from_ordered(ref_ordered(b) + d) for b in bits], d
+
+
+def test_zstd_values_are_relative_to_the_receivers_state() -> None:
+    data = example_files()["zstd"]
+    shifted = {name: bf16([b + 1 for b in bits_of(t)]) for name, t in example_state().items()}
+    _, decoded = decode(data, shifted)
+    assert bits_of(decoded["model.norm.weight"].new) == [0x3F80, 0x3F7F]  # each one pattern higher
+    # ... which the fingerprint then catches: the result is not the state the file names.
+    assert fingerprint(apply(shifted, decoded)) != FP1
+
+
+def test_zstd_encoder_handles_an_unchanged_element() -> None:
+    old = bf16([0x3F80, 0x3F80])
+    changes = {"w": F.Change(index=torch.tensor([0, 1]), new=bf16([0x3F80, 0x4000]), old=old)}
+    try:
+        data = F.encode_delta(
+            changes, version=1, anchor=0, codec="zstd", total=2, fingerprint=FP1, base_fingerprint=FP0
+        )
+    except FormatError:
+        return  # refusing is fine too
+    _, decoded = decode(data, {"w": old})
+    assert bits_of(decoded["w"].new) == [0x3F80, 0x4000]
+
+
+# --------------------------------------------------------------------------- malformed streams
+
+
+def test_gap_big_that_wraps_is_refused() -> None:
+    with pytest.raises(FormatError, match="gap"):
+        decode(_big_gap_file((2**56).to_bytes(8, "little")))
+
+
+def test_indices_that_overflow_are_a_format_error() -> None:
+    data = rebuild(
+        _big_gap_file((2**54).to_bytes(8, "little")),
+        meta={"changed": "2", "params": "1"},
+        tensors={"zstd:counts": torch.tensor([2], dtype=torch.int64)},
+    )
+    data = rebuild(
+        data,
+        tensors={
+            "zstd:" + k: torch.frombuffer(
+                bytearray(zstandard.ZstdCompressor(write_content_size=True).compress(v)), dtype=torch.uint8
+            )
+            for k, v in {
+                "gap_lo": b"\x00\x00",
+                "gap_hi_mask": b"\x03",
+                "gap_hi": b"\xff\xff",
+                "gap_big": (2**54).to_bytes(8, "little") * 2,
+                "sym": b"\x05",
+            }.items()
+        },
+    )
+    with pytest.raises(FormatError):
+        decode(data)
