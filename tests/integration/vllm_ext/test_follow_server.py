@@ -319,9 +319,13 @@ def test_a_follower_tags_each_token_with_the_weights_that_sampled_it(lab, follow
     late = [a for a in answers if a.starts[0][0][0] == second]
     assert all(starts == [(second, 0)] for a in late for starts in a.starts), [(a.kind, a.starts) for a in late]
     answers = [a for a in answers if a.starts[0][0][0] != second]
-    with torch.no_grad():  # the first version's weights again, as a new version: the reference
-        for name, p in lab.model.named_parameters():
-            p.copy_(saved[name])
-    _wait([server], lab.publisher.publish().version, lab.fingerprint)
-    inside = check_boundaries(server.url, answers, first, second)
+    newer = {name: p.detach().clone() for name, p in lab.model.named_parameters()}
+
+    def hold(version: int) -> None:  # that version's weights again, as a new version: a reference
+        with torch.no_grad():
+            for name, p in lab.model.named_parameters():
+                p.copy_((saved if version == first else newer)[name])
+        _wait([server], lab.publisher.publish().version, lab.fingerprint)
+
+    inside = check_boundaries(server.url, answers, first, second, hold)
     assert inside >= 3, [(a.kind, a.starts) for a in answers]

@@ -249,11 +249,15 @@ def test_each_token_is_tagged_with_the_weights_that_sampled_it(world, server):
         # The server's word says where each choice changed version; too few inside: try again.
         if straddling(answers) >= 3:
             break
-    # The first version's weights again, as a new version: the reference the truth is read on.
-    with torch.no_grad():
-        for name, p in world.model.named_parameters():
-            p.copy_(saved[name])
-    assert client.update(world.publisher.publish().version).ok
-    inside = check_boundaries(server.url, answers, first, second)
+    # Each version's weights again, as a new version: the references the truth is read on.
+    newer = {name: p.detach().clone() for name, p in world.model.named_parameters()}
+
+    def hold(version: int) -> None:  # that version's weights again, as a new version: a reference
+        with torch.no_grad():
+            for name, p in world.model.named_parameters():
+                p.copy_((saved if version == first else newer)[name])
+        assert client.update(world.publisher.publish().version).ok
+
+    inside = check_boundaries(server.url, answers, first, second, hold)
     # The choices straddled the update (it returned while a stream was at ``reached`` tokens).
     assert inside >= 3, ([(a.kind, a.starts) for a in answers], took, reached, attempt)
