@@ -172,9 +172,11 @@ def test_a_late_server_catches_up_from_s3_and_a_killed_follower_comes_back(lab, 
             _wait([late], late_version, lab.fingerprint)
             (worker,) = _served(late)["workers"]
             assert worker["last_update"]["kind"] == "anchor" and worker["bucket"] == url  # the newest anchor, then deltas
-            lab.publish()
+            local_version = lab.publish()
             on_s3.publish()
-            _wait([late, *followers.values()], on_s3.version, lab.fingerprint)
+            # Same weights, two chains: each follower reaches its own bucket's newest version.
+            _wait([late], on_s3.version, lab.fingerprint)
+            _wait(list(followers.values()), local_version, lab.fingerprint)
             state = _served(late)
             assert state["workers"][0]["last_update"]["kind"] == "delta" and state["follow"]["last_error"] is None
             # Token for token and logprob for logprob what the in-place follower of the local bucket
