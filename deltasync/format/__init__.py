@@ -53,6 +53,7 @@ from .manifest import manifest_digest, tensors_manifest
 from .pointer import (
     DATA_PATH_RE,
     HISTORY_PATH,
+    CLAIM_PATH,
     MAX_ANCHORS,
     MAX_HISTORY_BYTES,
     MAX_PARTS,
@@ -85,6 +86,7 @@ from .versions import (
 __all__ = [
     "POINTER_PATH",
     "HISTORY_PATH",
+    "CLAIM_PATH",
     "DATA_PATH_RE",
     "MAX_ANCHORS",
     "MAX_COUNT",

@@ -13,6 +13,7 @@ from ..errors import FormatError
 __all__ = [
     "POINTER_PATH",
     "HISTORY_PATH",
+    "CLAIM_PATH",
     "DATA_PATH_RE",
     "VERSIONED_PATH_RE",
     "anchor_path",
@@ -27,6 +28,9 @@ __all__ = [
 
 POINTER_PATH = "latest.json"
 HISTORY_PATH = "history.jsonl"
+CLAIM_PATH = "writer.json"
+"""A new chain's claim: the writer that is about to commit the first version into a bucket
+that has no pointer yet (created only if absent; deleted once the pointer names that writer)."""
 
 _VERSIONED = r"(?:anchors|deltas)/([0-9]{8,16})"
 DATA_PATH_RE = re.compile(_VERSIONED + r"(?:\.part[0-9]+)?\.safetensors\Z", re.ASCII)

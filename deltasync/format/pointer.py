@@ -20,6 +20,7 @@ from .limited_json import check_int, parse_json
 from .paths import (
     DATA_PATH_RE,
     HISTORY_PATH,
+    CLAIM_PATH,
     POINTER_PATH,
     VIEW_NAME_RE,
     VIEWS_PREFIX,
@@ -51,6 +52,7 @@ from .versions import (
 __all__ = [
     "POINTER_PATH",
     "HISTORY_PATH",
+    "CLAIM_PATH",
     "MAX_POINTER_BYTES",
     "MAX_HISTORY_BYTES",
     "MAX_ANCHORS",

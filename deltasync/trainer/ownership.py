@@ -12,6 +12,15 @@ A writer that took the chain from one that may still be running starts two versi
 the committed one: the old writer may still be writing the files of the version after it
 (which then never share a name with the new writer's), and its commit of them fails.
 
+A bucket with no pointer has no writer record to hold it yet. A publisher that finds none first
+creates the claim file ``writer.json`` (create-if-absent), naming itself with a lease, and only
+then writes the first version; it deletes the claim once its first pointer is committed (the
+pointer then names it). A second publisher that starts on the same empty bucket meanwhile finds
+the claim and is refused as it would be by a pointer, before it writes a byte; a claim whose
+writer is gone (let go, its process ended, its lease over, or ``take_over=True``) is taken the
+same way a pointer is, and a writer that may still run is left version 0 (the new chain starts
+at 1).
+
 :class:`PointerFile` is a chain's pointer under those conditional writes
 (:class:`~deltasync.stores.TaggedFile`); the bf16 chain's :class:`ChainOwnership` adds the
 writer record, the lease and taking over, and a quantized view's chain commits through a
@@ -21,6 +30,7 @@ plain one, whose first commit is conditional on the pointer it finds then.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import secrets
@@ -32,7 +42,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..errors import DeltaSyncError, NotFoundError, WriterConflictError
-from ..format import MAX_POINTER_BYTES, POINTER_PATH, Pointer, WriterRecord
+from ..format import CLAIM_PATH, MAX_POINTER_BYTES, POINTER_PATH, Pointer, WriterRecord, parse_json
 from ..stores import TaggedFile, conditional_guarantee, read_tagged
 
 if TYPE_CHECKING:
@@ -41,6 +51,10 @@ if TYPE_CHECKING:
 __all__ = ["ChainOwnership", "PointerFile", "now_ms"]
 
 logger = logging.getLogger("deltasync.trainer.publisher")  # the publisher's parts log as the publisher
+
+
+MAX_CLAIM_BYTES = 4096
+"""The most bytes read of a claim file (one writer record)."""
 
 
 def now_ms() -> int:
@@ -157,6 +171,8 @@ class ChainOwnership(PointerFile):
         """This writer (``committed_ms`` is set at each commit)."""
         super().__init__(store, self._changed_under, self.record)
         _LIVE[self.record.token] = self
+        self._claim: TaggedFile | None = None
+        """This writer's claim of a bucket that had no pointer, until its first commit."""
         self.guarantee = conditional_guarantee(store)
         if self.guarantee is None:
             logger.warning(
@@ -172,28 +188,99 @@ class ChainOwnership(PointerFile):
         :class:`WriterConflictError` having written nothing; return the pointer as rewritten
         (naming this writer) and the version this writer starts at."""
         if pointer is None:
-            return None, 0
+            return self._claim_empty()
         held = pointer.writer
         skip = 0
         if held is not None and held.token != self.record.token:
-            free = self._free(held)
-            if free is None and not self.take_over:
-                raise WriterConflictError(
-                    f"bucket {self.store.url} is held by another writer ({held.describe()}; its last commit: "
-                    f"version {pointer.version} at {_utc(held.committed_ms)}; held until {_utc(held.expires_ms)} "
-                    "unless it commits again). This publisher wrote nothing. One bucket takes one writer: if "
-                    "that writer is dead, pass take_over=True (or wait for its lease to end); if it runs, "
-                    "publish into another bucket"
-                )
-            if free is None or free == "its lease ended":
+            last = f"its last commit: version {pointer.version} at {_utc(held.committed_ms)}"
+            why = self._may_still_run(held, last)
+            if why is not None:
                 skip = 1  # it may still be writing the files of the version after its last
-                logger.warning(
-                    "deltasync: taking bucket %s over from %s (%s; last commit: version %d); starting at version %d",
-                    self.store.url, held.describe(), "take_over=True" if free is None else free,
-                    pointer.version, pointer.version + 2,
-                )  # fmt: skip
+                logger.warning("deltasync: taking bucket %s over from %s (%s; %s); starting at version %d",
+                               self.store.url, held.describe(), why, last, pointer.version + 2)  # fmt: skip
         claimed = self.commit(pointer, what="taking the chain")
         return claimed, pointer.version + 1 + skip
+
+    def _may_still_run(self, held: WriterRecord, last: str) -> str | None:
+        """Why the writer ``held`` (``last``: what it last did, for the error) may still run once
+        this one takes the chain from it (None: it cannot); :class:`WriterConflictError` if it
+        holds the chain and this writer is not told to take it over."""
+        free = self._free(held)
+        if free is None and not self.take_over:
+            raise WriterConflictError(
+                f"bucket {self.store.url} is held by another writer ({held.describe()}; {last}; held until "
+                f"{_utc(held.expires_ms)} unless it commits again). This publisher wrote nothing. One bucket takes "
+                "one writer: if that writer is dead, pass take_over=True (or wait for its lease to end); if it "
+                "runs, publish into another bucket"
+            )
+        if free is None:
+            return "take_over=True"
+        return free if free == "its lease ended" else None
+
+    # ------------------------------------------------------------------ a new chain's claim
+
+    def _claim_empty(self) -> tuple[Pointer | None, int]:
+        """Claim a bucket that has no pointer (see the module's docstring): create the claim
+        file naming this writer, or take a claim whose writer is gone; then read the pointer
+        once more, in case a writer committed since (its claim is gone once its pointer is
+        written): that chain is then taken, or refused, as any other."""
+        claim = TaggedFile(self.store, CLAIM_PATH, limit=MAX_CLAIM_BYTES, changed=self._claim_changed)
+        data = claim.read()
+        start = 0
+        held = None if data is None else self._claimant(data)
+        if held is not None and held.token != self.record.token:
+            claimed = f"it claimed the empty bucket at {_utc(held.committed_ms)} and has committed nothing yet"
+            why = self._may_still_run(held, claimed)
+            if why is not None:
+                start = 1  # it may still be writing the files of version 0
+                logger.warning("deltasync: taking the claim of empty bucket %s from %s (%s; %s); starting at version 1",
+                               self.store.url, held.describe(), why, claimed)  # fmt: skip
+        claim.write(json.dumps({"writer": self.record.to_json()}, sort_keys=True).encode(), what="claiming the empty bucket")
+        self._claim = claim
+        pointer = self.read()
+        if pointer is not None:  # a writer committed between the first read and the claim
+            self._drop_claim()
+            return self.claim(pointer)
+        return None, start
+
+    def _claimant(self, data: bytes) -> WriterRecord | None:
+        """The writer a claim file names (None: one that cannot be read, which is taken)."""
+        where = f"{self.store.url}/{CLAIM_PATH}"
+        try:
+            item = parse_json(data, where=where, what="the claim", max_bytes=MAX_CLAIM_BYTES, max_depth=2)
+            if not isinstance(item, dict):
+                raise DeltaSyncError(f"{where}: not a JSON object")
+            return WriterRecord.from_json(item.get("writer"), where)
+        except DeltaSyncError as exc:
+            logger.warning("deltasync: %s cannot be read, this writer replaces it: %s", where, exc)
+            return None
+
+    def _claim_changed(self, what: str, exc: Exception | None) -> str:
+        """Why this writer stops when the claim file changed under it: who claimed it."""
+        try:
+            held = self._claimant(read_tagged(self.store, CLAIM_PATH, MAX_CLAIM_BYTES)[0])
+            who = "a writer whose claim cannot be read" if held is None else held.describe()
+        except NotFoundError:
+            who = "a writer that has committed since (its claim is gone)"
+        except Exception as read_error:  # noqa: BLE001  (the reason is what matters here)
+            who = f"a writer whose claim cannot be read now ({read_error})"
+        return (
+            f"bucket {self.store.url} has no pointer, and another writer claimed it while this one was {what}: "
+            f"{who}. This publisher wrote nothing. One bucket takes one writer"
+            + (f" [{exc}]" if exc is not None else "")
+        )
+
+    def _drop_claim(self) -> None:
+        """Delete this writer's claim file, if it is still this writer's (best effort: a claim
+        left behind names a writer that committed, and the next one takes it)."""
+        claim, self._claim = self._claim, None
+        if claim is None:
+            return
+        try:
+            if claim.still_ours("deleting its claim"):
+                self.store.delete([CLAIM_PATH])
+        except Exception as exc:  # noqa: BLE001  (the chain is committed; the claim is informative now)
+            logger.warning("deltasync: could not delete the claim %s/%s: %s", self.store.url, CLAIM_PATH, exc)
 
     def _free(self, held: WriterRecord) -> str | None:
         """Why the chain ``held`` names is free to take, or None if that writer holds it."""
@@ -216,7 +303,10 @@ class ChainOwnership(PointerFile):
         :class:`WriterConflictError` says who holds the chain now."""
         self.check()
         record = replace(self.record, committed_ms=now_ms(), lease_ms=self.record.lease_ms if lease_ms is None else lease_ms)
-        return super().commit(replace(pointer, writer=record), what=what)
+        committed = super().commit(replace(pointer, writer=record), what=what)
+        if self._claim is not None:
+            self._drop_claim()  # the pointer names this writer now
+        return committed
 
     def still_ours(self, what: str) -> bool:
         """Whether the bucket's pointer is still the one this writer last wrote (one read);
@@ -250,7 +340,10 @@ class ChainOwnership(PointerFile):
         """Let go of the chain (a writer that closes): rewrite the pointer with a lease of 0, so
         that the next writer takes it at once. Never raises: a failure is logged."""
         _LIVE.pop(self.record.token, None)
-        if pointer is None or self.stopped is not None:
+        if pointer is None:
+            self._drop_claim()  # closed before its first commit
+            return
+        if self.stopped is not None:
             return
         try:
             self.commit(pointer, what="letting go of the chain", lease_ms=0)

@@ -24,7 +24,7 @@ from ..format import CODECS, MAX_ANCHORS, ChainEntry, get_codec
 from ..stores import open_store
 from .anchors import AnchorScheduler
 from .capture import CAPTURE_MODES, Capture, CaptureMode, ChangeCapture
-from .checkpoint_layout import checkpoint_layout
+from .checkpoint_layout import CheckpointLayout, checkpoint_layout
 from .detector import BF16ChangeDetector
 from .memory import release_free_memory
 from .retention import Retention
@@ -258,6 +258,15 @@ class DeltaPublisher:
             codec=options.codec, level=options.zstd_level, keep_anchors=options.keep_anchors,
             lease_s=options.lease_seconds, take_over=take_over,
         )  # fmt: skip
+        try:
+            self._build(options, source, params, checkpoint, live_layout, layout)
+        except BaseException:
+            self._writer.release()  # refused (a view it cannot write, ...): it lets go of the chain it took
+            raise
+
+    def _build(self, options: PublishOptions, source: WeightSource, params: dict[str, torch.Tensor],
+               checkpoint: CheckpointLayout, live_layout: ShardLayout, layout: ShardLayout) -> None:  # fmt: skip
+        """The parts of a publisher that come after its hold on the chain."""
         self._chain: ChainState | None = None
         self._next = self._writer.next_version
         self._capture = ChangeCapture(self.detector, checkpoint, layout, options.capture)

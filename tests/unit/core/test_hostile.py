@@ -748,8 +748,8 @@ def test_retention_deletes_only_the_names_it_writes(tmp_path) -> None:
     assert (publisher.pointer.base, [a.version for a in publisher.pointer.anchors]) == (2, [4])
     left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
     kept = ["anchors/00000004.safetensors", "deltas/00000003.safetensors", "deltas/00000004.safetensors"]
-    # (and the lock file of the pointer's conditional writes, hidden from listings)
-    assert left == sorted([*foreign, *kept, "history.jsonl", "latest.json", ".latest.json.lock"])
+    # (and the lock files of the pointer's and the claim's conditional writes, hidden from listings)
+    assert left == sorted([*foreign, *kept, "history.jsonl", "latest.json", ".latest.json.lock", ".writer.json.lock"])
 
 
 def test_stale_temporary_files_of_killed_writes_are_cleaned(tmp_path) -> None:

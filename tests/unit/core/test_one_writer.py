@@ -20,7 +20,7 @@ import torch
 
 from deltasync import DeltaPublisher, DeltaReceiver, FormatError, WriterConflictError, open_store
 from deltasync.cli import main as cli_main
-from deltasync.format import POINTER_PATH, Pointer
+from deltasync.format import CLAIM_PATH, POINTER_PATH, Pointer
 from deltasync.stores import HfBucketStore, Store
 
 SHAPES = {"w": (8, 16), "b": (16,)}
@@ -244,3 +244,128 @@ def test_a_pointer_restored_with_its_own_bytes_is_still_the_writers(bucket: Stor
         assert publisher.publish().version == 2
         publisher.flush()
     readable_end_to_end(bucket, 2, publisher.fingerprint)
+
+
+# ---------------------------------------------------------------- an empty bucket's claim
+
+
+def _claim(bucket: Store) -> dict:
+    return json.loads(bucket.read_bytes(CLAIM_PATH))["writer"]
+
+
+def test_two_writers_on_an_empty_bucket_the_second_is_refused_before_it_writes_a_byte(bucket: Store) -> None:
+    first_model = Tiny()
+    first = DeltaPublisher(bucket, first_model, None)
+    assert bucket.list() == [CLAIM_PATH]  # claimed before a byte of data
+    assert _claim(bucket)["pid"] == os.getpid() and _claim(bucket)["lease_ms"] > 0
+    before = snapshot(bucket)
+    with pytest.raises(WriterConflictError) as caught:
+        DeltaPublisher(bucket, Tiny(seed=1), None)
+    message = str(caught.value)
+    assert f"bucket {bucket.url} is held by another writer (host {socket.gethostname()!r}, process {os.getpid()}" in message
+    assert "it claimed the empty bucket at " in message and "has committed nothing yet" in message
+    assert "This publisher wrote nothing" in message
+    assert snapshot(bucket) == before
+    assert first.publish().version == 0
+    first.flush()
+    assert CLAIM_PATH not in bucket.list()  # the pointer names the writer now
+    step(first_model, 0)
+    assert first.publish().version == 1
+    first.flush()
+    readable_end_to_end(bucket, 1, first.fingerprint)
+    first.close()
+
+
+def test_a_writer_that_read_no_pointer_before_another_committed_is_refused(bucket: Store) -> None:
+    """The other order: the second writer read no pointer, then the first claimed, committed and
+    deleted its claim; the second's claim then succeeds, and its read of the pointer after it
+    finds the first's chain: refused, and its claim deleted."""
+    from deltasync.trainer.ownership import ChainOwnership
+
+    late = ChainOwnership(bucket, lease_s=60, take_over=False)
+    assert late.read() is None
+    model = Tiny()
+    first = DeltaPublisher(bucket, model, None)
+    first.publish()
+    first.flush()
+    before = snapshot(bucket)
+    with pytest.raises(WriterConflictError, match="is held by another writer .* its last commit: version 0"):
+        late.claim(None)
+    assert snapshot(bucket) == before  # its claim came and went
+    step(model, 0)
+    assert first.publish().version == 1
+    first.flush()
+    readable_end_to_end(bucket, 1, first.fingerprint)
+    first.close()
+
+
+@pytest.mark.parametrize("bucket", ["local", "memory", "s3"], indirect=True)  # the Hub's API has no precondition
+def test_two_writers_starting_at_once_on_an_empty_bucket_one_writes(bucket: Store) -> None:
+    import threading
+
+    barrier = threading.Barrier(2)
+    outcome: dict[int, object] = {}
+
+    def start(seed: int) -> None:
+        barrier.wait()
+        try:
+            outcome[seed] = DeltaPublisher(bucket, Tiny(seed=seed), None)
+        except WriterConflictError as exc:
+            outcome[seed] = exc
+
+    threads = [threading.Thread(target=start, args=(seed,)) for seed in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    refused = [o for o in outcome.values() if isinstance(o, WriterConflictError)]
+    (winner,) = [o for o in outcome.values() if isinstance(o, DeltaPublisher)]
+    assert len(refused) == 1 and "wrote nothing" in str(refused[0])
+    assert winner.publish().version == 0
+    winner.flush()
+    readable_end_to_end(bucket, 0, winner.fingerprint)
+    winner.close()
+
+
+def test_a_claim_whose_writer_is_gone_is_taken(bucket: Store, caplog: pytest.LogCaptureFixture) -> None:
+    # Closed before its first commit: it let go of its claim.
+    DeltaPublisher(bucket, Tiny(), None).close()
+    assert bucket.list() == []
+    # A claim whose process is gone (this host), and one that cannot be read: taken, version 0.
+    gone = json.loads(json.dumps({"writer": {
+        "host": socket.gethostname(), "pid": 2**22 + 17, "started_ms": 1, "token": "0" * 32,
+        "committed_ms": int(time.time() * 1000), "lease_ms": 600_000}}))  # fmt: skip
+    for data in (json.dumps(gone).encode(), b"{not json"):
+        bucket.write_bytes(CLAIM_PATH, data)
+        with DeltaPublisher(bucket, Tiny(), None) as publisher:
+            assert _claim(bucket)["pid"] == os.getpid()
+        assert bucket.list() == []
+    # Another host's claim whose lease ended: taken, and version 0 left to it (it may still be writing).
+    gone["writer"].update(host="elsewhere", committed_ms=1)
+    bucket.write_bytes(CLAIM_PATH, json.dumps(gone).encode())
+    with caplog.at_level(logging.WARNING, logger="deltasync"):
+        publisher = DeltaPublisher(bucket, Tiny(), None)
+    assert "taking the claim of empty bucket" in caplog.text and "its lease ended" in caplog.text
+    first = publisher.publish()
+    assert (first.version, first.kind) == (1, "anchor")
+    publisher.flush()
+    assert CLAIM_PATH not in bucket.list()
+    readable_end_to_end(bucket, 1, publisher.fingerprint)
+    publisher.close()
+
+
+def test_take_over_takes_a_live_claim_and_the_claimant_stops(bucket: Store) -> None:
+    claimant = DeltaPublisher(bucket, Tiny(), None)
+    new = DeltaPublisher(bucket, Tiny(seed=1), None, take_over=True)
+    assert (new.publish().version, _claim_gone(bucket)) == (1, True)
+    new.flush()
+    committed = snapshot(bucket)
+    with pytest.raises(WriterConflictError):
+        claimant.publish()  # its first commit is refused: the pointer exists now
+    assert snapshot(bucket) == committed  # refused before its anchor of version 0 was written
+    readable_end_to_end(bucket, 1, new.fingerprint)
+    new.close()
+
+
+def _claim_gone(bucket: Store) -> bool:
+    return CLAIM_PATH not in bucket.list()
