@@ -1,16 +1,18 @@
 """Where new weights began in a response, found independently of the server.
 
-Teacher-forced logprobs (``prompt_logprobs`` over the prompt and the generated tokens) equal the
-decode logprobs of the same weights with plain GEMM (docs/platform facts) at nearly every token.
-Not at all: on a fresh vLLM-CPU server, with no update ever, the tiny model's newline token
-decodes about 0.008 below its teacher-forced logprob at some positions of a long answer (seen at
-tokens 230, 389, 430 and 585 of an 800-token chat answer, the same on every run). So the truth
-is read on both versions' weights: a choice's first version ends at the first token whose
-reported logprob leaves the first version's teacher-forced one and is nearer the second's. On
-the tokens where decode and prefill agree, that is the first token the new weights sampled;
-where they differ by that small amount, the weight update (much larger) decides. :func:`ask`
-makes the requests (streamed or not, ``n > 1``, chat) and reads the server's
-``x-deltasync-token-versions``; :func:`check_boundaries` finds the truth.
+The truth is a replay. After the requests, the server under test is given the first version's
+weights again, and each choice is generated once more from the same prompt ids with the same
+sampling (greedy, or ``n2``'s seed): a decode of the same weights at the same positions, so
+every token the first version sampled comes back with the same id and the same logprob, bit for
+bit, and the first token that does not is the first one the new weights sampled. A choice made
+by one version alone comes back whole, which checks the replay itself on every run.
+
+(Teacher-forced logprobs, ``prompt_logprobs`` over the prompt and the generated tokens, are not
+an exact truth: a prefill and a decode of the same weights differ at a few positions of a long
+answer, by about 0.008 on the tiny model's newline token, and a token sampled just after an
+in-flight write, on keys and values of the old weights, lies between the two versions'
+teacher-forced logprobs.) :func:`ask` makes the requests (streamed or not, ``n > 1``, chat)
+and reads the server's ``x-deltasync-token-versions``; :func:`check_boundaries` finds the truth.
 """
 
 from __future__ import annotations
@@ -26,10 +28,6 @@ import requests
 
 from deltasync import parse_token_versions
 
-#: More than the kernels' noise between a prefill and a decode of the same weights (0 at nearly
-#: every token here; see the module for the exceptions), less than what a weight update moves a
-#: logprob by in these tests.
-NOISE = 1e-4
 #: The requests of :func:`ask`, by kind: a streamed completion, a completion with two choices,
 #: a chat answer and a streamed chat answer.
 KINDS = ("stream", "n2", "chat", "chat-stream")
@@ -103,20 +101,24 @@ def _logprobs(choice: dict[str, Any], chat: bool) -> list[float]:
     return list(logprobs.get("token_logprobs") or [])
 
 
-def forced_logprobs(url: str, prompt_ids: list[int], tokens: list[int]) -> list[float]:
-    """The teacher-forced logprob of each of ``tokens`` after ``prompt_ids`` on ``url``."""
-    body = {"prompt": [*prompt_ids, *tokens], "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+def replay(url: str, answer: Answer) -> list[tuple[list[int], list[float]]]:
+    """Each of ``answer``'s choices generated again on ``url`` from its prompt ids, with its
+    sampling: per choice, the token ids and their logprobs."""
+    length = max(len(tokens) for tokens in answer.tokens)
+    body: dict[str, Any] = {"prompt": answer.prompt_ids, "max_tokens": length, "temperature": 0, "ignore_eos": True,
+                            "return_token_ids": True, "logprobs": 1}  # fmt: skip
+    if answer.kind == "n2":
+        body |= {"n": 2, "temperature": 1.0, "seed": 7}
     response = requests.post(url + "/v1/completions", json=body, timeout=600)
     assert response.status_code == 200, response.text
-    forced = response.json()["choices"][0]["prompt_logprobs"][len(prompt_ids) :]
-    return [entry[str(token)]["logprob"] for token, entry in zip(tokens, forced, strict=True)]
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    return [(choice["token_ids"], _logprobs(choice, chat=False)) for choice in choices]
 
 
-def first_departure(logprobs: list[float], first: list[float], second: list[float]) -> int | None:
-    """The first token whose reported logprob leaves the first version's teacher-forced one by
-    more than :data:`NOISE` and lies nearer the second version's (None: none does)."""
-    for index, (reported, old, new) in enumerate(zip(logprobs, first, second, strict=True)):
-        if abs(reported - old) > NOISE and abs(reported - new) < abs(reported - old):
+def first_departure(tokens: list[int], logprobs: list[float], again: tuple[list[int], list[float]]) -> int | None:
+    """The first token whose id or logprob differs from the replay ``again`` (None: none does)."""
+    for index, pair in enumerate(zip(tokens, logprobs, strict=True)):
+        if pair != (again[0][index], again[1][index]):
             return index
     return None
 
@@ -191,34 +193,28 @@ def straddling(answers: list[Answer]) -> int:
 
 
 def check_boundaries(
-    reference_url: str, answers: list[Answer], first: int, second: int, hold: Callable[[int], None]
+    reference_url: str, answers: list[Answer], first: int, second: int, hold_first: Callable[[], None]
 ) -> int:
     """Each choice that reports ``first`` then ``second`` starts ``second`` where the truth says
-    (:func:`first_departure`, on the teacher-forced logprobs of each version's weights: ``hold(v)``
-    puts version ``v``'s weights on ``reference_url``); the number of choices whose boundary fell
-    inside the answer. Choices of one version match throughout."""
-    choices = [
-        (answer, tokens, logprobs, starts)
-        for answer in answers
-        for tokens, logprobs, starts in zip(answer.tokens, answer.logprobs, answer.starts, strict=True)
-    ]
-    forced: dict[int, list[list[float]]] = {}
-    for version in (first, second):
-        hold(version)
-        forced[version] = [forced_logprobs(reference_url, a.prompt_ids, tokens) for a, tokens, _, _ in choices]
+    (:func:`first_departure` from its :func:`replay` on ``first``'s weights: ``hold_first()``
+    puts them on ``reference_url`` again); the number of choices whose boundary fell inside the
+    answer. Choices of one version come back whole."""
+    hold_first()
     inside = 0
-    for (answer, tokens, logprobs, starts), old, new in zip(choices, forced[first], forced[second], strict=True):
-        assert len(tokens) == len(logprobs) > 0, answer.kind
-        assert starts[0] == (first, 0), (answer.kind, starts)
-        truth = first_departure(logprobs, old, new)
-        if len(starts) == 1:
-            assert truth is None, (answer.kind, starts, truth)  # one version made every token
-            continue
-        assert [v for v, _ in starts] == [first, second], (answer.kind, starts)
-        reported = starts[1][1]
-        if reported == len(tokens):
-            assert truth is None, (answer.kind, starts, truth)  # the update came after the last token
-        else:
-            assert reported == truth, (answer.kind, starts, truth)
-            inside += reported > 0
+    for answer in answers:
+        again = replay(reference_url, answer)
+        for tokens, logprobs, starts, replayed in zip(answer.tokens, answer.logprobs, answer.starts, again, strict=True):
+            assert len(tokens) == len(logprobs) == len(replayed[0]) > 0, answer.kind
+            assert starts[0] == (first, 0), (answer.kind, starts)
+            truth = first_departure(tokens, logprobs, replayed)
+            if len(starts) == 1:
+                assert truth is None, (answer.kind, starts, truth)  # one version made every token
+                continue
+            assert [v for v, _ in starts] == [first, second], (answer.kind, starts)
+            reported = starts[1][1]
+            if reported == len(tokens):
+                assert truth is None, (answer.kind, starts, truth)  # the update came after the last token
+            else:
+                assert reported == truth, (answer.kind, starts, truth)
+                inside += reported > 0
     return inside

@@ -291,8 +291,8 @@ def test_trl_with_follow_only_publishes_and_tags_samples_with_served_versions(la
 
 def test_a_follower_tags_each_token_with_the_weights_that_sampled_it(lab, followers):
     """Follow mode, paused (the in-place follower's mode): where the server says the new version
-    began is where teacher-forced logprobs of the first version's weights depart; tokens before
-    it were sampled before the pause, tokens from it on after the resume."""
+    began is where a replay on the first version's weights departs; tokens before it were sampled
+    before the pause, tokens from it on after the resume."""
     import torch
 
     from token_boundaries import Requests, check_boundaries
@@ -321,13 +321,12 @@ def test_a_follower_tags_each_token_with_the_weights_that_sampled_it(lab, follow
     late = [a for a in answers if a.starts[0][0][0] == second]
     assert all(starts == [(second, 0)] for a in late for starts in a.starts), [(a.kind, a.starts) for a in late]
     answers = [a for a in answers if a.starts[0][0][0] != second]
-    newer = {name: p.detach().clone() for name, p in lab.model.named_parameters()}
 
-    def hold(version: int) -> None:  # that version's weights again, as a new version: a reference
+    def hold_first() -> None:  # the first version's weights again, as a new version: the replay's
         with torch.no_grad():
             for name, p in lab.model.named_parameters():
-                p.copy_((saved if version == first else newer)[name])
+                p.copy_(saved[name])
         _wait([server], lab.publisher.publish().version, lab.fingerprint)
 
-    inside = check_boundaries(server.url, answers, first, second, hold)
+    inside = check_boundaries(server.url, answers, first, second, hold_first)
     assert inside >= 3, [(a.kind, a.starts) for a in answers]

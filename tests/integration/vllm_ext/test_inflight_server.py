@@ -218,7 +218,7 @@ def test_pause_mode_still_recomputes_requests_in_flight(world, server):
 
 def test_each_token_is_tagged_with_the_weights_that_sampled_it(world, server):
     """Streamed and whole answers, two choices, chat: where the server says the new version
-    began is where teacher-forced logprobs of the first version's weights depart."""
+    began is where a replay on the first version's weights departs."""
     import torch
 
     client = RolloutClient(server.url)
@@ -249,15 +249,13 @@ def test_each_token_is_tagged_with_the_weights_that_sampled_it(world, server):
         # The server's word says where each choice changed version; too few inside: try again.
         if straddling(answers) >= 3:
             break
-    # Each version's weights again, as a new version: the references the truth is read on.
-    newer = {name: p.detach().clone() for name, p in world.model.named_parameters()}
 
-    def hold(version: int) -> None:  # that version's weights again, as a new version: a reference
+    def hold_first() -> None:  # the first version's weights again, as a new version: the replay's
         with torch.no_grad():
             for name, p in world.model.named_parameters():
-                p.copy_((saved if version == first else newer)[name])
+                p.copy_(saved[name])
         assert client.update(world.publisher.publish().version).ok
 
-    inside = check_boundaries(server.url, answers, first, second, hold)
+    inside = check_boundaries(server.url, answers, first, second, hold_first)
     # The choices straddled the update (it returned while a stream was at ``reached`` tokens).
     assert inside >= 3, ([(a.kind, a.starts) for a in answers], took, reached, attempt)
