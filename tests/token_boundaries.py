@@ -21,6 +21,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,9 +201,10 @@ def check_boundaries(
     puts them on ``reference_url`` again); the number of choices whose boundary fell inside the
     answer. Choices of one version come back whole."""
     hold_first()
+    with ThreadPoolExecutor(len(answers) or 1) as pool:  # at once: a decode is the same in any batch
+        replays = list(pool.map(lambda answer: replay(reference_url, answer), answers))
     inside = 0
-    for answer in answers:
-        again = replay(reference_url, answer)
+    for answer, again in zip(answers, replays, strict=True):
         for tokens, logprobs, starts, replayed in zip(answer.tokens, answer.logprobs, answer.starts, again, strict=True):
             assert len(tokens) == len(logprobs) == len(replayed[0]) > 0, answer.kind
             assert starts[0] == (first, 0), (answer.kind, starts)
