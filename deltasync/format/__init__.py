@@ -18,7 +18,9 @@ per concern, lowest first:
   the views;
 - :mod:`~deltasync.format.pointer_checks`: a pointer's JSON checked, within limits, before
   anything is built from it;
-- :mod:`~deltasync.format.pointer`: the pointer (``latest.json``) and its entries;
+- :mod:`~deltasync.format.entries`: the entries of the files a pointer names;
+- :mod:`~deltasync.format.writer_record`: who committed a pointer (and claimed a bucket);
+- :mod:`~deltasync.format.pointer`: the pointer (``latest.json``);
 - :mod:`~deltasync.format.header`: the metadata every anchor and delta carries;
 - :mod:`~deltasync.format.anchors` and :mod:`~deltasync.format.delta`: the two kinds of file.
 """

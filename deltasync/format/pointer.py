@@ -1,14 +1,15 @@
-"""The pointer (``latest.json``, the commit point) and the entries of the files it names.
+"""The pointer (``latest.json``, the commit point).
 
 docs/protocol.md describes the pointer's fields; a reader checks every one of them (types and
 ranges first, :mod:`~deltasync.format.pointer_checks`, then how they fit together, here)
-before it builds anything from them. The paths of the files live in
-:mod:`~deltasync.format.paths`; both modules' names are importable from here too.
+before it builds anything from them. The entries of the files it names live in
+:mod:`~deltasync.format.entries`, its writer record in :mod:`~deltasync.format.writer_record`
+and the paths of the files in :mod:`~deltasync.format.paths`; those modules' names are
+importable from here too.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Sequence
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import FormatError
-from .limited_json import check_int, parse_json
+from .entries import ChainEntry, PartEntry, _chain_entry, _check_parts, sha256_hex
+from .limited_json import parse_json
 from .paths import (
     DATA_PATH_RE,
     HISTORY_PATH,
@@ -48,6 +50,7 @@ from .versions import (
     MANIFEST_FORMAT_VERSION,
     READABLE_FORMAT_VERSIONS,
 )
+from .writer_record import WriterRecord
 
 __all__ = [
     "POINTER_PATH",
@@ -75,150 +78,6 @@ __all__ = [
 
 MAX_HISTORY_BYTES = 64 << 20
 """The largest history a publisher reads back; a longer one is ignored (it is informative only)."""
-
-
-_TOKEN_RE = re.compile(r"[0-9a-f]{32}\Z", re.ASCII)
-_MAX_HOST = 255
-
-
-@dataclass(frozen=True, kw_only=True)
-class WriterRecord:
-    """Who committed a pointer, and until when it holds the chain (the pointer's ``writer``).
-
-    A publisher makes one when it starts (a random ``token``) and writes it, with the time of
-    the commit, into every pointer it commits; another publisher reads it to learn whether the
-    chain is held. Times are Unix milliseconds (integers: a pointer holds no floats)."""
-
-    host: str
-    """The writer's host name."""
-    pid: int
-    """The writer's process id on that host."""
-    started_ms: int
-    """When the writer started."""
-    token: str
-    """32 lower-case hex digits, random per writer: what tells two writers apart."""
-    committed_ms: int
-    """When this pointer was committed."""
-    lease_ms: int
-    """How long after ``committed_ms`` the writer holds the chain; 0 once it let go (closed)."""
-
-    @property
-    def expires_ms(self) -> int:
-        """When the hold ends, unless the writer commits again."""
-        return self.committed_ms + self.lease_ms
-
-    def describe(self) -> str:
-        """``host H, process P, started <UTC time>``: the writer, for an error message."""
-        return f"host {self.host!r}, process {self.pid}, started {_utc(self.started_ms)}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "host": self.host, "pid": self.pid, "started_ms": self.started_ms, "token": self.token,
-            "committed_ms": self.committed_ms, "lease_ms": self.lease_ms,
-        }  # fmt: skip
-
-    @classmethod
-    def from_json(cls, item: object, where: str) -> WriterRecord:
-        if not isinstance(item, dict):
-            raise FormatError(f"{where}: writer must be an object, got {type(item).__name__}")
-        host, token = item.get("host"), item.get("token")
-        if not isinstance(host, str) or not 0 < len(host) <= _MAX_HOST:
-            raise FormatError(f"{where}: writer.host must be a string of 1 to {_MAX_HOST} characters")
-        if not isinstance(token, str) or not _TOKEN_RE.match(token):
-            raise FormatError(f"{where}: writer.token must be 32 lower-case hex digits")
-        ints = {key: check_int(item.get(key), where=where, field=f"writer.{key}")
-                for key in ("pid", "started_ms", "committed_ms", "lease_ms")}  # fmt: skip
-        return cls(host=host, token=token, **ints)
-
-
-def _utc(ms: int) -> str:
-    import datetime
-
-    return datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-@dataclass(frozen=True, kw_only=True)
-class PartEntry:
-    """One file of a committed version: where it is and what its bytes must be."""
-
-    path: str
-    nbytes: int
-    sha256: str
-    changed: int
-    """Elements this file sets."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "nbytes": self.nbytes, "sha256": self.sha256, "changed": self.changed}
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChainEntry:
-    """One committed version that a reader on the newest anchor may need."""
-
-    version: int
-    """The version this file brings the state to."""
-    kind: str
-    """"anchor" or "delta"."""
-    path: str
-    """The file's path in the bucket."""
-    nbytes: int
-    """The file's exact size; a reader refuses a file of another size."""
-    sha256: str
-    """SHA-256 of the file's bytes, hex; a reader refuses a file that does not match."""
-    fingerprint: str
-    """Fingerprint of the full state after this version."""
-    changed: int
-    """Elements changed by this version (for an anchor: every element)."""
-    parts: tuple[PartEntry, ...] = ()
-    """A version written by several writers: its part files, in part order. ``path`` and
-    ``sha256`` are then empty and ``nbytes`` is the sum over the parts."""
-
-    @classmethod
-    def of_files(cls, kind: str, version: int, fingerprint: str, files: Sequence[PartEntry], split: bool) -> ChainEntry:
-        """The entry of a version from its written files: one, or (``split``) one per part, in
-        any order (they are listed in part order)."""
-        if split:
-            ordered = sorted(files, key=lambda item: int(item.path.rsplit(".part", 1)[1].split(".")[0]))
-            return cls(
-                version=version, kind=kind, path="", nbytes=sum(f.nbytes for f in ordered), sha256="",
-                fingerprint=fingerprint, changed=sum(f.changed for f in ordered), parts=tuple(ordered),
-            )
-        (only,) = files
-        return cls(
-            version=version, kind=kind, path=only.path, nbytes=only.nbytes, sha256=only.sha256,
-            fingerprint=fingerprint, changed=only.changed,
-        )
-
-    @property
-    def files(self) -> tuple[PartEntry, ...]:
-        """The files of this version: its parts, or its one file."""
-        if self.parts:
-            return self.parts
-        return (PartEntry(path=self.path, nbytes=self.nbytes, sha256=self.sha256, changed=self.changed),)
-
-    def to_json(self) -> dict[str, Any]:
-        if self.parts:
-            return {
-                "version": self.version,
-                "kind": self.kind,
-                "nbytes": self.nbytes,
-                "fingerprint": self.fingerprint,
-                "changed": self.changed,
-                "parts": [part.to_json() for part in self.parts],
-            }
-        return {
-            "version": self.version,
-            "kind": self.kind,
-            "path": self.path,
-            "nbytes": self.nbytes,
-            "sha256": self.sha256,
-            "fingerprint": self.fingerprint,
-            "changed": self.changed,
-        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -478,54 +337,3 @@ def _view(value: Any, where: str) -> dict[str, str] | None:
             f"got {str(value)[:120]!r}"
         )
     return dict(value)
-
-
-def _chain_entry(item: dict[str, Any]) -> ChainEntry:
-    if isinstance(item, dict) and "parts" in item:
-        return _multi_part_entry(item)
-    return ChainEntry(
-        version=int(item["version"]),
-        kind=str(item["kind"]),
-        path=str(item["path"]),
-        nbytes=int(item["nbytes"]),
-        sha256=str(item["sha256"]),
-        fingerprint=str(item["fingerprint"]),
-        changed=int(item["changed"]),
-    )
-
-
-def _multi_part_entry(item: dict[str, Any]) -> ChainEntry:
-    parts = tuple(
-        PartEntry(
-            path=str(part["path"]),
-            nbytes=int(part["nbytes"]),
-            sha256=str(part["sha256"]),
-            changed=int(part["changed"]),
-        )
-        for part in item["parts"]
-    )
-    return ChainEntry(
-        version=int(item["version"]),
-        kind=str(item["kind"]),
-        path="",
-        nbytes=int(item["nbytes"]),
-        sha256="",
-        fingerprint=str(item["fingerprint"]),
-        changed=int(item["changed"]),
-        parts=parts,
-    )
-
-
-def _check_parts(item: ChainEntry, where: str) -> None:
-    if len(item.parts) < 2:
-        raise FormatError(f"{where}: version {item.version} lists {len(item.parts)} part(s); a split version has at least 2")
-    for number, part in enumerate(item.parts):
-        expected = part_path(item.kind, item.version, number)
-        if part.path != expected:
-            raise FormatError(
-                f"{where}: part {number} of version {item.version} is named {part.path!r}, expected {expected!r}"
-            )
-    if sum(part.nbytes for part in item.parts) != item.nbytes:
-        raise FormatError(f"{where}: version {item.version}'s nbytes is not the sum of its parts' sizes")
-    if sum(part.changed for part in item.parts) != item.changed:
-        raise FormatError(f"{where}: version {item.version}'s changed count is not the sum of its parts'")

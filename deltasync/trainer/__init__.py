@@ -1,6 +1,7 @@
 """The trainer side: find which bf16 weights changed and publish them into a bucket.
 
-- :mod:`.detector`: :class:`~.detector.BF16ChangeDetector`, the exact change finder;
+- :mod:`.detector`: :class:`~.detector.BF16ChangeDetector`, the exact change finder, and
+  :mod:`.scan`, its compare (on the host in chunks, on accelerators in slices);
 - :mod:`.sources`: where weights come from (a model, an adapter, merged LoRA);
 - :mod:`.publisher`: :class:`~.publisher.DeltaPublisher`, the writer of versions, through its
   parts :mod:`.capture`, :mod:`.writer`, :mod:`.anchors`, :mod:`.retention` and

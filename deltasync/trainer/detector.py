@@ -8,45 +8,16 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import ConfigError
 from ..format import Change
-from ..format.fingerprint import DeviceHasher
 from ..reader.chain import Patch
+from .scan import CHUNK, SLICE, SnapshotScan, sync_point
 from .sharded import OwnedSlice, ShardLayout
 from .sources import SourceWeight, WeightSource, checkpoint_name, named_parameters, weight_source
 
 __all__ = ["BF16ChangeDetector", "checkpoint_name", "named_parameters", "bf16_state_dict"]
-
-CHUNK = 1 << 18
-"""Elements compared (and streamed into an anchor) at a time on the CPU: the detector's scratch
-buffers hold at most this many, whatever the largest parameter."""
-SLICE = 1 << 23
-"""Elements compared at a time on an accelerator. A slice's scratch (its bf16 rounding, the
-snapshot slice when the snapshot is on the host, the mask, and the changed elements' indices
-and values) stays under 160 MiB whatever the parameter's size and however many changed."""
-
-
-def sync_point(device: torch.device) -> None:
-    """Wait for the kernels this thread queued on ``device`` (an accelerator; a no-op on the
-    CPU). Every wait of the detector goes through here, so that a test can count them."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    elif device.type != "cpu":
-        module = getattr(torch, device.type, None)
-        if module is not None and hasattr(module, "synchronize"):
-            module.synchronize()
-
-
-def _nonzero_exact(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """The positions of the ``count`` set elements of ``mask``, without the host synchronization
-    of ``nonzero`` (the count is known already); plain ``nonzero`` where a device lacks that."""
-    try:
-        return torch.nonzero_static(mask, size=count).reshape(-1)
-    except (NotImplementedError, RuntimeError):  # a device without nonzero_static: one wait more
-        return mask.nonzero().reshape(-1)
 
 
 def _free_device_memory(device: torch.device) -> int | None:
@@ -96,7 +67,7 @@ def _inner_optimizer(optimizer: object) -> torch.optim.Optimizer:
     return optimizer
 
 
-class BF16ChangeDetector:
+class BF16ChangeDetector(SnapshotScan):
     """Finds exactly which elements of each weight's bf16 value changed since the last publish.
 
     It keeps the bf16 state that was last *published* and compares the current bf16 rounding
@@ -251,46 +222,6 @@ class BF16ChangeDetector:
         """Where each tracked weight's snapshot lives (checkpoint name -> device)."""
         return {name: str(device) for name, device in self._placement.items()}
 
-    def _stream(self, device: torch.device) -> Any:
-        """The detector's own CUDA stream on ``device`` (None elsewhere)."""
-        if device.type != "cuda":
-            return None
-        stream = self._streams.get(device)
-        if stream is None:
-            # The highest priority: its few, short kernels are scheduled between the blocks of
-            # the trainer's long ones instead of after them.
-            high, _low = torch.cuda.Stream.priority_range()
-            stream = self._streams[device] = torch.cuda.Stream(device, priority=high)
-        return stream
-
-    def _drain(self, device: torch.device) -> None:
-        """Wait for what the detector queued on ``device`` (its own stream, on CUDA)."""
-        stream = self._streams.get(device)
-        if stream is not None:
-            stream.synchronize()
-        else:
-            sync_point(device)
-
-    def _on_stream(self, device: torch.device) -> Any:
-        """Run on the detector's stream of ``device``, after the work the trainer had queued when
-        the version was captured (:meth:`hold_next_step`) or now."""
-        stream = self._stream(device)
-        if stream is None:
-            return contextlib.nullcontext()
-        ready = self._ready.pop(device, None)
-        if ready is not None:
-            stream.wait_event(ready)
-        else:
-            stream.wait_stream(torch.cuda.current_stream(device))
-        return torch.cuda.stream(stream)
-
-    def _mark_ready(self) -> None:
-        """Record, on each CUDA device's current stream, the point the capture must read after."""
-        for device in {t.device for t in self._tracked.values() if t.device.type == "cuda"}:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            self._ready[device] = event
-
     def _steppers(self, weights: list[SourceWeight], inner: torch.optim.Optimizer | None) -> dict[str, list[torch.Tensor]]:
         """Each weight's parameters that can step it: trainable, and in the optimizer if there is one."""
         steppers = {w.name: [p for p in w.stepped_by if p.requires_grad] for w in weights}
@@ -369,30 +300,6 @@ class BF16ChangeDetector:
         """Bytes this process keeps for the last published state (2 per owned element)."""
         return sum(t.numel() * t.element_size() for t in self._snapshot.values())
 
-    def _flat(self, name: str, param: torch.Tensor) -> torch.Tensor:
-        """The elements of ``param`` this process compares, flat (its local shard when sharded)."""
-        if self.layout is None:
-            return param.detach().reshape(-1)
-        return self._slices[name].local(param)
-
-    def _offset(self, name: str) -> int:
-        return 0 if self.layout is None else self._slices[name].begin
-
-    def _scratch(self, device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Reused bf16, bf16 and bool buffers of at most :data:`CHUNK` elements: allocating (and
-        page-faulting) fresh ones for every parameter at every publish costs more than the
-        conversion and comparison themselves, and none may scale with the largest tensor."""
-        bufs = self._buffers.get(device)
-        if bufs is None or bufs[0].numel() < numel:
-            size = max(numel, min(CHUNK, max((t.numel() for t in self._snapshot.values()), default=0)))
-            bufs = (
-                torch.empty(size, dtype=torch.bfloat16, device=device),
-                torch.empty(size, dtype=torch.bfloat16, device=device),
-                torch.empty(size, dtype=torch.bool, device=device),
-            )
-            self._buffers[device] = bufs
-        return bufs[0][:numel], bufs[1][:numel], bufs[2][:numel]
-
     def reset(self) -> None:
         """Take the current bf16 values as the published state (a version without a delta).
 
@@ -442,127 +349,6 @@ class BF16ChangeDetector:
             found, share = self._device_changes([n for n in names if n not in set(on_host)])
             self.last_share = None if on_host else share
             return {name: out.get(name) or found[name] for name in names if name in out or name in found}
-
-    def _compare(self, name: str) -> Change | None:
-        """One parameter on the CPU against its published state, :data:`CHUNK` elements at a time."""
-        snap = self._snapshot[name]
-        flat = self._flat(name, self._tracked[name])
-        overlay = self._overlay.get(name)
-        indices, news, olds = [], [], []
-        for lo in range(0, snap.numel(), CHUNK):
-            hi = min(lo + CHUNK, snap.numel())
-            current, base, diff = self._scratch(snap.device, hi - lo)
-            current.copy_(flat[lo:hi])  # rounds to nearest even, like Tensor.to
-            if overlay is None:
-                base = snap[lo:hi]
-            else:
-                base.copy_(snap[lo:hi])
-                self._lay_overlay(base, overlay, lo, hi)
-            torch.ne(current.view(torch.int16), base.view(torch.int16), out=diff)
-            index = torch.from_numpy(np.flatnonzero(diff.numpy()))  # several times faster here than nonzero
-            if index.numel():
-                indices.append(index + lo)
-                news.append(current[index])
-                olds.append(base[index])
-        if not indices:
-            return None
-        offset = self._offset(name)
-        index = indices[0] if len(indices) == 1 else torch.cat(indices)
-        return Change(
-            index=index + offset if offset else index,
-            new=news[0] if len(news) == 1 else torch.cat(news),
-            old=olds[0] if len(olds) == 1 else torch.cat(olds),
-        )
-
-    @staticmethod
-    def _lay_overlay(base: torch.Tensor, overlay: Patch, lo: int, hi: int) -> None:
-        """Write the commits a pin keeps aside that fall in ``lo .. hi - 1`` into ``base`` (that slice)."""
-        first, last = torch.searchsorted(overlay.index, torch.tensor([lo, hi])).tolist()
-        if last > first:
-            where = overlay.index[first:last].to(base.device) - lo
-            base.view(torch.int16)[where] = overlay.bits[first:last].to(base.device)
-
-    def _pair(self, name: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slice ``lo .. hi - 1`` of a weight on an accelerator: its bf16 rounding now and its
-        published state, both on the weight's device."""
-        flat = self._flat(name, self._tracked[name])
-        current = flat[lo:hi]
-        if current.dtype != torch.bfloat16:
-            current = current.to(torch.bfloat16)  # rounds to nearest even
-        base = self._snapshot[name][lo:hi]
-        overlay = self._overlay.get(name)
-        if base.device != flat.device:
-            base = base.to(flat.device, non_blocking=True)
-        elif overlay is not None:
-            base = base.clone()
-        if overlay is not None:
-            self._lay_overlay(base, overlay, lo, hi)
-        return current, base
-
-    def _device_changes(self, names: list[str]) -> tuple[dict[str, Change], int]:
-        """The changes of weights on accelerators, and their fingerprint move summed there.
-
-        Per device: a pass that counts each slice's changed elements, one synchronization to read
-        the counts, a pass that gathers exactly those elements and queues their copies to the host
-        (page-locked buffers for CUDA), and one synchronization for the copies."""
-        by_device: dict[torch.device, list[str]] = {}
-        for name in names:
-            by_device.setdefault(self._flat(name, self._tracked[name]).device, []).append(name)
-        out: dict[str, Change] = {}
-        share = 0
-        timing = {"count": 0.0, "gather": 0.0, "copy": 0.0}
-        for device, group in by_device.items():
-            pin = device.type == "cuda"
-            start = time.perf_counter()
-            with self._on_stream(device):
-                plan: list[tuple[str, int, int]] = []
-                sums = []
-                for name in group:
-                    numel = self._snapshot[name].numel()
-                    for lo in range(0, numel, SLICE):
-                        hi = min(lo + SLICE, numel)
-                        current, base = self._pair(name, lo, hi)
-                        sums.append(torch.ne(current.view(torch.int16), base.view(torch.int16)).sum())
-                        plan.append((name, lo, hi))
-                if not plan:
-                    continue
-                counts = torch.stack(sums).to("cpu").tolist()  # the first synchronization
-                timing["count"] += time.perf_counter() - start
-                start = time.perf_counter()
-                hasher = DeviceHasher(device, chunk=1 << 22)
-                # One host buffer per weight and field, each slice's elements copied into its place.
-                totals: dict[str, int] = {}
-                for (name, _, _), count in zip(plan, counts):
-                    totals[name] = totals.get(name, 0) + count
-                host = {
-                    name: tuple(torch.empty(n, dtype=dt, pin_memory=pin) for dt in (torch.int64, torch.bfloat16, torch.bfloat16))
-                    for name, n in totals.items() if n
-                }  # fmt: skip
-                filled = dict.fromkeys(host, 0)
-                for (name, lo, hi), count in zip(plan, counts):
-                    if not count:
-                        continue
-                    current, base = self._pair(name, lo, hi)
-                    at = _nonzero_exact(torch.ne(current.view(torch.int16), base.view(torch.int16)), count)
-                    new, old = current[at], base[at]
-                    at += lo + self._offset(name)
-                    hasher.add(name, at, new)
-                    hasher.add(name, at, old, sign=-1)
-                    k = filled[name]
-                    for h, t in zip(host[name], (at, new, old)):
-                        h[k : k + count].copy_(t, non_blocking=True)
-                    filled[name] = k + count
-                total = torch.empty((), dtype=torch.int64, pin_memory=pin)
-                total.copy_(hasher.total, non_blocking=True)
-                timing["gather"] += time.perf_counter() - start
-                start = time.perf_counter()
-                sync_point(device)  # the second: the copies are on the host
-                timing["copy"] += time.perf_counter() - start
-                share += int(total)
-                for name, (index, new, old) in host.items():
-                    out[name] = Change(index=index, new=new, old=old)
-        self.last_timing = timing
-        return out, share & ((1 << 64) - 1)
 
     def commit(self, changes: dict[str, Change]) -> None:
         """Record that ``changes`` were published: the snapshot now holds their new values.

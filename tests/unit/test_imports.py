@@ -50,8 +50,8 @@ LAYERS = (
     # Quantized views: schemes (compressed-tensors, imported lazily), checkpoint writer, serving.
     ("deltasync.views",),
     ("deltasync.reader.chain", "deltasync.reader.poll"),
-    ("deltasync.trainer.detector", "deltasync.reader.receiver", "deltasync.trainer.view_chain",
-     "deltasync.trainer.view_targets"),
+    ("deltasync.trainer.scan", "deltasync.trainer.detector", "deltasync.reader.receiver",
+     "deltasync.trainer.view_chain", "deltasync.trainer.view_targets"),
     # The publisher's parts: capture, writer, anchor schedule, retention, views.
     ("deltasync.trainer.capture", "deltasync.trainer.writer", "deltasync.trainer.anchors",
      "deltasync.trainer.view_publishing"),

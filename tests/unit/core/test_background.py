@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import FiveMethodStore, GatedStore, small_transformer, train_step
 
-import deltasync.trainer.detector as detector_module
+import deltasync.trainer.scan as scan_module
 from deltasync import BF16ChangeDetector, DeltaPublisher, DeltaReceiver, StoreError, bf16_state_dict, fingerprint, open_store
 from deltasync.format import POINTER_PATH, Pointer
 
@@ -183,7 +183,7 @@ def test_a_five_method_store_still_works(tmp_path: Path) -> None:
 
 
 def test_the_detector_compares_in_bounded_chunks_and_resets_in_place(monkeypatch) -> None:
-    monkeypatch.setattr(detector_module, "CHUNK", 1000)
+    monkeypatch.setattr(scan_module, "CHUNK", 1000)
     model, opt = trainer()
     detector = BF16ChangeDetector(model, opt)
     snapshot = {n: t.data_ptr() for n, t in detector._snapshot.items()}

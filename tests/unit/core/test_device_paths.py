@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers import small_transformer
 
-import deltasync.trainer.detector as detector_module
+import deltasync.trainer.scan as scan_module
 from deltasync import ConfigError, DeltaPublisher, DeltaReceiver
 from deltasync.format import Change
 from deltasync.format import fingerprint as fp
@@ -121,7 +121,7 @@ def same_changes(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_sliced_compare_finds_exactly_what_the_chunked_one_does(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(detector_module, "SLICE", 1 << 12)  # several slices per weight
+    monkeypatch.setattr(scan_module, "SLICE", 1 << 12)  # several slices per weight
     model, twin = bf16_model(device), bf16_model("cpu")
     detector = BF16ChangeDetector(model)
     reference = BF16ChangeDetector(twin)  # the same weights, compared on the CPU in chunks
@@ -180,9 +180,9 @@ class SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
 def test_host_synchronizations_do_not_grow_with_the_weights(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """At most three per device and publish, whatever the size and number of the tensors (the
     chunked path waits once per 256K elements, four times)."""
-    monkeypatch.setattr(detector_module, "SLICE", 1 << 10)
+    monkeypatch.setattr(scan_module, "SLICE", 1 << 10)
     waits = []
-    monkeypatch.setattr(detector_module, "sync_point", lambda d, real=detector_module.sync_point: (waits.append(d), real(d)))
+    monkeypatch.setattr(scan_module, "sync_point", lambda d, real=scan_module.sync_point: (waits.append(d), real(d)))
     counts = {}
     for width in (40, 400):  # 12K and 1.2M elements: 12 and 1172 slices
         torch.manual_seed(0)
