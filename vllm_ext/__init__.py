@@ -35,11 +35,12 @@ imports TRL.
 
 from __future__ import annotations
 
+from deltasync.server.middleware import TokenMiddleware
+
 from ._amx import request_amx_tile_state
 from ._engine import DeltaWeightTransferEngine
 from ._extension import DeltaWorkerExtension
 from ._lora import LoraSyncMiddleware
-from deltasync.server.middleware import TokenMiddleware
 from ._plain_gemm import PLAIN_GEMM_ENV, install_plain_gemm
 from ._update_route import UpdateMiddleware
 

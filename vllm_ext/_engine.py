@@ -21,7 +21,6 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltasync.protocol import check_version
-
 from deltasync.server.updater import WorkerUpdater
 
 from ._worker import vllm_updater

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._lora_worker import lora_fingerprint, lora_modules
 from deltasync.server.updater import WorkerUpdater
 
+from ._lora_worker import lora_fingerprint, lora_modules
 from ._worker import vllm_updater
 
 __all__ = ["DeltaWorkerExtension", "updater_of"]

@@ -59,8 +59,9 @@ from deltasync.server.asgi import answer, error_body, read_body, refused
 from deltasync.server.checkpoint import resolve_model_dir
 from deltasync.server.config import ServerConfig
 from deltasync.server.flow import VersionedFlow
-from ._lora_worker import lora_problem
 from deltasync.server.middleware import route_path
+
+from ._lora_worker import lora_problem
 from ._vllm_engine import VllmEngine
 
 __all__ = ["LoraSyncMiddleware"]

@@ -22,13 +22,13 @@ import torch
 
 from deltasync.errors import ConfigError, UpdateError
 from deltasync.protocol import TEST_HOOKS_ENV
-
 from deltasync.server.config import ServerConfig
-from ._extension import DeltaWorkerExtension, updater_of
 from deltasync.server.inplace import InPlaceState, LiveStaged, wait_for_device
 from deltasync.server.live_target import LiveTarget
-from ._lora_worker import find_lora, held_lora_tensor
 from deltasync.server.updater import WorkerUpdater
+
+from ._extension import DeltaWorkerExtension, updater_of
+from ._lora_worker import find_lora, held_lora_tensor
 
 __all__ = ["TEST_EXTENSION", "TestingWorkerExtension", "fail_after_write", "poke"]
 
