@@ -5,13 +5,10 @@ in the order the route always checked it."""
 from __future__ import annotations
 
 import pytest
-from servers import requires_vllm
 
 from deltasync import AuthError, VersionError
 from deltasync.protocol.auth import update_tag
 from deltasync.protocol.lora import AdapterError
-
-pytestmark = requires_vllm  # importing vllm_ext registers its backend with vLLM
 
 
 def test_the_update_route_answers_the_status_and_what_the_update_did():
