@@ -32,8 +32,8 @@ import torch
 from deltasync.reader.chain import ChainReader
 from deltasync.reader.parts import decode_version
 from vllm_ext import DeltaWorkerExtension
-from vllm_ext._inplace import InPlaceState
-from vllm_ext._updater import updater_for
+from deltasync.server.inplace import InPlaceState
+from vllm_ext._worker import vllm_updater
 
 __all__ = ["PeerExtension"]
 
@@ -42,7 +42,7 @@ class PeerExtension(DeltaWorkerExtension):
     """deltasync's worker extension plus the peer's benchmark methods (see the module)."""
 
     def deltasync_bench_peer_prepare(self, version: int) -> dict[str, Any]:
-        updater = updater_for(self.model_runner.get_model(), self.vllm_config)
+        updater = vllm_updater(self.model_runner.get_model(), self.vllm_config)
         live = _live(self)
         assert live.version == version - 1, f"serving {live.version}, not {version - 1}"
         shapes = updater.checkpoint.shapes
@@ -112,7 +112,7 @@ class PeerExtension(DeltaWorkerExtension):
 
 def _live(worker: Any) -> InPlaceState:
     """The worker's in-place state (the peer needs a server in place)."""
-    updater = updater_for(worker.model_runner.get_model(), worker.vllm_config)
+    updater = vllm_updater(worker.model_runner.get_model(), worker.vllm_config)
     live = getattr(updater.target, "live", None)
     assert isinstance(live, InPlaceState) and updater.mode == "in-place", "the peer needs a server in place"
     return live

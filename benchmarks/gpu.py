@@ -43,7 +43,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -411,24 +410,12 @@ def encode_threads(changes: int, tensors: int = 64) -> dict[str, float]:
 # --------------------------------------------------------------------------- in-place writer
 
 
-def vllm_free_extension() -> None:
-    """Load ``vllm_ext``'s engine-neutral modules where vLLM is not installed (its package
-    ``__init__`` imports vLLM; the in-place writer does not)."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        pkg = types.ModuleType("vllm_ext")
-        pkg.__path__ = [str(REPO / "vllm_ext")]
-        sys.modules["vllm_ext"] = pkg
-
-
 def inplace(bucket: Path, device: torch.device, h2d_s: float) -> dict[str, Any]:
-    vllm_free_extension()
     from deltasync import DeltaReceiver
     from deltasync.reader.chain import ChainReader, read_pointer
     from deltasync.stores import LocalStore
-    from vllm_ext._inplace import InPlaceState
-    from vllm_ext._weight_map import discover
+    from deltasync.server.inplace import InPlaceState
+    from deltasync.server.weight_map import discover
 
     store = LocalStore(str(bucket))
     pointer = read_pointer(store)

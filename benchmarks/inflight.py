@@ -311,7 +311,7 @@ def run_phase(name: str, mode: str | None, versions: list[dict[str, Any]], strea
             else:
                 (pre,) = client.prefetch(version).values()
                 assert pre.ok, pre.error
-                job = wait_staged(client, version)  # where and how long the worker staged (vllm_ext._cpus)
+                job = wait_staged(client, version)  # where and how long the worker staged (deltasync.server.cpus)
             ta = time.perf_counter()
             response = http.post(url + "/deltasync/update", json={"version": version, "auth": None, "mode": route_mode})
             tb = time.perf_counter()

@@ -8,7 +8,7 @@ Three sweeps, each through the package's own code on a local bucket:
    its snapshot only, so 3B fits this 24 GiB machine). A publisher process writes the anchor
    (version 0) and four deltas: detect, encode and commit times, bytes, its peak RSS. Then a
    reader process, with the publisher gone: a receiver loads the anchor and stages and applies
-   deltas 1 and 2; the in-place writer (``vllm_ext._inplace``, the vLLM-free part: one rank, a
+   deltas 1 and 2; the in-place writer (``deltasync.server.inplace``, the vLLM-free part: one rank, a
    module whose parameters are the checkpoint's tensors) stages and writes deltas 3 and 4 into
    those tensors, and its full fingerprint must equal the bucket's; a late joiner catches up from
    the anchor and four deltas.
@@ -237,7 +237,7 @@ def read_phase(bucket: str, deltas: int, inplace: bool) -> dict[str, Any]:
         out["inplace"] = inplace_phase(store, receiver, half, deltas)
     del receiver
     gc.collect()
-    from vllm_ext._inplace import release_freed_memory
+    from deltasync.server.inplace import release_freed_memory
 
     release_freed_memory()
     joiner = DeltaReceiver(store)
@@ -252,8 +252,8 @@ def read_phase(bucket: str, deltas: int, inplace: bool) -> dict[str, Any]:
 
 def inplace_phase(store: CountingStore, receiver: DeltaReceiver, first: int, last: int) -> dict[str, Any]:
     from deltasync.reader.chain import ChainReader, read_pointer
-    from vllm_ext._inplace import InPlaceState
-    from vllm_ext._weight_map import discover
+    from deltasync.server.inplace import InPlaceState
+    from deltasync.server.weight_map import discover
 
     model = Weights(receiver.state_dict())  # the receiver's tensors are the live weights now
     shapes = {name: tuple(t.shape) for name, t in receiver.state_dict().items()}

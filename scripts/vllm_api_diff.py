@@ -60,7 +60,7 @@ SYMBOLS = {
         ("distributed/parallel_state.py", "get_pp_group"),
         ("distributed/parallel_state.py", "GroupCoordinator.__init__"),
     ],
-    "model loader and load_weights (vllm_ext/_reload.py, _reload_target.py, _weight_map.py, _live_target.py)": [
+    "model loader and load_weights (vllm_ext/_reload.py, _worker.py, _quantized.py)": [
         ("model_executor/model_loader/__init__.py", "get_model_loader"),
         ("model_executor/model_loader/reload/layerwise.py", "get_layerwise_info"),
         ("model_executor/model_loader/reload/layerwise.py", "initialize_layerwise_reload"),

@@ -25,7 +25,7 @@ Start a server that follows a bucket (``deltasync serve`` fills all of this in):
   (:mod:`vllm_ext._amx`). Importing this package patches nothing: it only registers the
   backend (the worker extension imports it in every worker), and it loads no trainer-side
   module of deltasync (no publisher, detector or weight source).
-- :class:`vllm_ext._config.ServerConfig` reads the server's ``DELTASYNC_*`` environment once
+- :class:`deltasync.server.config.ServerConfig` reads the server's ``DELTASYNC_*`` environment once
   (the names are in :mod:`deltasync.protocol.env`); :mod:`vllm_ext.testing` holds the test-only worker
   extension, which only the test suite loads.
 
@@ -35,11 +35,12 @@ imports TRL.
 
 from __future__ import annotations
 
+from deltasync.server.middleware import TokenMiddleware
+
 from ._amx import request_amx_tile_state
 from ._engine import DeltaWeightTransferEngine
 from ._extension import DeltaWorkerExtension
 from ._lora import LoraSyncMiddleware
-from ._middleware import TokenMiddleware
 from ._plain_gemm import PLAIN_GEMM_ENV, install_plain_gemm
 from ._update_route import UpdateMiddleware
 

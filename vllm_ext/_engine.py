@@ -21,8 +21,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltasync.protocol import check_version
+from deltasync.server.updater import WorkerUpdater
 
-from ._updater import WorkerUpdater, updater_for
+from ._worker import vllm_updater
 
 __all__ = ["DeltaWeightTransferEngine", "DeltaInitInfo", "DeltaUpdateInfo"]
 
@@ -58,7 +59,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         # Created now, when the server starts: reads the environment and the checkpoint.
-        self.updater: WorkerUpdater = updater_for(model, vllm_config)
+        self.updater: WorkerUpdater = vllm_updater(model, vllm_config)
         self.last_result: dict[str, Any] | None = None
 
     def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:

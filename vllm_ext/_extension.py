@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from deltasync.server.updater import WorkerUpdater
+
 from ._lora_worker import lora_fingerprint, lora_modules
-from ._updater import WorkerUpdater, updater_for
+from ._worker import vllm_updater
 
 __all__ = ["DeltaWorkerExtension", "updater_of"]
 
@@ -62,4 +64,4 @@ class DeltaWorkerExtension:
 def updater_of(worker: Any) -> WorkerUpdater:
     # A function, not a method: every method of the extension becomes a collective_rpc
     # target. The same updater as the "delta" engine's, so both paths share one receiver.
-    return updater_for(worker.model_runner.get_model(), worker.vllm_config)
+    return vllm_updater(worker.model_runner.get_model(), worker.vllm_config)

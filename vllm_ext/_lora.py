@@ -54,13 +54,14 @@ from deltasync.protocol.lora import (
     fingerprint_sum,
 )
 
-from ._adapter_messages import AdapterRequest, AdapterStatus, AdapterUpdate, FailedUpdate, LoraModules, ServedFingerprint
-from ._asgi import answer, error_body, read_body, refused
-from ._checkpoint import resolve_model_dir
-from ._config import ServerConfig
-from ._flow import VersionedFlow
+from deltasync.server.adapter_messages import AdapterRequest, AdapterStatus, AdapterUpdate, FailedUpdate, LoraModules, ServedFingerprint
+from deltasync.server.asgi import answer, error_body, read_body, refused
+from deltasync.server.checkpoint import resolve_model_dir
+from deltasync.server.config import ServerConfig
+from deltasync.server.flow import VersionedFlow
+from deltasync.server.middleware import route_path
+
 from ._lora_worker import lora_problem
-from ._middleware import route_path
 from ._vllm_engine import VllmEngine
 
 __all__ = ["LoraSyncMiddleware"]
@@ -120,7 +121,7 @@ class LoraSyncMiddleware:
 
 class AdapterFlow(VersionedFlow):
     """One API server's adapter versions: its receiver, private directory and loaded versions,
-    updated by the flow every update of this server shares (:class:`vllm_ext._flow.VersionedFlow`:
+    updated by the flow every update of this server shares (:class:`deltasync.server.flow.VersionedFlow`:
     one lock, one version order)."""
 
     def __init__(self, state: Any, bucket: str | None, token: str | None) -> None:

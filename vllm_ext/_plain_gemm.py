@@ -25,7 +25,7 @@ import torch
 
 from deltasync.protocol import PLAIN_GEMM_ENV
 
-from ._config import ServerConfig
+from deltasync.server.config import ServerConfig
 
 __all__ = ["PLAIN_GEMM_ENV", "install_plain_gemm", "plain_gemm_enabled"]
 

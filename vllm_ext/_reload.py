@@ -8,7 +8,7 @@ back into layers that received nothing. Two consequences shape this module:
 
 - A fused layer (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, see the model's
   ``packed_modules_mapping``) is rebuilt only from ALL its parts, biases included; a
-  partial set leaves uninitialised memory in it. :func:`reload_groups` says what to send
+  partial set leaves uninitialised memory in it. :func:`deltasync.server.groups.reload_groups` says what to send
   with each changed parameter.
 - Between ``initialize`` and ``finalize`` the model is not usable, so both run inside one
   call, after every check has passed.
@@ -31,56 +31,15 @@ back into layers that received nothing. Two consequences shape this module:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["module_groups", "post_load_experts", "reload_groups", "reload_weights"]
+__all__ = ["post_load_experts", "reload_weights", "transformed"]
 
 logger = logging.getLogger(__name__)
-
-
-def module_groups(
-    names: Iterable[str], packed: Mapping[str, Sequence[str]], landing: Mapping[str, str] | None = None
-) -> dict[str, list[str]]:
-    """Checkpoint names grouped by the vLLM module that loads them.
-
-    ``landing`` (checkpoint name -> the vLLM module it is loaded into, as discovered) decides
-    where known. Otherwise ``model.layers.0.self_attn.q_proj.weight`` and ``...k_proj.bias``
-    both belong to ``model.layers.0.self_attn.qkv_proj`` when ``packed`` maps ``qkv_proj`` to
-    ``[q_proj, k_proj, v_proj]``; any other parameter belongs to its own module.
-    """
-    fused_of = {member: fused for fused, members in packed.items() for member in members}
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        if landing and name in landing:
-            groups.setdefault(landing[name], []).append(name)
-            continue
-        module = name.rpartition(".")[0]
-        parent, _, leaf = module.rpartition(".")
-        if leaf in fused_of:
-            module = f"{parent}.{fused_of[leaf]}" if parent else fused_of[leaf]
-        groups.setdefault(module, []).append(name)
-    return groups
-
-
-def reload_groups(
-    changed: Iterable[str], names: Sequence[str], packed: Mapping[str, Sequence[str]],
-    landing: Mapping[str, str] | None = None,
-) -> list[str]:
-    """The parameters to send so that every module touched by ``changed`` is rebuilt whole.
-
-    ``names`` is the full list of checkpoint names (its order is kept); ``landing`` as for
-    :func:`module_groups`.
-    """
-    groups = module_groups(names, packed, landing)
-    group_of = {name: key for key, members in groups.items() for name in members}
-    wanted: set[str] = set()
-    for name in changed:
-        wanted.update(groups[group_of[name]])
-    return [name for name in names if name in wanted]
 
 
 def reload_weights(
@@ -178,6 +137,13 @@ def post_load_experts(module: torch.nn.Module) -> Any:
     if experts is None or type(experts).process_weights_after_loading is FusedMoEExpertsModular.process_weights_after_loading:
         return None
     return experts
+
+
+def transformed(module: torch.nn.Module) -> str | None:
+    """Why ``module``'s parameters are not used as loaded (a fused-MoE layer whose experts kernel
+    transforms them), for :func:`deltasync.server.weight_map.discover`; None: they are."""
+    experts = post_load_experts(module)
+    return None if experts is None else f"experts kernel ({type(experts).__name__}) transforms its weights after loading"
 
 
 def _prepack_reloaded_experts(model: torch.nn.Module, loaded: set[str]) -> None:

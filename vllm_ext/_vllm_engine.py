@@ -1,4 +1,4 @@
-"""vLLM's implementation of the engine seam (:class:`vllm_ext._seam.Engine`).
+"""vLLM's implementation of the engine seam (:class:`deltasync.server.seam.Engine`).
 
 The one module of the server-side flow that touches vLLM's objects: the API server's engine
 client (``AsyncLLM``) and its engine-core client, and the engine-core method added to vLLM's
@@ -24,7 +24,7 @@ from typing import Any
 
 from deltasync.protocol import ApplyCall, WorkerCall
 
-from ._seam import Applied, RequestTokens, SentRequest
+from deltasync.server.seam import Applied, RequestTokens, SentRequest
 
 __all__ = ["ENGINE_METHOD", "VllmEngine", "cache_salt", "install_engine_core_method"]
 
@@ -35,7 +35,7 @@ ENGINE_METHOD = "deltasync_apply_counted"
 
 
 class VllmEngine:
-    """:class:`~vllm_ext._seam.Engine` over vLLM's engine client (``app.state.engine_client``)."""
+    """:class:`~deltasync.server.seam.Engine` over vLLM's engine client (``app.state.engine_client``)."""
 
     def __init__(self, client: Any) -> None:
         self.client = client

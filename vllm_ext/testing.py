@@ -6,7 +6,7 @@ The servers the test suite starts load :class:`TestingWorkerExtension` in place 
 run only with ``DELTASYNC_TEST_HOOKS=1`` in the server's environment too.
 
 Every test hook lives here, none on a production class: :func:`poke` damages an
-:class:`~vllm_ext._inplace.InPlaceState`'s live weights, :func:`fail_after_write` makes its next
+:class:`~deltasync.server.inplace.InPlaceState`'s live weights, :func:`fail_after_write` makes its next
 write fail once it has written (the production classes are used as they are, through their own
 methods and attributes).
 """
@@ -22,13 +22,13 @@ import torch
 
 from deltasync.errors import ConfigError, UpdateError
 from deltasync.protocol import TEST_HOOKS_ENV
+from deltasync.server.config import ServerConfig
+from deltasync.server.inplace import InPlaceState, LiveStaged, wait_for_device
+from deltasync.server.live_target import LiveTarget
+from deltasync.server.updater import WorkerUpdater
 
-from ._config import ServerConfig
 from ._extension import DeltaWorkerExtension, updater_of
-from ._inplace import InPlaceState, LiveStaged, wait_for_device
-from ._live_target import LiveTarget
 from ._lora_worker import find_lora, held_lora_tensor
-from ._updater import WorkerUpdater
 
 __all__ = ["TEST_EXTENSION", "TestingWorkerExtension", "fail_after_write", "poke"]
 
@@ -116,7 +116,7 @@ def poke(live: InPlaceState, name: str, index: int, bits: int) -> bool:
 
 
 def fail_after_write(live: InPlaceState, message: str) -> None:
-    """Make ``live``'s next :meth:`~vllm_ext._inplace.InPlaceState.write` raise
+    """Make ``live``'s next :meth:`~deltasync.server.inplace.InPlaceState.write` raise
     :class:`~deltasync.errors.UpdateError` (``message``) once it has written, carrying its undo
     log as a failed write does; the writes after it work again."""
     write: Callable[[LiveStaged], Any] = live.write

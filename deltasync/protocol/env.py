@@ -1,8 +1,8 @@
 """The environment variables of a deltasync server, named once.
 
 ``deltasync serve``, the demo, the Spaces deployer and the tests write them into a vLLM
-server's environment; ``vllm_ext`` reads them there, once, into its
-:class:`vllm_ext.ServerConfig`. The trainer reads one of them, :data:`TOKEN_ENV`, as the
+server's environment; the server core reads them there, once, into its
+:class:`deltasync.server.config.ServerConfig`. The trainer reads one of them, :data:`TOKEN_ENV`, as the
 default token of :class:`~deltasync.trl.DeltaSyncConfig`.
 """
 

@@ -2,7 +2,7 @@
 
 The workers of a vLLM server (``vllm_ext``) answer ``collective_rpc`` calls with plain data
 (tensors and objects do not cross that boundary). The API-server process
-(``vllm_ext._server_sync``) and the trainer's :class:`~deltasync.RolloutClient` read those
+(``deltasync.server.server_sync``) and the trainer's :class:`~deltasync.RolloutClient` read those
 answers through these classes instead of dicts read with ``.get``: a field of the wrong type
 is a :class:`~deltasync.FormatError` naming the field, not a surprise further on.
 """
@@ -97,7 +97,7 @@ class PrefetchState:
     stage_s: float = 0.0
     cpus: tuple[int, ...] | None = None
     """The CPUs the staging thread ran on, where it was moved off the engine's cores (None: the
-    worker's own; see ``vllm_ext._cpus``)."""
+    worker's own; see ``deltasync.server.cpus``)."""
     nice: int = 0
     """The staging thread's nice value (``DELTASYNC_STAGING_NICE`` above the worker's)."""
     idle: bool = False

@@ -114,7 +114,7 @@ def test_a_quantized_checkpoint_follows_its_view_and_contradictions_are_refused(
 
 
 def test_a_server_refuses_a_malformed_view_setting():
-    from vllm_ext._config import ServerConfig
+    from deltasync.server.config import ServerConfig
 
     assert ServerConfig.from_env({"DELTASYNC_VIEW": "FP8_DYNAMIC"}).view == "FP8_DYNAMIC"
     with pytest.raises(ConfigError, match="DELTASYNC_VIEW must be a scheme name such as FP8_DYNAMIC, got 'fp8'"):

@@ -58,6 +58,8 @@ LAYERS = (
     ("deltasync.reader", "deltasync.trainer.publisher"),
     ("deltasync.trainer", "deltasync.control", "deltasync.export"),
     ("deltasync",),
+    # The engine-neutral server core: it imports no engine (vLLM plugs in through its seams).
+    ("deltasync.server",),
     # The integrations: each uses the core, neither the other.
     ("deltasync.trl", "vllm_ext"),
     # The commands and the examples.

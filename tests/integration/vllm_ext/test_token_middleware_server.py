@@ -108,7 +108,7 @@ def routes(app, server):
 
 @pytest.fixture(scope="module")
 def protected(routes):
-    from vllm_ext._middleware import PUBLIC_ROUTES
+    from deltasync.server.middleware import PUBLIC_ROUTES
 
     found = [(method, path) for method, path in routes if path not in PUBLIC_ROUTES]
     # The LoRA routes, their SageMaker twins, the dev routes and routes left out of the schema.
@@ -162,7 +162,7 @@ def test_no_public_path_reaches_a_protected_route(app):
     """Where the router takes a public path, for every method and websockets: the public route or none."""
     from starlette.routing import Match
 
-    from vllm_ext._middleware import PUBLIC_ROUTES
+    from deltasync.server.middleware import PUBLIC_ROUTES
 
     for path in sorted(PUBLIC_ROUTES):
         for kind, method in [("http", m) for m in METHODS] + [("websocket", None)]:

@@ -9,9 +9,6 @@ where one is present (skipped with that reason elsewhere).
 from __future__ import annotations
 
 import filecmp
-import importlib
-import sys
-import types
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -377,20 +374,6 @@ def test_a_view_on_a_device_without_its_dtype(tmp_path: Path, monkeypatch: pytes
 # --------------------------------------------------------------------------- in-place writer
 
 
-def engine_neutral(module: str) -> types.ModuleType:
-    """One of ``vllm_ext``'s engine-neutral modules, also where vLLM is not installed (a GPU
-    machine with torch alone): the package's ``__init__`` imports vLLM, the module does not."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        if "vllm_ext" in sys.modules:
-            raise
-        package = types.ModuleType("vllm_ext")
-        package.__path__ = [str(Path(__file__).resolve().parents[3] / "vllm_ext")]
-        sys.modules["vllm_ext"] = package
-        return importlib.import_module(module)
-
-
 class LiveModel(torch.nn.Sequential):
     """The served model: :func:`bf16_model`'s layers, loaded as a vLLM model loads checkpoints."""
 
@@ -409,8 +392,8 @@ class LiveModel(torch.nn.Sequential):
 def test_the_in_place_writer_on_device_tensors_is_exact(device: str, tmp_path: Path) -> None:
     """After every delta and every anchor, the fingerprint of the live tensors (hashed where they
     are) is the bucket's, and the values are the trainer's."""
-    InPlaceState = engine_neutral("vllm_ext._inplace").InPlaceState
-    discover = engine_neutral("vllm_ext._weight_map").discover
+    from deltasync.server.inplace import InPlaceState
+    from deltasync.server.weight_map import discover
 
     from deltasync.reader.chain import ChainReader, read_pointer
     from deltasync.stores import LocalStore

@@ -299,7 +299,7 @@ def test_deploy_makes_exactly_the_expected_calls(tmp_path: Path) -> None:
     assert rollout["Dockerfile"] == (SPACES / "vllm" / "Dockerfile").read_bytes()
     assert rollout["README.md"] == (SPACES / "vllm" / "README.md").read_bytes()
     assert rollout["spaces/vllm/start.sh"] == (SPACES / "vllm" / "start.sh").read_bytes()
-    assert "vllm_ext/_middleware.py" in rollout and "deltasync/control/serve.py" in rollout
+    assert "deltasync/server/middleware.py" in rollout and "deltasync/control/serve.py" in rollout
     assert wordle["Dockerfile"] == (SPACES / "wordle" / "Dockerfile").read_bytes()
     assert "spaces/wordle/app.py" in wordle and "vllm_ext/__init__.py" not in wordle
 

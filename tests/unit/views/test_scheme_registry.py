@@ -212,9 +212,9 @@ def test_a_test_only_scheme_round_trips_through_publisher_reader_export_and_in_p
     registered, vllm_parallel_state, tmp_path
 ) -> None:
     from deltasync.reader.chain import ChainReader
-    from vllm_ext._inplace import InPlaceState
+    from deltasync.server.inplace import InPlaceState
     from vllm_ext._quantized import load_time_params
-    from vllm_ext._weight_map import discover
+    from deltasync.server.weight_map import discover
 
     bucket = tmp_path / "bucket"
     model = small_transformer()

@@ -74,8 +74,8 @@ class Ranks:
     """The in-place state of every rank, at the bucket's anchor 0."""
 
     def __init__(self, anchor: dict[str, torch.Tensor]) -> None:
-        from vllm_ext._inplace import InPlaceState
-        from vllm_ext._weight_map import discover
+        from deltasync.server.inplace import InPlaceState
+        from deltasync.server.weight_map import discover
 
         group = Group()
         self.models = [ToyModel(rank, WORLD) for rank in range(WORLD)]

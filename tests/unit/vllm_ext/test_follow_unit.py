@@ -20,7 +20,7 @@ pytestmark = requires_vllm
 
 
 def _sync(engine: Engine, bucket, *, interval: float = 0.5, token: str | None = TOKEN):
-    from vllm_ext._server_sync import FollowConfig, ServerSync
+    from deltasync.server.server_sync import FollowConfig, ServerSync
     from vllm_ext._vllm_engine import VllmEngine
 
     return ServerSync(VllmEngine(engine), token=token, follow=FollowConfig(enabled=True, interval=interval, bucket=str(bucket)))
@@ -150,7 +150,7 @@ def test_completions_carry_the_version_served_at_admission():
 
 def test_follow_settings_from_the_environment():
     from deltasync import ConfigError
-    from vllm_ext._server_sync import FollowConfig
+    from deltasync.server.server_sync import FollowConfig
 
     config = FollowConfig.from_env({"DELTASYNC_FOLLOW": "1", "DELTASYNC_BUCKET": "/b", "DELTASYNC_FOLLOW_INTERVAL": "0.25"})
     assert (config.enabled, config.interval, config.bucket) == (True, 0.25, "/b")
@@ -194,7 +194,7 @@ def test_metrics_count_updates_failures_and_bytes_of_their_own_flow(tmp_path):
 
 def test_the_server_reads_its_environment_in_one_config() -> None:
     from deltasync import ConfigError
-    from vllm_ext._config import ServerConfig
+    from deltasync.server.config import ServerConfig
 
     assert ServerConfig.from_env({}) == ServerConfig()
     env = {

@@ -145,7 +145,7 @@ def test_an_apply_whose_version_is_not_one_goes_on_to_vllm_and_still_holds_admis
 def test_token_version_log_tells_finished_requests_from_ones_sent_after_the_write():
     """The engine core reports the tokens of the requests it holds at the write; of the others,
     one sent before the write had finished, one sent after it has every token from the new version."""
-    from vllm_ext._token_versions import TokenVersionLog
+    from deltasync.server.token_versions import TokenVersionLog
     from vllm_ext._vllm_engine import ENGINE_METHOD, VllmEngine
 
     held: dict[str, int] = {}
@@ -194,7 +194,7 @@ def test_an_apply_behind_the_flow_leaves_the_start_unknown_for_requests_it_strad
     """vLLM's own weight routes change the weights without the engine core's count: a request
     sent before shows the new version at an unknown token ('?'), one sent after at token 0."""
     from deltasync.protocol.token_versions import format_token_versions
-    from vllm_ext._token_versions import TokenVersionLog
+    from deltasync.server.token_versions import TokenVersionLog
     from vllm_ext._vllm_engine import VllmEngine
 
     sent: list[str] = []
@@ -222,7 +222,7 @@ def test_a_list_past_the_parsers_bounds_is_not_sent(caplog):
     MAX_ENTRIES entries; the largest it sends parses back."""
     from deltasync.protocol import parse_token_versions
     from deltasync.protocol.token_versions import MAX_CHOICES, MAX_ENTRIES
-    from vllm_ext._update_route import _versioned
+    from deltasync.server.update_route import _versioned
 
     sent: list = []
 
@@ -235,7 +235,7 @@ def test_a_list_past_the_parsers_bounds_is_not_sent(caplog):
     for choices, sends in cases:
         sent.clear()
         # The logger's own level: another test (or library) may have raised the root's.
-        with caplog.at_level(logging.WARNING, logger="vllm_ext._update_route"):
+        with caplog.at_level(logging.WARNING, logger="deltasync.server.update_route"):
             asyncio.run(_versioned(send, 3, lambda: 4, lambda choices=choices: choices)(start))
         headers = dict(sent[0]["headers"])
         assert headers[b"x-deltasync-version"] == b"3"

@@ -79,7 +79,7 @@ def _websocket(middleware, path: str, authorization: str | None = None):
 
 
 def _public_routes():
-    from vllm_ext._middleware import PUBLIC_ROUTES
+    from deltasync.server.middleware import PUBLIC_ROUTES
 
     return sorted(PUBLIC_ROUTES)
 
@@ -186,7 +186,7 @@ ROOT_PATHS = [
 def test_root_path_is_stripped_as_the_router_strips_it(root_path, path, public):
     from starlette._utils import get_route_path
 
-    from vllm_ext._middleware import PUBLIC_ROUTES
+    from deltasync.server.middleware import PUBLIC_ROUTES
 
     scope = {"type": "http", "path": path, "root_path": root_path}
     assert (get_route_path(scope) in PUBLIC_ROUTES) == public  # what the router would serve
@@ -203,7 +203,7 @@ _PATHS = st.lists(_PIECES, max_size=8).map("".join)
 def test_route_path_agrees_with_starlette(root_path, path):
     from starlette._utils import get_route_path
 
-    from vllm_ext._middleware import PUBLIC_ROUTES, route_path
+    from deltasync.server.middleware import PUBLIC_ROUTES, route_path
 
     scope = {"type": "http", "path": path, "root_path": root_path}
     assert route_path(scope) == get_route_path(scope)
@@ -225,7 +225,7 @@ def test_the_environment_adds_public_routes(monkeypatch):
 
 @pytest.mark.parametrize("value", ["", "   ", ","])
 def test_an_empty_environment_variable_adds_nothing(monkeypatch, value):
-    from vllm_ext._middleware import PUBLIC_ROUTES
+    from deltasync.server.middleware import PUBLIC_ROUTES
 
     monkeypatch.setenv("DELTASYNC_PUBLIC_ROUTES", value)
     middleware, _ = _middleware()
@@ -253,7 +253,7 @@ def test_a_bad_public_route_refuses_to_start(monkeypatch, entry):
 
 def test_public_routes_raises_a_config_error():
     from deltasync import ConfigError
-    from vllm_ext._middleware import PUBLIC_ROUTES, public_routes
+    from deltasync.server.middleware import PUBLIC_ROUTES, public_routes
 
     assert public_routes() == PUBLIC_ROUTES and public_routes("/") == PUBLIC_ROUTES | {"/"}
     with pytest.raises(ConfigError, match="lists '/pause/'"):

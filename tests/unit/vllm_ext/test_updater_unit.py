@@ -30,7 +30,7 @@ QWEN2_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["ga
 
 
 def test_module_groups_follow_packed_modules_mapping():
-    from vllm_ext._reload import module_groups, reload_groups
+    from deltasync.server.groups import module_groups, reload_groups
 
     names = [
         "model.embed_tokens.weight",
@@ -60,7 +60,7 @@ def test_checkpoint_shapes_come_from_the_safetensors_headers(tiny_model_factory,
     from safetensors.torch import save_file
 
     from deltasync import FormatError
-    from vllm_ext._checkpoint import read_checkpoint_shapes, resolve_model_dir
+    from deltasync.server.checkpoint import read_checkpoint_shapes, resolve_model_dir
 
     model_dir = tiny_model_factory(seed=0)
     shapes = read_checkpoint_shapes(model_dir)
@@ -92,7 +92,7 @@ def _trainer(model_dir: pathlib.Path) -> torch.nn.Module:
 
 
 class Recorder:
-    """Stands in for vllm_ext._reload.reload_weights (as the reload target calls it): records
+    """Stands in for vllm_ext._reload.reload_weights (as vLLM's worker calls it): records
     what would be loaded."""
 
     def __init__(self) -> None:
@@ -113,7 +113,7 @@ class World:
     """A tiny model directory, a bucket with version 0, a trainer and a worker updater."""
 
     def __init__(self, model_dir: pathlib.Path, root: pathlib.Path, monkeypatch, *, token: str | None = "tok") -> None:
-        from vllm_ext import _reload_target
+        from vllm_ext import _worker
 
         self.model_dir = model_dir
         self.bucket = root / "bucket"
@@ -121,19 +121,21 @@ class World:
         self.publisher = DeltaPublisher(self.bucket, self.model, None)
         self.publisher.publish()
         self.reload = Recorder()
-        monkeypatch.setattr(_reload_target, "reload_weights", self.reload)
+        monkeypatch.setattr(_worker, "reload_weights", self.reload)
         self.token = token
         self.updater = self.make_updater(bucket=str(self.bucket), token=token)
 
     def make_updater(self, *, bucket: str | None, token: str | None):
-        from vllm_ext._updater import ServerConfig, WorkerUpdater
+        from deltasync.server.updater import ServerConfig, WorkerUpdater
+        from vllm_ext._worker import VllmWorker
 
         served = torch.nn.Module()
         served.packed_modules_mapping = QWEN2_PACKED
         model_config = SimpleNamespace(
             model=str(self.model_dir), revision=None, hf_text_config=SimpleNamespace(tie_word_embeddings=True)
         )
-        return WorkerUpdater(served, SimpleNamespace(model_config=model_config), ServerConfig(bucket=bucket, token=token))
+        worker = VllmWorker(served, SimpleNamespace(model_config=model_config))
+        return WorkerUpdater(worker, ServerConfig(bucket=bucket, token=token))
 
     def tag(self, version: int) -> str | None:
         return None if self.token is None else update_tag(self.token, version)
@@ -194,7 +196,7 @@ def test_first_update_loads_every_parameter_then_deltas_send_whole_fused_groups(
 
 
 def _refused(world, version, auth, match):
-    from vllm_ext._updater import UpdateError
+    from deltasync.server.updater import UpdateError
 
     before = (world.updater.status()["version"], world.updater.status()["fingerprint"], len(world.reload.calls))
     with pytest.raises(UpdateError, match=match):
@@ -253,7 +255,7 @@ def test_a_server_without_a_bucket_or_token(world):
 
 
 def test_a_failed_load_restores_the_previous_state(world):
-    from vllm_ext._updater import UpdateError
+    from deltasync.server.updater import UpdateError
 
     world.update(0)
     version = world.edit("model.layers.1.self_attn.v_proj.bias", rows=slice(0, 8))
@@ -280,7 +282,7 @@ def test_a_partially_loaded_module_triggers_a_full_reload(world):
 
 
 def test_prefetch_stages_in_the_background_and_update_reuses_it(world):
-    from vllm_ext._updater import UpdateError
+    from deltasync.server.updater import UpdateError
 
     world.update(0)
     version = world.edit("model.norm.weight", rows=slice(0, 64))
@@ -348,7 +350,7 @@ def test_begin_with_the_followers_pointer_reads_no_pointer_and_drops_a_bad_one(w
     version = world.edit("model.norm.weight", rows=slice(64, 128))
     reads: list[str] = []
     monkeypatch.setattr(receiver_module, "read_pointer", lambda store: reads.append(store.url) or real_read(store))
-    with caplog.at_level("WARNING", logger="vllm_ext._updater"):
+    with caplog.at_level("WARNING", logger="deltasync.server.updater"):
         begun = WorkerStatus.from_answer(world.updater.begin(version, world.tag(version), b'{"format": 1, "versio'))
     assert begun.prefetch.state in ("running", "ready") and "is not used" in caplog.text
     world.updater._prefetch.thread.join()
@@ -373,7 +375,7 @@ class _TwoWorkers:
 
 def test_with_several_workers_all_agree_and_only_the_last_raises(world, monkeypatch):
     from vllm_ext import _ranks
-    from vllm_ext._updater import UpdateError
+    from deltasync.server.updater import UpdateError
 
     peer_errors = iter([None, None, "(IntegrityError): the peer read a bad file", None,
                         "loading version 1 into the model failed (RuntimeError: peer out of memory)"])  # fmt: skip
@@ -408,7 +410,7 @@ def test_with_several_workers_all_agree_and_only_the_last_raises(world, monkeypa
 
 
 def test_a_failed_prefetch_is_reported_and_retried(world):
-    from vllm_ext._updater import UpdateError
+    from deltasync.server.updater import UpdateError
 
     world.update(0)
     version = world.edit("model.norm.weight", rows=slice(0, 64))

@@ -1,35 +1,36 @@
 """What a worker's update writes into: the small interface of the two update targets.
 
-:class:`~vllm_ext._updater.WorkerUpdater` runs one update flow (check, stage, agree, apply,
+:class:`~deltasync.server.updater.WorkerUpdater` runs one update flow (check, stage, agree, apply,
 agree, commit or roll back) over a target:
 
-- :class:`~vllm_ext._reload_target.ReloadTarget`: a host copy of the weights (a
+- :class:`~deltasync.server.reload_target.ReloadTarget`: a host copy of the weights (a
   :class:`~deltasync.DeltaReceiver`) from which changed modules are rebuilt through vLLM's
   layerwise reload;
-- :class:`~vllm_ext._live_target.LiveTarget`: deltas written straight into the live weights.
+- :class:`~deltasync.server.live_target.LiveTarget`: deltas written straight into the live weights.
 
 A target stages while the engine generates (possibly in a background thread), and applies,
 rolls back and commits inside the caller's pause. Every method that the flow calls on every
-rank in step may exchange data with the other ranks (:mod:`._ranks`).
+rank in step may exchange data with the other ranks, through the target's ``gather`` (the
+worker's, :class:`deltasync.server.seam.Worker`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 from deltasync import DeltaReceiver
+from deltasync.collective import failures
 from deltasync.protocol import Heal
 
-from ._ranks import agree
-
-__all__ = ["Applied", "Refused", "Staged", "UpdateTarget", "served_text"]
+__all__ = ["Applied", "Refused", "Staged", "UpdateTarget", "agree", "alone", "served_text"]
 
 
 class Staged(Protocol):
     """A version staged by a target (:class:`~deltasync.StagedUpdate` or
-    :class:`~vllm_ext._inplace.LiveStaged`): checked, not applied."""
+    :class:`~deltasync.server.inplace.LiveStaged`): checked, not applied."""
 
     from_version: int | None
     from_fingerprint: str | None
@@ -74,6 +75,10 @@ class UpdateTarget(ABC, Generic[S]):
     #: The ``mode`` an update's answer reports.
     answer_mode: str
 
+    #: ``obj`` of every rank of this engine, in rank order (the same list on all): the
+    #: worker's :meth:`~deltasync.server.seam.Worker.gather`, set by each target.
+    gather: Callable[[Any], list[Any]]
+
     @property
     def mode(self) -> str:
         """"in-place" or "reload" (what ``deltasync_status`` reports)."""
@@ -101,7 +106,7 @@ class UpdateTarget(ABC, Generic[S]):
     def agree(self, error: str | None, staged: S | None) -> S:
         """Every rank's staging outcome (a collective): the staged update to apply, or
         :class:`Refused` with the first rank's ``error``."""
-        error = agree(error)
+        error = agree(self.gather, error)
         if error is not None:
             raise Refused(f"refused {error}")
         assert staged is not None
@@ -135,3 +140,14 @@ class UpdateTarget(ABC, Generic[S]):
 def served_text(version: int | None) -> str:
     """What a message says is served."""
     return "the checkpoint it started with" if version is None else f"version {version}"
+
+
+def alone(obj: Any) -> list[Any]:
+    """The gather of a worker that has no other rank."""
+    return [obj]
+
+
+def agree(gather: Callable[[Any], list[Any]], error: str | None) -> str | None:
+    """The first error any rank reports through ``gather`` (the same answer on every rank)."""
+    failed = failures(gather(error))
+    return failed[0][1] if failed else None

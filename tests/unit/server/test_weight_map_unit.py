@@ -12,9 +12,6 @@ from deltasync import fingerprint
 from deltasync.errors import UpdateError
 from deltasync.format.fingerprint import fingerprint_add, fingerprint_share
 
-pytest.importorskip("vllm")
-
-
 class ToyModel(torch.nn.Module):
     """A fused, row-sharded q/k projection, a column-sharded output, a padded embedding and a
     norm that the loader transforms (like a quantized or repacked layer would)."""
@@ -60,7 +57,7 @@ SHAPES = {"q.weight": (4, 6), "k.weight": (2, 6), "o.weight": (5, 6), "embed.wei
 def test_a_parameter_a_module_runs_a_repacked_kernel_on_falls_back():
     """vLLM-CPU keeps a packed copy of a weight for its GEMM (``layer.cpu_linear``): a write into
     the plain parameter would not reach what that module computes with."""
-    from vllm_ext._weight_map import discover
+    from deltasync.server.weight_map import discover
 
     model = ToyModel(0)
     head = torch.nn.Module()
@@ -75,7 +72,7 @@ def test_a_parameter_a_module_runs_a_repacked_kernel_on_falls_back():
 
 
 def test_discover_maps_fused_sharded_and_padded_names_and_refuses_transforms():
-    from vllm_ext._weight_map import discover
+    from deltasync.server.weight_map import discover
 
     for rank in (0, 1):
         model = ToyModel(rank)
@@ -104,7 +101,7 @@ def test_discover_maps_fused_sharded_and_padded_names_and_refuses_transforms():
     data=st.data(),
 )
 def test_piece_locate_and_chunks_match_the_strided_view(shape, data):
-    from vllm_ext._weight_map import Piece
+    from deltasync.server.weight_map import Piece
 
     base = torch.arange(torch.Size(shape).numel()).reshape(shape)
     starts = [data.draw(st.integers(0, s - 1)) for s in shape]
@@ -137,8 +134,10 @@ def test_piece_locate_and_chunks_match_the_strided_view(shape, data):
 
 
 def test_in_place_writes_every_bit_pattern_exactly_and_rolls_back():
-    from vllm_ext._inplace import InPlaceState, LiveStaged, _Write
-    from vllm_ext._weight_map import discover
+    from deltasync.server.inplace import InPlaceState, LiveStaged, _Write
+    from deltasync.server.weight_map import discover
+
+    pytest.importorskip("vllm")  # the test hooks are vLLM's worker extension's
     from vllm_ext.testing import fail_after_write, poke
 
     model = ToyModel(0, world=1)
@@ -185,8 +184,8 @@ def test_fingerprint_shares_add_up_to_the_fingerprint():
 
 
 def test_parameters_that_fall_back_are_kept_on_the_host_and_rebuilt_through_the_reload():
-    from vllm_ext._inplace import _HOST, InPlaceState, LiveStaged, _Write
-    from vllm_ext._weight_map import discover
+    from deltasync.server.inplace import _HOST, InPlaceState, LiveStaged, _Write
+    from deltasync.server.weight_map import discover
 
     model = ToyModel(0, world=1)
     wmap = discover(model, SHAPES)
@@ -226,7 +225,7 @@ def test_parameters_that_fall_back_are_kept_on_the_host_and_rebuilt_through_the_
 def test_writes_wait_for_the_accelerator_and_not_for_the_cpu(monkeypatch):
     # CUDA kernels run asynchronously: an update must not return (nor its time be taken) while
     # its writes are queued. This build has no CUDA, so a stand-in tensor names a CUDA device.
-    from vllm_ext._inplace import wait_for_device
+    from deltasync.server.inplace import wait_for_device
 
     class OnDevice:
         def __init__(self, device: str) -> None:
@@ -245,8 +244,8 @@ def test_a_parameter_repacked_after_loading_in_the_same_shape_falls_back():
     and dtype: the probe maps them, but the checkpoint's values are elsewhere. Read back, such a
     name falls back; a name whose values are where the map says stays in place. Names that land
     in one vLLM module are grouped for the reload by that module."""
-    from vllm_ext._reload import reload_groups
-    from vllm_ext._weight_map import discover
+    from deltasync.server.groups import reload_groups
+    from deltasync.server.weight_map import discover
 
     gen = torch.Generator().manual_seed(0)
     checkpoint = {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in SHAPES.items()}

@@ -1,4 +1,4 @@
-"""The live target: deltas written straight into the served weights (:mod:`._inplace`).
+"""The live target: deltas written straight into the served weights (:mod:`.inplace`).
 
 Staging decodes, for the elements this rank holds, the deltas from the served version on (or,
 when the served weights cannot be built on, the newest anchor and the deltas after it, for a
@@ -22,16 +22,13 @@ from deltasync.protocol import Heal
 from deltasync.reader import ChainReader
 from deltasync.views import get_scheme
 
-from ._checkpoint import ServedCheckpoint
-from ._config import ServerConfig
-from ._cpus import BackgroundPolicy
-from ._inplace import InPlaceState, LiveStaged, release_freed_memory, release_later
-from ._plain_gemm import PLAIN_GEMM_ENV, plain_gemm_enabled
-from ._quantized import load_time_params
-from ._ranks import agree, gather, rank_index
-from ._reload import reload_groups, reload_weights
-from ._target import Applied, Refused, UpdateTarget
-from ._weight_map import discover
+from .checkpoint import ServedCheckpoint
+from .cpus import BackgroundPolicy
+from .groups import reload_groups
+from .inplace import InPlaceState, LiveStaged, release_freed_memory, release_later
+from .seam import Worker
+from .target import Applied, Refused, UpdateTarget, agree
+from .weight_map import discover
 
 __all__ = ["LiveTarget", "plan_in_place"]
 
@@ -53,6 +50,7 @@ class LiveTarget(UpdateTarget[LiveStaged]):
         self.live = live
         self.checkpoint = checkpoint
         self.rank = rank
+        self.gather = live.gather
         self.receiver: DeltaReceiver | None = None
         """The server's receiver, used only to read and check files (known from the first staging on)."""
 
@@ -107,7 +105,7 @@ class LiveTarget(UpdateTarget[LiveStaged]):
 
     def agree(self, error: str | None, staged: LiveStaged | None) -> LiveStaged:
         # One round trip: every rank's error, fingerprint shares and broken deltas.
-        answers = gather((error, None if staged is None else staged.shares, None if staged is None else staged.broken))
+        answers = self.gather((error, None if staged is None else staged.shares, None if staged is None else staged.broken))
         error = next((e for e, _, _ in answers if e is not None), None)
         if error is not None:
             raise Refused(f"refused {error}")
@@ -129,7 +127,7 @@ class LiveTarget(UpdateTarget[LiveStaged]):
             anchor = self.stage(staged.version, self.receiver, dense=True)
         except Exception as exc2:  # noqa: BLE001
             error = f"({type(exc2).__name__}): {exc2}"
-        error = agree(error)
+        error = agree(self.gather, error)
         if error is not None:
             raise Refused(f"refused: {broken}; loading the anchor instead failed {error}")
         assert anchor is not None
@@ -189,24 +187,14 @@ class LiveTarget(UpdateTarget[LiveStaged]):
 
 
 def plan_in_place(
-    model: torch.nn.Module, vllm_config: Any, packed: dict[str, list[str]], checkpoint: ServedCheckpoint,
-    background: BackgroundPolicy | None = None,
+    worker: Worker, checkpoint: ServedCheckpoint, background: BackgroundPolicy | None = None,
 ) -> tuple[InPlaceState | None, dict[str, str]]:
-    """Map the checkpoint onto the live weights: the in-place state (None: reload mode, when
-    no name maps) and the parameters that fall back to the layerwise reload, with why.
+    """Map the checkpoint onto ``worker``'s live weights: the in-place state (None: reload mode,
+    when no name maps) and the parameters that fall back to the layerwise reload, with why.
     ``background``: where the state's background threads run (default: :class:`BackgroundPolicy`'s)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.platforms import current_platform
-
     expected = checkpoint.shapes
-    reason = None
-    if expected is None:
-        reason = "the served checkpoint's parameter names and shapes are unknown"
-    elif current_platform.is_cpu() and not plain_gemm_enabled():
-        reason = f"vLLM's CPU build repacks linear weights for its kernels (set {PLAIN_GEMM_ENV}=1 to keep them plain)"
-        if ServerConfig.from_env().plain_gemm not in ("", "0"):
-            reason = (f"{PLAIN_GEMM_ENV} is set, but deltasync's vLLM plugin did not run before the model loaded "
-                      "(install the package, pip install deltasync, and leave 'deltasync' in VLLM_PLUGINS if set)")  # fmt: skip
+    reason = "the served checkpoint's parameter names and shapes are unknown" if expected is None else None
+    reason = reason or worker.in_place_refusal()
     if reason is not None:
         logger.info("deltasync: reload mode: %s", reason)
         return None, {name: reason for name in expected or {"*": ()}}
@@ -215,10 +203,12 @@ def plan_in_place(
     quantized = checkpoint.view is not None
     scheme = None if checkpoint.view is None else get_scheme(checkpoint.view)  # its live layout
     widen = scheme is not None and scheme.live.scales == "widened"
-    with set_current_vllm_config(vllm_config), load_time_params(model, scheme):
-        weight_map = discover(model, expected, dtypes=checkpoint.dtypes, widen=widen, values=checkpoint.reader())
+    model, packed = worker.model, worker.packed()
+    with worker.loading(scheme):
+        weight_map = discover(model, expected, dtypes=checkpoint.dtypes, widen=widen, values=checkpoint.reader(),
+                              transforms=worker.transformed)  # fmt: skip
     fallback: dict[str, str] = {}
-    for theirs in gather(weight_map.fallback):  # every rank decides alike
+    for theirs in worker.gather(weight_map.fallback):  # every rank decides alike
         fallback.update(theirs)
     names = [n for n in expected if n not in weight_map.ignored]
     # A parameter that falls back takes the rest of its vLLM module along: the layerwise
@@ -233,16 +223,16 @@ def plan_in_place(
 
     def reload_host(weights: list[tuple[str, torch.Tensor]]) -> None:
         """Rebuild whole modules from the host copy of the parameters that fall back."""
-        _, partial = reload_weights(model, vllm_config, iter(weights))
+        partial = worker.reload(iter(weights))
         if partial:
             raise UpdateError(f"modules {', '.join(partial[:5])} were loaded only in part")
 
     def load_dense(weights: Any) -> None:
-        with set_current_vllm_config(vllm_config), torch.no_grad(), load_time_params(model, scheme):
+        with worker.loading(scheme), torch.no_grad():
             model.load_weights(weights)
 
     live = InPlaceState(
-        model, weight_map, gather, rank_index(), load_dense,
+        model, weight_map, worker.gather, worker.rank_index(), load_dense,
         host={n: expected[n] for n in host}, reload=reload_host,
         groups=lambda changed: reload_groups(changed, host, packed, landing),
         dtypes=checkpoint.dtypes if quantized else None, background=background,

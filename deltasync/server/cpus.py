@@ -6,11 +6,11 @@ engine core. A prefetch thread started in the worker inherits that binding, so s
 version would take turns with the forward passes on the same core, and generation would slow
 by as much as staging costs. Each of deltasync's background threads (prefetch, the served
 hash, freeing memory) calls :meth:`BackgroundPolicy.enter` first, which does two things. The
-worker's updater holds the policy (made from its :class:`~vllm_ext._config.ServerConfig`) and
+worker's updater holds the policy (made from its :class:`~deltasync.server.config.ServerConfig`) and
 hands it to its in-place state.
 
 It moves the thread, as ``DELTASYNC_STAGING_CPUS`` says
-(:class:`vllm_ext._config.ServerConfig.staging_cpus`):
+(:class:`deltasync.server.config.ServerConfig.staging_cpus`):
 
 - ``auto`` (the default): the CPUs the engine-core process may use that no worker of this
   engine is bound to (its sibling processes). None on a GPU server or an unbound one (nothing
@@ -112,7 +112,7 @@ def shorten_switch_interval() -> None:
 
 class BackgroundPolicy:
     """Where and at what priority a worker's background threads run: its
-    :class:`~vllm_ext._config.ServerConfig`'s ``staging_cpus`` (``setting``) and ``staging_nice``
+    :class:`~deltasync.server.config.ServerConfig`'s ``staging_cpus`` (``setting``) and ``staging_nice``
     (``nice``), held by the worker's updater and its in-place state.
 
     The CPUs a setting names are looked up once, by the first thread that enters the background.

@@ -1,7 +1,7 @@
 """Where each version began in every response: taken where the write happens.
 
 Every apply (in-flight or paused, from the update route, follow mode or ``/collective_rpc``)
-goes through :meth:`TokenVersionLog.apply`, which runs it as :meth:`vllm_ext._seam.Engine.apply`:
+goes through :meth:`TokenVersionLog.apply`, which runs it as :meth:`deltasync.server.seam.Engine.apply`:
 between two engine steps, the engine counts the output tokens of each unfinished request and
 then runs ``deltasync_apply`` on every worker. No step runs in between: a request with ``k``
 tokens then has its token ``k`` sampled with the new weights (vLLM's count is taken in its
@@ -11,7 +11,7 @@ engine core: see :mod:`vllm_ext._vllm_engine`).
 completion and chat request an ``X-Request-Id`` holding a unique marker, which the engine puts
 into the engine request's id. A request the engine does not hold at the write either finished
 before it or was sent after it: the log stamps each engine request with the number of applies
-sent before its own (:meth:`vllm_ext._seam.Engine.watch_requests`), and the engine handles its
+sent before its own (:meth:`deltasync.server.seam.Engine.watch_requests`), and the engine handles its
 input in the order it was sent.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from deltasync.protocol import ApplyCall, TokenVersions
 
-from ._seam import Engine, SentRequest
+from .seam import Engine, SentRequest
 
 __all__ = ["TokenVersionLog"]
 

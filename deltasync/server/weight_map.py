@@ -25,8 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._quantized import is_widening, is_writable
-from ._reload import post_load_experts
+from .live_flat import is_widening, is_writable
 
 __all__ = ["Piece", "WeightMap", "discover"]
 
@@ -226,6 +225,7 @@ def discover(
     dtypes: Mapping[str, torch.dtype] | None = None,
     widen: bool = False,
     values: Callable[[str], torch.Tensor | None] | None = None,
+    transforms: Callable[[torch.nn.Module], str | None] | None = None,
 ) -> WeightMap:
     """Map every checkpoint name in ``shapes`` onto this worker's live parameters.
 
@@ -234,6 +234,8 @@ def discover(
     may widen a bf16 tensor into a float32 parameter (its scales: exact, and the in-place
     writer keeps it as bf16 lanes); any other cast falls back. ``values``: the served checkpoint's tensor of a name (None when unknown), to
     check that the live parameters hold it where the map says (see :func:`misplaced`).
+    ``transforms``: why a module's parameters are transformed after loading, so that writes
+    into them are not seen (the engine's :meth:`~deltasync.server.seam.Worker.transformed`).
     """
     params = dict(model.named_parameters())
     storages: dict[int, tuple[str, torch.Tensor]] = {}
@@ -247,13 +249,12 @@ def discover(
         if kernel is not None and kernel is not torch.nn.functional.linear:
             for param in module.parameters(recurse=False):
                 repacked[id(param)] = f"{module_name or 'the model'} runs a kernel on a repacked copy of it"
-        # A fused-MoE layer whose experts kernel transforms the weights after loading (vLLM-CPU
-        # prepacks them; at TP=2 its kernel does not see writes into the parameters either).
-        experts = post_load_experts(module)
-        if experts is not None:
+        # A module whose kernel transforms its weights after loading (vLLM-CPU prepacks a fused-MoE
+        # layer's experts; at TP=2 its kernel does not see writes into the parameters either).
+        why = None if transforms is None else transforms(module)
+        if why is not None:
             for param in module.parameters():
-                repacked[id(param)] = (f"{module_name}'s experts kernel ({type(experts).__name__}) transforms its "
-                                       "weights after loading")  # fmt: skip
+                repacked[id(param)] = f"{module_name}'s {why}"
     for name, param in params.items():
         if id(param) in repacked:
             unfit[name] = repacked[id(param)]

@@ -1,9 +1,10 @@
 """One worker's update flow, shared by the weight-transfer engine and the worker extension.
 
-Each vLLM worker process (one per tensor/pipeline-parallel rank) has its own
+Each worker process of an engine (one per tensor/pipeline-parallel rank) has its own
 :class:`WorkerUpdater`, which brings its model to committed versions of the bucket fixed at
-start-up, through one of two update targets (:mod:`._target`): the live weights written in
-place, or a host copy from which vLLM's layerwise reload rebuilds what changed. An update is
+start-up, through one of two update targets (:mod:`.target`): the live weights written in
+place, or a host copy from which the engine's layerwise reload rebuilds what changed. The
+updater reaches its engine only through the worker seam (:class:`~deltasync.server.seam.Worker`). An update is
 two-phase: stage and check everything (auth tag, version, files, fingerprints, names,
 shapes) while the model is untouched, agree across ranks, then write in one step and agree
 again before anything is committed. A failure before the write changes nothing; a failure
@@ -18,7 +19,6 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import torch
 
 from deltasync import ConfigError, DeltaReceiver, DeltaSyncError, FormatError, VersionError
 from deltasync.errors import UpdateError
@@ -35,13 +35,13 @@ from deltasync.protocol import (
 )
 from deltasync.views.serving import resolve_view
 
-from ._checkpoint import ServedCheckpoint
-from ._config import ServerConfig
-from ._cpus import Background, BackgroundPolicy, shorten_switch_interval
-from ._live_target import LiveTarget, plan_in_place
-from ._ranks import agree, is_last_rank
-from ._reload_target import ReloadTarget
-from ._target import Refused, Staged, UpdateTarget
+from .checkpoint import ServedCheckpoint
+from .config import ServerConfig
+from .cpus import Background, BackgroundPolicy, shorten_switch_interval
+from .live_target import LiveTarget, plan_in_place
+from .reload_target import ReloadTarget
+from .seam import Worker
+from .target import Refused, Staged, UpdateTarget, agree
 
 __all__ = ["BUCKET_ENV", "TEST_HOOKS_ENV", "ServerConfig", "UpdateError", "WorkerUpdater", "updater_for"]
 
@@ -73,34 +73,33 @@ class WorkerUpdater:
     """Applies committed versions from the bucket to one worker's model.
 
     Args:
-        model: the worker's model (``worker.model_runner.get_model()``).
-        vllm_config: the worker's ``VllmConfig``.
+        worker: the worker's engine (:class:`~deltasync.server.seam.Worker`; vLLM's:
+            :class:`vllm_ext._worker.VllmWorker`).
         config: bucket and token; default: read from the environment now.
     """
 
-    def __init__(self, model: torch.nn.Module, vllm_config: Any, config: ServerConfig | None = None) -> None:
+    def __init__(self, worker: Worker, config: ServerConfig | None = None) -> None:
         self.config = config or ServerConfig.from_env()
         self.background = BackgroundPolicy(self.config.staging_cpus, self.config.staging_nice)
         """Where and at what priority this worker's background threads run."""
         shorten_switch_interval()
-        self.model = model
-        self.vllm_config = vllm_config
-        packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", None) or {})
-        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self.checkpoint = ServedCheckpoint.of(vllm_config.model_config)
+        self.worker = worker
+        self.model = worker.model
+        self.rank = worker.rank
+        self.checkpoint: ServedCheckpoint = worker.checkpoint()
         self.view = resolve_view(self.config.view, self.checkpoint.view, self.checkpoint.path)
         """The quantized view followed (None: the bf16 chain)."""
-        self.last_rank = is_last_rank()
+        self.last_rank = worker.is_last_rank()
         self.last: UpdateAnswer | None = None
         self.last_error: dict[str, Any] | None = None
         self.last_heal: Heal | None = None
         """The last version built from an anchor because a delta file was corrupt or missing."""
         self._receiver: DeltaReceiver | None = None
         self._prefetch: _Prefetch | None = None
-        live, self.fallback = plan_in_place(model, vllm_config, packed, self.checkpoint, self.background)
-        """Checkpoint names rebuilt through vLLM's layerwise reload, and why."""
+        live, self.fallback = plan_in_place(worker, self.checkpoint, self.background)
+        """Checkpoint names rebuilt through the engine's layerwise reload, and why."""
         self.target: UpdateTarget[Any] = (
-            ReloadTarget(model, vllm_config, packed, self.checkpoint) if live is None
+            ReloadTarget(worker, self.checkpoint) if live is None
             else LiveTarget(live, self.checkpoint, self.rank)
         )  # fmt: skip
 
@@ -249,7 +248,7 @@ class WorkerUpdater:
         if staged.kind != "none":
             start = time.perf_counter()
             applied = target.apply(staged)
-            error = agree(applied.error)
+            error = agree(self.worker.gather, applied.error)
             if error is not None:
                 # Every worker puts the previous state back, those whose writes worked too.
                 return self._fail(staged.version, staged.version,
@@ -340,16 +339,17 @@ class WorkerUpdater:
 UPDATER_ATTR = "_deltasync_updater"
 
 
-def updater_for(model: torch.nn.Module, vllm_config: Any) -> WorkerUpdater:
-    """The updater of ``model`` (one per worker), created on first use and held by the model.
+def updater_for(worker: Worker) -> WorkerUpdater:
+    """The updater of ``worker``'s model (one per worker), created on first use and held by the model.
 
     The worker extension and the "delta" weight-transfer engine of a worker both reach its
     model (the engine is given nothing else), so the model holds the one updater they share:
     one receiver, one served state. Both run on the worker's main thread (vLLM creates the
     engine when the model is loaded and runs every ``collective_rpc`` there), so the first
     use creates it once."""
+    model = worker.model
     updater = vars(model).get(UPDATER_ATTR)
     if updater is None:
-        updater = WorkerUpdater(model, vllm_config)
+        updater = WorkerUpdater(worker)
         setattr(model, UPDATER_ATTR, updater)  # a plain attribute: not a parameter, buffer or module
     return updater

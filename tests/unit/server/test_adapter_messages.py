@@ -5,17 +5,14 @@ in the order the route always checked it."""
 from __future__ import annotations
 
 import pytest
-from servers import requires_vllm
 
 from deltasync import AuthError, VersionError
 from deltasync.protocol.auth import update_tag
 from deltasync.protocol.lora import AdapterError
 
-pytestmark = requires_vllm  # importing vllm_ext registers its backend with vLLM
-
 
 def test_the_update_route_answers_the_status_and_what_the_update_did():
-    from vllm_ext._adapter_messages import AdapterStatus, AdapterUpdate, FailedUpdate, LoraModules, ServedFingerprint
+    from deltasync.server.adapter_messages import AdapterStatus, AdapterUpdate, FailedUpdate, LoraModules, ServedFingerprint
 
     loaded = AdapterUpdate(version=3, kind="delta", nbytes=10, stage_s=0.5, apply_s=0.25, adapter="p-v3", time=7.0)
     status = AdapterStatus(version=3, served=ServedFingerprint(fingerprint="ab"), bucket_fingerprint="ab", bucket="/b",
@@ -40,7 +37,7 @@ def test_the_update_route_answers_the_status_and_what_the_update_did():
 
 
 def test_the_workers_answers():
-    from vllm_ext._adapter_messages import LoraModules, ServedFingerprint
+    from deltasync.server.adapter_messages import LoraModules, ServedFingerprint
 
     from deltasync.protocol import LoraFingerprintCall, LoraModulesCall
 
@@ -56,7 +53,7 @@ def test_the_workers_answers():
 
 
 def test_a_request_is_checked_in_the_routes_order():
-    from vllm_ext._adapter_messages import AdapterRequest
+    from deltasync.server.adapter_messages import AdapterRequest
 
     good = {"version": 2, "auth": update_tag("t", 2), "name": "policy", "keep": 3}
     request = AdapterRequest.parse(good, "t")

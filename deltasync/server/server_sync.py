@@ -1,14 +1,14 @@
 """The API-server side of every update: the update flow, follow mode and the metrics of one
 API-server process, held together.
 
-- :class:`vllm_ext._flow.UpdateFlow` brings the server to version N (stage while generating,
+- :class:`deltasync.server.flow.UpdateFlow` brings the server to version N (stage while generating,
   apply between two steps or paused, label, resume); push requests and the follower take turns.
-- :class:`vllm_ext._follower.Follower` reads the bucket's committed pointer and runs that flow
+- :class:`deltasync.server.follower.Follower` reads the bucket's committed pointer and runs that flow
   for each newer version.
-- :class:`vllm_ext._metrics.Metrics` counts what the flow did; :class:`ServerSync` owns it and
+- :class:`deltasync.server.metrics.Metrics` counts what the flow did; :class:`ServerSync` owns it and
   exposes it on the engine's ``/metrics`` while the server runs.
 
-All of it drives the engine through :class:`vllm_ext._seam.Engine` (vLLM's is
+All of it drives the engine through :class:`deltasync.server.seam.Engine` (vLLM's is
 :class:`vllm_ext._vllm_engine.VllmEngine`) and imports no vLLM. The push route
 (``POST /deltasync/update``), the follower and the status route are wired in by
 :class:`vllm_ext.UpdateMiddleware`. vLLM's own five weight-update routes (the ``"delta"``
@@ -22,10 +22,10 @@ from typing import Any
 
 from deltasync.protocol import UPDATE_MODE_ENV, UPDATE_MODES, UpdateMode
 
-from ._flow import UpdateFlow, UpdateOutcome
-from ._follower import FollowConfig, Follower
-from ._metrics import Metrics
-from ._seam import Engine
+from .flow import UpdateFlow, UpdateOutcome
+from .follower import FollowConfig, Follower
+from .metrics import Metrics
+from .seam import Engine
 
 __all__ = ["UPDATE_MODE_ENV", "UPDATE_MODES", "FollowConfig", "ServerSync", "UpdateOutcome"]
 

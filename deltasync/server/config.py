@@ -30,7 +30,7 @@ from deltasync.protocol import (
     check_update_mode,
 )
 
-from ._cpus import STAGING_CPUS_PATTERN
+from .cpus import STAGING_CPUS_PATTERN
 
 __all__ = ["ServerConfig"]
 
@@ -59,7 +59,7 @@ class ServerConfig:
     """The plain-GEMM switch as written (``DELTASYNC_CPU_PLAIN_GEMM``: "", "0", "1" or patterns)."""
     staging_cpus: str = "auto"
     """Where a worker's background work runs (``DELTASYNC_STAGING_CPUS``: "auto", "inherit" or a
-    CPU list; see ``vllm_ext._cpus``)."""
+    CPU list; see ``deltasync.server.cpus``)."""
     staging_nice: int | str = DEFAULT_STAGING_NICE
     """How far those threads lower their priority (``DELTASYNC_STAGING_NICE``: 0-19, or "idle")."""
     test_hooks: bool = False

@@ -29,8 +29,8 @@ from typing import Any
 from deltasync.errors import ConfigError
 from deltasync.protocol import PUBLIC_ROUTES_ENV, TOKEN_ENV, bearer_matches
 
-from ._asgi import header, unauthorized
-from ._config import ServerConfig
+from .asgi import header, unauthorized
+from .config import ServerConfig
 
 __all__ = ["PUBLIC_ROUTES", "PUBLIC_ROUTES_ENV", "TokenMiddleware", "public_routes", "route_path"]
 

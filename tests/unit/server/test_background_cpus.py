@@ -17,8 +17,8 @@ import pytest
 from servers import REPO_ROOT
 
 from deltasync import ConfigError
-from vllm_ext._config import ServerConfig
-from vllm_ext._cpus import parse_cpu_list
+from deltasync.server.config import ServerConfig
+from deltasync.server.cpus import parse_cpu_list
 
 _WORKER = textwrap.dedent(
     """
@@ -27,8 +27,8 @@ _WORKER = textwrap.dedent(
     if sys.argv[1] == "sibling":
         time.sleep(60)
     time.sleep(1.0)  # the sibling has bound itself
-    import importlib.util  # the module alone: importing vllm_ext would import vLLM (seconds)
-    spec = importlib.util.spec_from_file_location("cpus", os.path.join("vllm_ext", "_cpus.py"))
+    import importlib.util  # the module alone: importing deltasync takes seconds
+    spec = importlib.util.spec_from_file_location("cpus", os.path.join("deltasync", "server", "cpus.py"))
     _cpus = sys.modules["cpus"] = importlib.util.module_from_spec(spec); spec.loader.exec_module(_cpus)
     policy = _cpus.BackgroundPolicy(sys.argv[2], sys.argv[3] if sys.argv[3] == "idle" else int(sys.argv[3]))
     _cpus.shorten_switch_interval()  # as the updater does when it starts

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 class Outcome(Protocol):
-    """What the metrics read of an update (``vllm_ext._flow.UpdateOutcome``, which imports this
+    """What the metrics read of an update (``deltasync.server.flow.UpdateOutcome``, which imports this
     module: the type is named here by its fields, not imported)."""
 
     @property

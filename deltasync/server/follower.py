@@ -1,7 +1,7 @@
 """Follow mode: a watcher of the bucket's committed pointer that runs the one update flow.
 
 The follower reads the pointer and brings the server to the newest version through
-:meth:`vllm_ext._flow.UpdateFlow.bring_to` (several versions behind: straight to the newest, in
+:meth:`deltasync.server.flow.UpdateFlow.bring_to` (several versions behind: straight to the newest, in
 one staged update; started late or restarted: from the newest anchor, as the workers decide). A
 bucket that cannot be read, or a pointer or file that is corrupt, hostile or truncated, changes
 nothing served: the error is kept in :attr:`Follower.last_error` (see ``GET /deltasync/status``)
@@ -29,8 +29,8 @@ from deltasync.errors import ConfigError, UpdateError
 from deltasync.protocol import DEFAULT_FOLLOW_INTERVAL, FOLLOW_ENV, FOLLOW_INTERVAL_ENV, WorkerStatus
 from deltasync.reader import PointerWatch, PollOptions, PollPolicy
 
-from ._config import ServerConfig
-from ._flow import UpdateFlow, served_by
+from .config import ServerConfig
+from .flow import UpdateFlow, served_by
 
 __all__ = ["DEFAULT_INTERVAL", "MAX_BACKOFF", "FollowConfig", "Follower"]
 

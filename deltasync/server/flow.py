@@ -7,9 +7,9 @@ worker in one call (all ranks or none): between two engine steps with no pause (
 or with the engine paused, requests kept and caches emptied, and resumed whatever happened
 (``pause``). Then it labels the served weight version. A version already served is a no-op (no
 pause); an older one is refused by the workers. Updates never overlap: push requests and the
-follower (:mod:`vllm_ext._follower`) take turns on one lock.
+follower (:mod:`deltasync.server.follower`) take turns on one lock.
 
-The flow drives the engine only through :class:`vllm_ext._seam.Engine` and imports no vLLM.
+The flow drives the engine only through :class:`deltasync.server.seam.Engine` and imports no vLLM.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from deltasync.protocol import (
     update_tag,
 )
 
-from ._metrics import Metrics
-from ._seam import Engine
-from ._token_versions import TokenVersionLog
+from .metrics import Metrics
+from .seam import Engine
+from .token_versions import TokenVersionLog
 
 __all__ = ["UpdateFlow", "UpdateOutcome", "VersionedFlow", "served_by"]
 
@@ -183,7 +183,7 @@ class UpdateFlow(VersionedFlow):
         """The in-place write as one call between two engine steps: no forward pass runs on any
         rank meanwhile, and running requests keep their KV. New requests are salted with the
         version they are admitted at, so none reuses the prefix cache of older weights (see
-        :meth:`vllm_ext._seam.Engine.salt`)."""
+        :meth:`deltasync.server.seam.Engine.salt`)."""
         version = call.version
         try:
             results, failed_one = await self._apply_and_label(call)

@@ -1,8 +1,9 @@
-"""The reload target: a host copy of the weights, and vLLM's layerwise reload of what changed.
+"""The reload target: a host copy of the weights, and the engine's layerwise reload of what changed.
 
 The worker keeps an exact HF-named bf16 copy of the weights (a :class:`~deltasync.DeltaReceiver`
 following the server's bucket). A version is staged on that copy without touching it; applying
-rebuilds the changed modules (whole fused groups) from the staged values through vLLM's loaders,
+rebuilds the changed modules (whole fused groups) from the staged values through the engine's loaders
+(:meth:`~deltasync.server.seam.Worker.reload`),
 which shard for tensor parallelism; only when every rank loaded does the copy commit. After a
 failed load, every rank reloads the copy's previous state.
 """
@@ -12,15 +13,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-
 from deltasync import DeltaReceiver, StagedUpdate
 from deltasync.errors import UpdateError
 
-from ._checkpoint import ServedCheckpoint
-from ._inplace import wait_for_device
-from ._reload import reload_groups, reload_weights
-from ._target import Applied, UpdateTarget
+from .checkpoint import ServedCheckpoint
+from .groups import reload_groups
+from .inplace import wait_for_device
+from .seam import Worker
+from .target import Applied, UpdateTarget
 
 __all__ = ["ReloadTarget"]
 
@@ -31,20 +31,18 @@ class ReloadTarget(UpdateTarget[StagedUpdate]):
     """Applies versions by reloading modules from a host copy of the weights.
 
     Args:
-        model: the worker's model.
-        vllm_config: the worker's ``VllmConfig``.
-        packed: the model's ``packed_modules_mapping`` (fused module -> its checkpoint parts).
+        worker: the worker's engine (its model, ranks and layerwise reload).
         checkpoint: what every staged version must fit.
     """
 
     answer_mode = "reload"
 
-    def __init__(self, model: torch.nn.Module, vllm_config: Any, packed: dict[str, list[str]],
-                 checkpoint: ServedCheckpoint) -> None:  # fmt: skip
-        self.model = model
-        self.vllm_config = vllm_config
-        self.packed = packed
+    def __init__(self, worker: Worker, checkpoint: ServedCheckpoint) -> None:
+        self.worker = worker
+        self.model = worker.model
+        self.packed = worker.packed()
         self.checkpoint = checkpoint
+        self.gather = worker.gather
         self.receiver: DeltaReceiver | None = None
         """The host copy (the server's receiver, known from the first staging on)."""
 
@@ -79,7 +77,7 @@ class ReloadTarget(UpdateTarget[StagedUpdate]):
             send = changed
         else:
             send = reload_groups(changed, list(self.receiver.state_dict()), self.packed)
-        _, partial = reload_weights(self.model, self.vllm_config, ((n, staged.tensor(n)) for n in send))
+        partial = self.worker.reload((n, staged.tensor(n)) for n in send)
         if partial:
             # A module got part of its elements: the groups did not cover this model's
             # layout. Rebuild every module from the full new state.
@@ -88,7 +86,7 @@ class ReloadTarget(UpdateTarget[StagedUpdate]):
                 len(partial), ", ".join(partial[:5]),
             )  # fmt: skip
             send = list(self.receiver.state_dict()) if staged.kind == "delta" else changed
-            _, partial = reload_weights(self.model, self.vllm_config, ((n, staged.tensor(n)) for n in send))
+            partial = self.worker.reload((n, staged.tensor(n)) for n in send)
             if partial:
                 raise UpdateError(f"modules {', '.join(partial[:5])} were still loaded only in part")
         return len(changed), len(send)
@@ -100,11 +98,8 @@ class ReloadTarget(UpdateTarget[StagedUpdate]):
             if receiver is not None and receiver.version is not None:
                 weights = iter(receiver.state_dict().items())
             else:
-                from vllm.model_executor.model_loader import get_model_loader
-
-                loader = get_model_loader(self.vllm_config.load_config)
-                weights = iter(loader.get_all_weights(self.vllm_config.model_config, self.model))
-            reload_weights(self.model, self.vllm_config, weights)
+                weights = self.worker.checkpoint_weights()
+            self.worker.reload(weights)
         except Exception:
             logger.exception("deltasync: restoring the previous weights failed")
             return "restoring the previous weights failed too: restart this server"

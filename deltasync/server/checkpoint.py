@@ -49,12 +49,10 @@ class ServedCheckpoint:
     None for a bf16 checkpoint."""
 
     @classmethod
-    def of(cls, model_config: Any) -> ServedCheckpoint:
-        """Read the names and shapes of the checkpoint behind vLLM's ``model_config``."""
-        text_config = getattr(model_config, "hf_text_config", None) or model_config.hf_config
-        tied = bool(getattr(text_config, "tie_word_embeddings", False))
-        model = str(model_config.model)
-        directory = resolve_model_dir(model, revision=getattr(model_config, "revision", None))
+    def read(cls, model: str, *, revision: str | None = None, tied: bool = False) -> ServedCheckpoint:
+        """Read the names and shapes of the checkpoint ``model`` (a folder or a Hugging Face model
+        name, at ``revision``); ``tied``: whether its head is its embedding (the engine's config)."""
+        directory = resolve_model_dir(model, revision=revision)
         if directory is None:
             logger.warning(
                 "deltasync: cannot find the safetensors files of %s; updates are not checked against its "

@@ -1,6 +1,6 @@
 """Deltas written straight into the live (tensor-parallel-sharded) weights, with no host copy.
 
-Each worker maps checkpoint elements onto its live parameters (:mod:`._weight_map`). For a
+Each worker maps checkpoint elements onto its live parameters (:mod:`.weight_map`). For a
 delta it decodes only the elements it holds, against old values read from the live
 weights (the zstd codec codes new values relative to them). Everything but the write itself
 happens while staging, before the pause: decoding, mapping to flat positions of the live
@@ -11,7 +11,7 @@ them. Applying is one ``scatter_`` per live parameter: time and memory are O(cha
 elements on this rank). Values move as int16 lanes (a bf16 bit pattern, or a quantized view's
 one-byte code zero-extended; :mod:`deltasync.format.dtypes`), never through float
 arithmetic, so every pattern (NaN payloads too) arrives exactly. A live parameter is read and
-written in storage order through :class:`~vllm_ext._quantized.LiveFlat` (an FP8 weight that
+written in storage order through :class:`~deltasync.server.live_flat.LiveFlat` (an FP8 weight that
 vLLM transposed after loading, a scale it widened to float32).
 
 The fingerprint of what is served is computed from the live weights through the map:
@@ -38,9 +38,9 @@ from deltasync.format.fingerprint import DeviceHasher, fingerprint_add, fingerpr
 from deltasync.protocol import Heal
 from deltasync.reader import ChainReader, Overlay
 
-from ._cpus import BackgroundPolicy
-from ._quantized import LiveFlat
-from ._weight_map import Piece, WeightMap
+from .cpus import BackgroundPolicy
+from .live_flat import LiveFlat
+from .weight_map import Piece, WeightMap
 
 __all__ = ["InPlaceState", "LiveStaged", "release_freed_memory", "release_later", "wait_for_device"]
 
@@ -153,7 +153,7 @@ class InPlaceState:
         load_dense: loads ``(checkpoint name, tensor)`` pairs through the model's loader.
         host: the checkpoint names (and shapes) that fall back, in checkpoint order.
         reload: rebuilds the modules of the given checkpoint names from ``(name, tensor)``
-            pairs (whole modules: see :func:`~vllm_ext._reload.reload_groups`); raises on failure.
+            pairs (whole modules: see :func:`~deltasync.server.groups.reload_groups`); raises on failure.
         groups: checkpoint names -> the names to send so that each touched module is whole.
         dtypes: each checkpoint name's element dtype, for a quantized view (None: all bf16).
         background: where and at what priority its background threads run.
