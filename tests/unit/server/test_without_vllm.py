@@ -24,6 +24,7 @@ class NoVllm(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoVllm())
 for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
     del sys.modules[name]
+sys.modules["vllm"] = None  # importlib.util.find_spec("vllm") is None, as where it is not installed
 """
 
 _WALK = NO_VLLM + """
@@ -38,7 +39,7 @@ for info in pkgutil.walk_packages(deltasync.__path__, "deltasync."):
     except ImportError as exc:
         failed[info.name] = str(exc)
 print(sorted(failed.items()))
-print(sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "vllm_ext")))
+print(sorted(m for m, mod in sys.modules.items() if mod is not None and m.split(".")[0] in ("vllm", "vllm_ext")))
 """
 
 
@@ -66,3 +67,16 @@ def test_the_server_core_loads_without_vllm():
     proc = _run(NO_VLLM + "\nimport deltasync.server.updater, deltasync.server.update_route, deltasync.server.seam\n"
                 "print('ok')\n")  # fmt: skip
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_the_server_cores_unit_tests_pass_without_vllm():
+    """tests/unit/server run in a child where vLLM is absent (this module and the fake engine's,
+    which make their own such children, left out)."""
+    here = "tests/unit/server"
+    code = NO_VLLM + (
+        "\nimport pytest\nsys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-o', 'addopts=', "
+        f"'{here}', '--ignore={here}/test_without_vllm.py', '--ignore={here}/test_fake_engine.py']))\n"
+    )
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
