@@ -118,3 +118,21 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+
+
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    module = report.nodeid.split("::", 1)[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Seconds per module (setup, call and teardown of its tests), costliest first: where the
+    suite's time goes, for keeping CI inside its budget and ``COSTLIEST_FIRST`` in order."""
+    if not _MODULE_SECONDS or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    terminalreporter.section("seconds per module")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda item: -item[1])[:30]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {module}")

@@ -125,12 +125,12 @@ METHODS: dict[str, Callable[..., Any]] = {
 }
 
 
-class FakeEngine:
-    """The engine (an :class:`~deltasync.server.seam.Engine`) over in-process workers: a call
-    runs on each in turn (nothing steps here, so every call is between two steps)."""
+class EngineRequests:
+    """What every fake engine here shares: the requests it runs (engine id -> tokens sampled so
+    far), the API server's watch on them, pause and resume, the label and the salt. The calls
+    the flow made are recorded in order (``calls``); subclasses answer ``call_workers``."""
 
-    def __init__(self, updaters: list[WorkerUpdater]) -> None:
-        self.updaters = updaters
+    def __init__(self) -> None:
         self.calls: list[Any] = []
         self.paused = False
         self.label_now: int | None = None
@@ -138,8 +138,7 @@ class FakeEngine:
         self._sent: Callable[[SentRequest], None] | None = None
 
     async def call_workers(self, call: WorkerCall[Any]) -> list[Any]:
-        self.calls.append(call.method)
-        return [METHODS[call.method](updater, *call.args()) for updater in self.updaters]
+        raise NotImplementedError
 
     async def apply(self, call: ApplyCall) -> Applied:
         tokens = [RequestTokens(SentRequest(i, i.rsplit("-", 1)[0], 0), n) for i, n in self.requests.items()]
@@ -148,7 +147,8 @@ class FakeEngine:
     def watch_requests(self, sent: Callable[[SentRequest], None]) -> None:
         self._sent = sent
 
-    def add(self, engine_id: str, external: str, tokens: int) -> None:
+    def add(self, engine_id: str, external: str, tokens: int = 0) -> None:
+        """A request arrives at the engine (through the API server), ``tokens`` sampled already."""
         assert self._sent is not None
         self._sent(SentRequest(engine_id, external, 0))
         self.requests[engine_id] = tokens
@@ -162,10 +162,24 @@ class FakeEngine:
         self.paused = False
 
     async def label(self, version: int) -> None:
+        self.calls.append(("label", version))
         self.label_now = version
 
     def salt(self, request: dict[str, Any], version: int | None) -> dict[str, Any]:
         return {**request, "cache_salt": f"v{version}"}
+
+
+class FakeEngine(EngineRequests):
+    """The engine (an :class:`~deltasync.server.seam.Engine`) over in-process workers: a call
+    runs on each in turn (nothing steps here, so every call is between two steps)."""
+
+    def __init__(self, updaters: list[WorkerUpdater]) -> None:
+        super().__init__()
+        self.updaters = updaters
+
+    async def call_workers(self, call: WorkerCall[Any]) -> list[Any]:
+        self.calls.append(call.method)
+        return [METHODS[call.method](updater, *call.args()) for updater in self.updaters]
 
 
 def _check_seams(engine: Engine, worker: Worker) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import ast
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
+from fake_engine import EngineRequests
 from servers import REPO_ROOT
 
 from deltasync.protocol import ApplyCall, BeginCall, StatusCall, WorkerCall
@@ -44,21 +44,17 @@ def test_the_check_sees_an_import_inside_a_function(tmp_path):
     assert _imports(path) == {"vllm.v1.engine.core", ".", "._vllm_engine"}
 
 
-class FakeEngine:
+class FakeEngine(EngineRequests):
     """An engine of ``workers`` in-memory workers that keeps the seam's promises (nothing steps
     here, so every call is between two steps; pause keeps the requests; the label is what it
-    reports), and records what the flow asked of it, in order."""
+    reports); its workers answer from a script, not from updaters (``fake_engine.FakeEngine``
+    runs real ones)."""
 
     def __init__(self, workers: int = 2, *, served: int | None = None, mode: str = "in-place") -> None:
+        super().__init__()
         self.workers = workers
         self.served = served
         self.mode = mode
-        self.calls: list[Any] = []
-        self.paused = False
-        self.label_now: int | None = None
-        self.requests: dict[str, int] = {}
-        """Unfinished requests: engine id -> output tokens so far."""
-        self._sent: Callable[..., None] | None = None
 
     def _status(self, prefetch: dict | None) -> list[dict]:
         return [{"rank": r, "version": self.served, "fingerprint": "ab" * 8, "mode": self.mode, "prefetch": prefetch}
@@ -77,39 +73,6 @@ class FakeEngine:
             self.served = call.version
             return [{"version": call.version, "nbytes": 10}] * self.workers
         raise AssertionError(call)
-
-    async def apply(self, call: ApplyCall) -> Any:
-        from deltasync.server.seam import Applied, RequestTokens, SentRequest
-
-        tokens = [RequestTokens(SentRequest(i, i.rsplit("-", 1)[0], 0), n) for i, n in self.requests.items()]
-        answers = await self.call_workers(call)
-        return Applied(answers, tokens)
-
-    def watch_requests(self, sent: Callable[..., None]) -> None:
-        self._sent = sent
-
-    def add(self, engine_id: str, external: str) -> None:
-        """A request arrives at the engine (through the API server)."""
-        from deltasync.server.seam import SentRequest
-
-        assert self._sent is not None
-        self._sent(SentRequest(engine_id, external, 0))
-        self.requests[engine_id] = 0
-
-    async def pause(self) -> None:
-        self.calls.append("pause")
-        self.paused = True
-
-    async def resume(self) -> None:
-        self.calls.append("resume")
-        self.paused = False
-
-    async def label(self, version: int) -> None:
-        self.calls.append(("label", version))
-        self.label_now = version
-
-    def salt(self, request: dict[str, Any], version: int | None) -> dict[str, Any]:
-        return {**request, "salt": f"v{version}"}
 
 
 def _sync(engine: FakeEngine, **kwargs: Any):
@@ -136,15 +99,14 @@ def test_an_inflight_update_on_a_fake_engine_records_where_each_version_began():
     sync = _sync(engine, update_mode="inflight")
     sync.served = 1
     marker = sync.tokens.track(1)
-    engine.add(f"cmpl-{marker}-0-x", f"cmpl-{marker}-0")
-    engine.requests[f"cmpl-{marker}-0-x"] = 5  # five tokens sampled with version 1
+    engine.add(f"cmpl-{marker}-0-x", f"cmpl-{marker}-0", tokens=5)  # five tokens sampled with version 1
     outcome = asyncio.run(sync.bring_to(2, "good-tag"))
     assert outcome.ok and outcome.mode == "inflight" and "pause" not in engine.calls
     assert sync.tokens.versions(marker) == [[(1, 0), (2, 5)]]
     # The salt is the engine's: the middleware asks the engine for it.
     from deltasync.server.update_route import _salted
 
-    assert _salted(engine, b'{"prompt": "hi"}', 2) == b'{"prompt": "hi", "salt": "v2"}'
+    assert _salted(engine, b'{"prompt": "hi"}', 2) == b'{"prompt": "hi", "cache_salt": "v2"}'
 
 
 def test_a_refused_update_on_a_fake_engine_resumes_and_labels_nothing():
