@@ -61,13 +61,7 @@ def server_env(**extra: str) -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     # INFO: tests read vLLM's log (supported tasks, request log); importing TRL in the test
     # process sets VLLM_LOGGING_LEVEL=ERROR in os.environ, which servers would inherit.
-    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "VLLM_LOGGING_LEVEL": "INFO"}
-    # Under the suite's two xdist workers (tests/conftest.py), each worker's one-core servers compute
-    # on a core of their own (vLLM-CPU's automatic binding would put every server on core 0).
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if worker.startswith("gw") and worker[2:].isdigit():
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(int(worker[2:]) % (os.cpu_count() or 1))
-    return {**env, **extra}
+    return {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "VLLM_LOGGING_LEVEL": "INFO", **extra}
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ current at the cost of the changed elements only.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -141,6 +141,32 @@ class DeviceHasher:
             x |= _device_bits(flat[lo:hi].to(self.device))
             x ^= seed
             self.total = self.total + self._mix_sum(x, tmp)
+
+    def add_moves(
+        self, index: torch.Tensor, new: torch.Tensor, old: torch.Tensor, runs: Sequence[tuple[str, int, int]]
+    ) -> None:
+        """Add the hashes of ``new`` and subtract those of ``old`` (bf16) at int64 flat ``index``,
+        where elements ``begin .. end - 1`` of each run ``(name, begin, end)`` are ``name``'s: the
+        fingerprint move of the changes of many weights at once, in a few kernels per :attr:`chunk`
+        and one per run, however many weights the runs name."""
+        if new.dtype != torch.bfloat16 or old.dtype != torch.bfloat16:
+            raise TypeError(f"add_moves hashes bf16 values, got {new.dtype} and {old.dtype}")
+        for lo in range(0, index.numel(), self.chunk):
+            hi = min(lo + self.chunk, index.numel())
+            keyed = torch.empty(hi - lo, dtype=torch.int64, device=self.device)
+            torch.bitwise_left_shift(index[lo:hi], 16, out=keyed)
+            for name, begin, end in runs:
+                if max(begin, lo) < min(end, hi):
+                    keyed[max(begin, lo) - lo : min(end, hi) - lo] ^= _signed(int(_seed(name)))
+            x, tmp = self._buffers(hi - lo)
+            sums = []
+            for values in (new[lo:hi], old[lo:hi]):
+                tmp.copy_(values.view(torch.int16))  # sign-extended: masked to its 16 bits
+                tmp &= 0xFFFF
+                # (index << 16 | bits) ^ seed, as add's: the bits lie where the shifted index has 0s
+                torch.bitwise_xor(keyed, tmp, out=x)
+                sums.append(self._mix_sum(x, tmp))
+            self.total = self.total + (sums[0] - sums[1])
 
     def value(self) -> int:
         """The sum so far, modulo 2**64 (reads the device: one synchronization)."""

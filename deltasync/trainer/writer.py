@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -198,6 +199,12 @@ class ChainWriter(ChainCommitter):
         With ``expected`` (the chain's fingerprint of that version) the streamed values are
         hashed on the way and must add up to it; without, they are hashed first.
         """
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-anchor-hash") as hashing:
+            return self._write_anchor(version, expected, group, hashing)
+
+    def _write_anchor(
+        self, version: int, expected: str | None, group: Any, hashing: ThreadPoolExecutor
+    ) -> tuple[ChainEntry, str]:
         layout = self.layout
         split = layout.parts > 1
         params = self.params
@@ -220,12 +227,14 @@ class ChainWriter(ChainCommitter):
                 # From an accelerator, large pieces: each is one copy to the host.
                 size = (1 << 20) if hasher is None else ANCHOR_DEVICE_CHUNK
                 for values in self.checkpoint.chunks(name, flat, live.begin, owned, size):
-                    if hasher is None:
-                        shares[0] += fingerprint_slice_share(name, values, offset)
+                    if hasher is None:  # hashed in a helper thread while the file takes the chunk
+                        share = hashing.submit(fingerprint_slice_share, name, values, offset)
                     else:  # hashed where it lies; one read of the sum per tensor
                         hasher.add_slice(name, values, offset)
                     offset += values.numel()
                     yield values
+                    if hasher is None:  # before the next chunk, which may reuse this one's memory
+                        shares[0] += share.result()
                 if hasher is not None:
                     shares[0] += hasher.value()
 

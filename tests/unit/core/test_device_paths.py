@@ -116,9 +116,14 @@ def same_changes(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert torch.equal(getattr(a[name], field).view(torch.int16), getattr(b[name], field).view(torch.int16)), name
 
 
+@pytest.mark.parametrize("batch", [1 << 22, 7], ids=["one-batch", "batches-of-7"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_sliced_compare_finds_exactly_what_the_chunked_one_does(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_sliced_compare_finds_exactly_what_the_chunked_one_does(
+    device: str, batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(scan_module, "SLICE", 1 << 12)  # several slices per weight
+    # 7: the changes of a slice span batches, and a batch holds several weights' changes
+    monkeypatch.setattr(scan_module, "BATCH", batch)
     model, twin = bf16_model(device), bf16_model("cpu")
     detector = BF16ChangeDetector(model)
     reference = BF16ChangeDetector(twin)  # the same weights, compared on the CPU in chunks
