@@ -203,6 +203,43 @@ def test_host_synchronizations_do_not_grow_with_the_weights(device: str, monkeyp
     assert counts[40] == counts[400] <= 3, counts
 
 
+class KernelCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that run a kernel (views, slices and allocations do not)."""
+
+    FREE: ClassVar[set[str]] = {"view", "slice", "alias", "as_strided", "reshape", "_reshape_alias", "detach",
+                                "expand", "t", "unsqueeze", "squeeze", "select", "lift_fresh", "empty"}  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket.__name__ not in self.FREE:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_sliced_compare_queues_a_few_kernels_per_weight(device: str) -> None:
+    """On an accelerator the compare is bound by kernel launches, one slice per weight for most
+    weights: it counts and compares each slice (ne, sum; ne, nonzero_static), gathers its changes
+    into the batch (add, two index_selects) and seeds its run of the hash (one xor); the hash and
+    the copies to the host run once per batch. 46 per weight before the batches."""
+    torch.manual_seed(0)
+    weights = 100
+    model = torch.nn.ModuleList([torch.nn.Linear(64, 64, bias=False) for _ in range(weights)])
+    model = model.to(device=device, dtype=torch.bfloat16)
+    detector = BF16ChangeDetector(model)
+    detector.sliced = True
+    with torch.no_grad():
+        for p in model.parameters():
+            p.view(-1)[::97] += 1.0
+    with KernelCounter() as counter:
+        changes = detector.changes()
+    assert len(changes) == weights
+    assert counter.count <= 10 * weights, counter.count / weights
+
+
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=gpu)])
 def test_cuda_synchronizations_are_counted_by_torch_too(device: str) -> None:
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 2048) for _ in range(4)]).to(device=device, dtype=torch.bfloat16)
