@@ -80,7 +80,10 @@ def release_later(*objects: Any, background: BackgroundPolicy) -> None:
         held.clear()
         release_freed_memory()
 
-    threading.Thread(target=run, name="deltasync-release", daemon=True).start()
+    # Not a daemon: a daemon thread still freeing tensors when the interpreter finalizes is
+    # killed inside torch's C++ destructors, and the process aborts ("terminate called without
+    # an active exception"); the interpreter joins this one, a moment's work, before it exits.
+    threading.Thread(target=run, name="deltasync-release").start()
 
 
 def wait_for_device(tensors: Any) -> None:
@@ -273,7 +276,8 @@ class InPlaceState:
                 job["error"] = f"{type(exc).__name__}: {exc}"
             release_freed_memory()
 
-        job["thread"] = threading.Thread(target=run, name="deltasync-served-hash", daemon=True)
+        # Not a daemon, like ``release_later``'s thread: the interpreter joins it before it exits.
+        job["thread"] = threading.Thread(target=run, name="deltasync-served-hash")
         self.pending = job
         job["thread"].start()
 

@@ -178,9 +178,9 @@ class WorkerUpdater:
         if self.target.served()[0] == version:
             job.state = "applied"
             return job.describe()
-        job.thread = threading.Thread(
-            target=self._run_prefetch, args=(job, receiver), name=f"deltasync-prefetch-{version}", daemon=True
-        )
+        # Not a daemon (see ``inplace.release_later``): an exit waits for the prefetch, whose
+        # reads end by themselves, rather than abort in torch's destructors.
+        job.thread = threading.Thread(target=self._run_prefetch, args=(job, receiver), name=f"deltasync-prefetch-{version}")
         self._prefetch = job
         job.thread.start()
         return job.describe()

@@ -21,6 +21,8 @@ def _run(scenario: str, tmp_path: Path) -> None:
     code = (NO_VLLM + f"\nsys.path[:0] = [{str(HERE)!r}, {str(REPO_ROOT / 'tests')!r}, {str(REPO_ROOT)!r}]\n"
             f"import fake_engine, pathlib\nfake_engine.{scenario}\n"
             "assert not [m for m, mod in sys.modules.items() if mod is not None and m.split('.')[0] in ('vllm', 'vllm_ext')]\n"
+            # A daemon thread of ours alive at exit would be killed inside torch's destructors.
+            "import threading\nassert not [t.name for t in threading.enumerate() if t.daemon and t.name.startswith('deltasync')]\n"
             "print('ok')\n")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]

@@ -4,7 +4,7 @@ place (each decoding only the elements it holds), and the adapter sync's staged 
 tampered file is refused by each with the same error, and changes nothing.
 
 The ranks run in threads of this process, their collectives a gather over a barrier; the
-served model is the toy model of ``test_weight_map_unit`` (fused, sharded, padded and
+served model is the toy model of ``tests/toy_model.py`` (fused, sharded, padded and
 transformed parameters)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import checkpoint_model, publish_chain, replace_file, same_state
 from servers import requires_vllm
-from test_weight_map_unit import SHAPES, ToyModel
+from toy_model import SHAPES, ToyModel
 
 from deltasync import DeltaReceiver, IntegrityError, fingerprint, open_store
 from deltasync.reader.chain import ChainReader, read_pointer
