@@ -162,6 +162,16 @@ def tp_params() -> list[Any]:
     return [pytest.param(1, id="tp1"), pytest.param(2, id="tp2", marks=two)]
 
 
+def widest_tp() -> list[Any]:
+    """``pytest.param`` for TP=2 where two cores are there, else TP=1: for the modules whose
+    behaviour at TP=2 holds TP=1's (one worker's path) and adds the ranks' (their agreement,
+    one rank failing), so that one server answers for both. TP=1 on a real server is the
+    in-place and delta modules' (``test_inplace``, ``test_delta_server``)."""
+    if (os.cpu_count() or 1) >= 2:
+        return [pytest.param(2, id="tp2")]
+    return [pytest.param(1, id="tp1")]
+
+
 class Trainer:
     """The trainer side of a server test: an fp32 model and a publisher writing deltas (anchors
     only when asked: no size rule) into ``root / "bucket"``; nothing is published yet."""

