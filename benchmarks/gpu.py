@@ -376,35 +376,74 @@ def submit_mode(model: Weights, device: torch.device, lr: float, iters: int, buc
     return out
 
 
-def encode_threads(changes: int, tensors: int = 64) -> dict[str, float]:
-    """A zstd delta spanning ``tensors`` tensors, encoded with one thread and with the host's cores."""
+def _spanning_delta(changes: int, tensors: int) -> tuple[list[tuple[str, Any]], dict[str, torch.Tensor]]:
+    """A delta of ``changes`` one- and two-ULP steps spread over ``tensors`` tensors (1 in 70
+    elements changed), and the weights it applies to."""
     from deltasync.format import Change
-    from deltasync.format.codecs.zstd import ZstdCodec, encode_threads
 
     g = torch.Generator().manual_seed(0)
-    items = []
+    items, state = [], {}
     for k in range(tensors):
         n = changes // tensors
+        state[f"w{k}"] = (torch.randn(70 * n, generator=g) * 0.02).to(torch.bfloat16)
         index = torch.sort(torch.randperm(70 * n, generator=g)[:n]).values
-        old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+        old = state[f"w{k}"][index]
         step = torch.randint(1, 3, (n,), dtype=torch.int16, generator=g)
         items.append((f"w{k}", Change(index=index, new=(old.view(torch.int16) + step).view(torch.bfloat16), old=old)))
-    out: dict[str, float] = {"changes": changes, "threads": encode_threads()}
-    saved = os.environ.get("DELTASYNC_ENCODE_THREADS")
+    return items, state
+
+
+def _one_thread_and_all(variable: str, run: Callable[[], object], count: int) -> dict[str, float]:
+    """``run`` timed with ``variable`` set to one thread and unset (the host's cores)."""
+    out: dict[str, float] = {"threads": count}
+    saved = os.environ.get(variable)
     try:
         for label, value in (("one_thread_s", "1"), ("all_cores_s", None)):
             if value is None:
-                os.environ.pop("DELTASYNC_ENCODE_THREADS", None)
+                os.environ.pop(variable, None)
             else:
-                os.environ["DELTASYNC_ENCODE_THREADS"] = value
-            out[label] = timed(lambda: ZstdCodec().encode(items, numels=None, level=3), torch.device("cpu"), repeat=3)
+                os.environ[variable] = value
+            out[label] = timed(run, torch.device("cpu"), repeat=3)
     finally:
         if saved is None:
-            os.environ.pop("DELTASYNC_ENCODE_THREADS", None)
+            os.environ.pop(variable, None)
         else:
-            os.environ["DELTASYNC_ENCODE_THREADS"] = saved
+            os.environ[variable] = saved
     out["ratio"] = out["all_cores_s"] / out["one_thread_s"]
     return out
+
+
+def encode_threads(changes: int, tensors: int = 64) -> dict[str, float]:
+    """A zstd delta spanning ``tensors`` tensors, encoded with one thread and with the host's cores."""
+    from deltasync.format.codecs.zstd import ZstdCodec, encode_threads
+
+    items, _ = _spanning_delta(changes, tensors)
+    out = _one_thread_and_all(
+        "DELTASYNC_ENCODE_THREADS", lambda: ZstdCodec().encode(items, numels=None, level=3), encode_threads()
+    )
+    return {"changes": changes, **out}
+
+
+def decode_threads(changes: int, tensors: int = 64) -> dict[str, float]:
+    """The same delta decoded (what a server's staging does first), with one thread and with
+    the host's cores; checked against what was encoded."""
+    from deltasync.format.codecs.base import DeltaContext
+    from deltasync.format.codecs.zstd import ZstdCodec, decode_threads
+
+    items, state = _spanning_delta(changes, tensors)
+    codec = ZstdCodec()
+    encoded = codec.encode(items, numels=None, level=3)
+    context = DeltaContext(
+        where="benchmark", names=tuple(name for name, _ in items), changed=sum(c.index.numel() for _, c in items),
+        numels={name: t.numel() for name, t in state.items()}, base_values=lambda name, index: state[name][index],
+    )  # fmt: skip
+    decoded = codec.decode(encoded, context)
+    exact = all(
+        torch.equal(decoded[name].index, c.index) and torch.equal(decoded[name].new.view(torch.int16), c.new.view(torch.int16))
+        for name, c in items
+    )
+    out = _one_thread_and_all("DELTASYNC_DECODE_THREADS", lambda: codec.decode(encoded, context), decode_threads())
+    return {"changes": changes, "exact": exact, **out}
 
 
 # --------------------------------------------------------------------------- in-place writer
@@ -486,6 +525,8 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
         out["capture: detect / scan"] = s["phases_per_version_s"]["capture: detect"] / f["scan_s"]
     if "encode_threads" in r:
         out["encode: all cores / one thread"] = r["encode_threads"]["ratio"]
+    if "decode_threads" in r:
+        out["decode: all cores / one thread"] = r["decode_threads"]["ratio"]
     if "view" in r:
         out["FP8_DYNAMIC extra / bf16 publish"] = (statistics.median(r["view"]["commit_s"]) - statistics.median(s["commit_s"])) / statistics.median(s["commit_s"])
     if "inplace" in r:
@@ -578,6 +619,8 @@ def main() -> None:
     r["floors"] = f
     r["encode_threads"] = encode_threads(4_000_000 if args.quick else 40_000_000)
     log(f"encode: {r['encode_threads']}")
+    r["decode_threads"] = decode_threads(4_000_000 if args.quick else 40_000_000)
+    log(f"decode: {r['decode_threads']}")
     save()
     log("floors: " + ", ".join(f"{k} {v:.4g}" for k, v in f.items()))
     burn = Burn(device, args.backward or (0.2 if args.quick else 0.87))

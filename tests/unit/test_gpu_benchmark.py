@@ -32,7 +32,8 @@ def test_the_quick_form_measures_every_phase_and_is_exact(tmp_path: Path) -> Non
     assert r["submit"]["snapshot_devices"] == ["cpu"]  # weights on the CPU keep their snapshot there
     assert r["inplace"]["exact"] and r["inplace"]["exact_at_start"] and len(r["inplace"]["steps"]) == 3
     assert r["encode_threads"]["one_thread_s"] > 0 and r["encode_threads"]["all_cores_s"] > 0
+    assert r["decode_threads"]["exact"] and r["decode_threads"]["all_cores_s"] > 0
     for key in ("loop publishing 1.0% / plain", "submit hold / scan", "capture-to-commit / scan", "anchor / save_file",
-                "capture: detect / scan", "encode: all cores / one thread"):
+                "capture: detect / scan", "encode: all cores / one thread", "decode: all cores / one thread"):
         assert r["ratios"][key] > 0, key
     assert (tmp_path / "gpu.png").stat().st_size > 10_000

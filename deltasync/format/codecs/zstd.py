@@ -4,12 +4,13 @@ that each compress well, each a zstd frame (docs/protocol.md describes every str
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -20,7 +21,15 @@ from ..dtypes import from_lanes, is_one_byte, lanes
 from .base import Change, Codec, DeltaContext, Table, known_numel
 
 __all__ = [
-    "ZstdCodec", "STREAMS", "ENCODE_CHUNK", "encode_threads", "zstd_streams", "ordered", "from_ordered",
+    "ZstdCodec",
+    "STREAMS",
+    "ENCODE_CHUNK",
+    "DECODE_CHUNK",
+    "encode_threads",
+    "decode_threads",
+    "zstd_streams",
+    "ordered",
+    "from_ordered",
     "bounded_decompress",
 ]
 
@@ -150,7 +159,9 @@ def _unit(work: tuple[Change, int, int]) -> tuple[np.ndarray, ...]:
     return lo, hi_nz, hi_b, big, np.where(zig <= 3, zig - 1, 3).astype(np.uint8), zig[zig > 3]
 
 
-def zstd_streams(items: Sequence[tuple[str, Change]], *, workers: int | None = None) -> tuple[dict[str, bytes], list[int]]:
+def zstd_streams(
+    items: Sequence[tuple[str, Change]], *, workers: int | None = None
+) -> tuple[dict[str, bytes], list[int]]:
     """The raw (uncompressed) streams of ``items`` and each parameter's count of changes; the work
     is spread over ``workers`` threads (None: :func:`encode_threads`), the bytes are the same."""
     counts = [change.index.numel() for _, change in items]
@@ -260,7 +271,68 @@ def bounded_decompress(blob: bytes, expected: int) -> bytes:
     return bytes(out)
 
 
-def _decode(tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[str, Change]:
+DECODE_CHUNK = 1 << 18
+"""Elements one decode thread unpacks at a time (a multiple of 8: a chunk starts on a byte of
+the gap mask and of the packed symbols). A delta of at most this many changes decodes in the
+calling thread alone."""
+
+
+def decode_threads() -> int:
+    """Threads a delta's decoding is spread over: the CPUs the calling thread may run on
+    (``DELTASYNC_DECODE_THREADS`` overrides). The threads start in the calling thread, so a
+    server's staging thread hands them its CPUs and its priority."""
+    env = os.environ.get("DELTASYNC_DECODE_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+_Spread = Callable[[Callable[[_T], _R], Sequence[_T]], list[_R]]
+
+
+@contextlib.contextmanager
+def _spread(workers: int) -> Iterator[_Spread[Any, Any]]:
+    """A map over ``workers`` threads started here (1: in this thread), in order; where
+    several items fail, the first one's error is raised."""
+    if workers <= 1:
+        yield lambda fn, items: [fn(x) for x in items]
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltasync-decode") as pool:
+        yield lambda fn, items: [fn(x) for x in items] if len(items) <= 1 else list(pool.map(fn, items))
+
+
+def _attempt(job: tuple[torch.Tensor, int, str, str]) -> bytes | FormatError:
+    """:func:`_decompress`, its error returned rather than raised (raised later, in stream order)."""
+    try:
+        return _decompress(*job)
+    except FormatError as exc:
+        return exc
+
+
+def _got(result: bytes | FormatError) -> bytes:
+    if isinstance(result, FormatError):
+        raise result
+    return result
+
+
+def _unpack_sym(packed: np.ndarray, count: int) -> np.ndarray:
+    """The first ``count`` 2-bit symbols of ``packed`` (four per byte, lowest bits first)."""
+    sym = np.empty((packed.size, 4), dtype=np.uint8)
+    for k in range(4):
+        np.bitwise_and(packed >> np.uint8(2 * k), np.uint8(3), out=sym[:, k])
+    return sym.reshape(-1)[:count]
+
+
+def _decode(
+    tensors: Mapping[str, torch.Tensor], delta: DeltaContext, *, workers: int | None = None, chunk: int = DECODE_CHUNK
+) -> dict[str, Change]:
+    """The changes of a zstd delta. Elements are unpacked ``chunk`` at a time and parameters
+    finished one at a time, spread over ``workers`` threads (None: :func:`decode_threads`); the
+    result and the first error found are the same for any count."""
+    assert chunk > 0 and chunk % 8 == 0
     where, numels = delta.where, delta.numels
     expected_keys = {PREFIX + key for key in (*STREAMS, "counts")}
     if set(tensors) != expected_keys:
@@ -283,26 +355,46 @@ def _decode(tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[st
     n = sum(counts)
     if n != delta.changed:
         raise FormatError(f"{where}: counts add up to {n}, metadata says {delta.changed} changed")
-    lo = np.frombuffer(_decompress(tensors[PREFIX + "gap_lo"], n, "gap_lo", where), dtype=np.uint8)
-    mask_raw = _decompress(tensors[PREFIX + "gap_hi_mask"], -(-n // 8), "gap_hi_mask", where)
-    hi_at = np.flatnonzero(np.unpackbits(np.frombuffer(mask_raw, dtype=np.uint8), bitorder="little")[:n])
-    n_hi = hi_at.size
+    spans = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
+    with _spread((decode_threads() if workers is None else workers) if n > chunk else 1) as spread:
+        return _decode_spread(tensors, delta, names, counts, n, spans, spread)
+
+
+def _decode_spread(
+    tensors: Mapping[str, torch.Tensor],
+    delta: DeltaContext,
+    names: list[str],
+    counts: list[int],
+    n: int,
+    spans: list[tuple[int, int]],
+    spread: _Spread[Any, Any],
+) -> dict[str, Change]:
+    where, numels = delta.where, delta.numels
+    # Streams are checked in the order docs/protocol.md lists them: their errors are raised so.
+    first = spread(_attempt, [(tensors[PREFIX + key], size, key, where)
+                              for key, size in (("gap_lo", n), ("gap_hi_mask", -(-n // 8)), ("sym", -(-n // 4)))])  # fmt: skip
+    lo = np.frombuffer(_got(first[0]), dtype=np.uint8)
+    mask = np.frombuffer(_got(first[1]), dtype=np.uint8)
+    packed = None if isinstance(first[2], FormatError) else np.frombuffer(first[2], dtype=np.uint8)
+
+    def unpack(span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        a, b = span
+        hi_at = np.flatnonzero(np.unpackbits(mask[a // 8 : -(-b // 8)], bitorder="little")[: b - a])
+        if packed is None:  # its error is raised after those of the gap streams
+            return hi_at, np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.int64)
+        sym = _unpack_sym(packed[a // 4 : -(-b // 4)], b - a)
+        return hi_at, sym, np.flatnonzero(sym == 3)
+
+    unpacked = spread(unpack, spans)
+    n_hi = sum(u[0].size for u in unpacked)
     hv = np.frombuffer(_decompress(tensors[PREFIX + "gap_hi"], n_hi, "gap_hi", where), dtype=np.uint8).astype(np.int64)
     n_big = int((hv == 255).sum())
     big = np.frombuffer(_decompress(tensors[PREFIX + "gap_big"], 8 * n_big, "gap_big", where), dtype="<u8")
     if n_big and (int(big.min()) < 255 or int(big.max()) >= 2**55):
         raise FormatError(f"{where}: stream 'gap_big' holds a value outside 255..2**55-1")
     hv[hv == 255] = big.astype(np.int64)
-    # Every gap is in 0..2**63-1: the low byte, plus the high part (< 2**55) shifted by 8.
-    gaps_np = lo.astype(np.int64)
-    gaps_np[hi_at] |= hv << np.int64(8)
-    packed = np.frombuffer(_decompress(tensors[PREFIX + "sym"], -(-n // 4), "sym", where), dtype=np.uint8)
-    sym = np.empty((packed.size, 4), dtype=np.uint8)
-    for k in range(4):
-        np.bitwise_and(packed >> np.uint8(2 * k), np.uint8(3), out=sym[:, k])
-    sym = sym.reshape(-1)[:n]
-    esc_at = np.flatnonzero(sym == 3)
-    n_esc = esc_at.size
+    _got(first[2])
+    n_esc = sum(u[2].size for u in unpacked)
     esc_lo = np.frombuffer(_decompress(tensors[PREFIX + "esc_lo"], n_esc, "esc_lo", where), dtype=np.uint8)
     esc_hi = np.frombuffer(_decompress(tensors[PREFIX + "esc_hi"], n_esc, "esc_hi", where), dtype=np.uint8)
     esc = (esc_hi.astype(np.uint16) << np.uint16(8)) | esc_lo
@@ -310,13 +402,26 @@ def _decode(tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[st
         raise FormatError(f"{where}: the escape streams hold a value that has its own symbol")
     # Zigzag back to the signed difference, as int16 modulo 2**16: symbols 0..2 are zigzag
     # 1..3 (-1, +1, -2), looked up; an escape holds its zigzag value.
-    diff = _SYMBOL_DIFF[sym]
-    diff[esc_at] = ((esc >> np.uint16(1)) ^ (np.uint16(0) - (esc & np.uint16(1)))).view(np.int16)
-    diff_t = torch.from_numpy(diff)
-    changes: dict[str, Change] = {}
-    start = 0
-    for name, count in zip(names, counts):
-        gap = gaps_np[start : start + count]
+    esc_diff = ((esc >> np.uint16(1)) ^ (np.uint16(0) - (esc & np.uint16(1)))).view(np.int16)
+    # Every gap is in 0..2**63-1: the low byte, plus the high part (< 2**55) shifted by 8.
+    gaps = np.empty(n, dtype=np.int64)
+    diff = np.empty(n, dtype=np.int16)
+    hi_from = np.cumsum([0] + [u[0].size for u in unpacked]).tolist()
+    esc_from = np.cumsum([0] + [u[2].size for u in unpacked]).tolist()
+
+    def fill(k: int) -> None:
+        (a, b), (hi_at, sym, esc_at) = spans[k], unpacked[k]
+        np.copyto(gaps[a:b], lo[a:b], casting="unsafe")
+        gaps[a + hi_at] |= hv[hi_from[k] : hi_from[k + 1]] << np.int64(8)
+        np.take(_SYMBOL_DIFF, sym, out=diff[a:b])
+        diff[a + esc_at] = esc_diff[esc_from[k] : esc_from[k + 1]]
+
+    spread(fill, list(range(len(spans))))
+    starts = np.cumsum([0, *counts]).tolist()
+
+    def index_of(i: int) -> np.ndarray:
+        name, start, count = names[i], starts[i], counts[i]
+        gap = gaps[start : start + count]
         if int(gap.max()) >= numels[name]:
             raise FormatError(
                 f"{where}: a gap of {int(gap.max())} in parameter {name!r} is out of range "
@@ -325,24 +430,38 @@ def _decode(tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[st
         # Gaps are >= 0 and < numel, so the running sum of gap + 1 is strictly increasing and
         # stays far below 2**63 (count * numel): the last index alone says whether all are in
         # range. (NumPy's cumsum: several times faster here than torch's.)
-        steps = gap + 1
+        # In place: the gaps become the indices (fresh arrays would each fault in their pages).
+        steps = gap
+        steps += 1
         np.cumsum(steps, out=steps)
         steps -= 1
-        index = torch.from_numpy(steps)
-        if int(index[-1]) >= numels[name]:
+        if int(steps[-1]) >= numels[name]:
             raise FormatError(
-                f"{where}: index {int(index[-1])} of parameter {name!r} is out of range "
+                f"{where}: index {int(steps[-1])} of parameter {name!r} is out of range "
                 f"(it has {numels[name]} elements)"
             )
+        return steps
+
+    indices = spread(index_of, list(range(len(names))))
+    def change(i: int) -> Change:
+        name, start, count = names[i], starts[i], counts[i]
+        index = torch.from_numpy(indices[i])
+        # The receiver's values at those elements, looked up with the index the change returns
+        # (a lookup may keep what it read for that very tensor). A lookup runs in a decode
+        # thread: on an accelerator it is a gather and one copy; torch operations on host
+        # tensors release the interpreter lock.
+        old = delta.base_values(name, index)
         dtype = delta.dtype(name)
         if dtype == torch.bfloat16:
-            base = delta.base_values(name, index).to(torch.bfloat16).cpu().contiguous().view(torch.int16)
-            new = _flip16(_flip16(base) + diff_t[start : start + count])  # int16 arithmetic wraps modulo 2**16
-            changes[name] = Change(index=index, new=new.view(torch.bfloat16))
-        else:  # one-byte codes: lanes, which must stay within their byte where the reader holds them
-            new = lanes(delta.base_values(name, index).cpu()) + diff_t[start : start + count]
-            bad = (new & ~0xFF) != 0
-            invalid = torch.nonzero(bad).reshape(-1) if bool(bad.any()) else None
-            changes[name] = Change(index=index, new=from_lanes(new & 0xFF, dtype), invalid=invalid)
-        start += count
-    return changes
+            base = old.to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy()
+            flipped = base ^ ((base >> np.int16(15)) & np.int16(0x7FFF))
+            flipped += diff[start : start + count]  # int16 arithmetic wraps modulo 2**16
+            new = flipped ^ ((flipped >> np.int16(15)) & np.int16(0x7FFF))
+            return Change(index=index, new=torch.from_numpy(new).view(torch.bfloat16))
+        # One-byte codes: lanes, which must stay within their byte where the reader holds them.
+        moved = lanes(old.cpu()).numpy() + diff[start : start + count]
+        bad = np.flatnonzero(moved & ~np.int16(0xFF))
+        invalid = torch.from_numpy(bad) if bad.size else None
+        return Change(index=index, new=from_lanes(torch.from_numpy(moved & np.int16(0xFF)), dtype), invalid=invalid)
+
+    return dict(zip(names, spread(change, list(range(len(names))))))
