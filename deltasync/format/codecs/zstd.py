@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import zstandard
 
-from ...errors import FormatError
+from ...errors import ConfigError, FormatError
 from ..dtypes import from_lanes, is_one_byte, lanes
 from .base import Change, Codec, DeltaContext, Table, known_numel
 
@@ -96,9 +96,16 @@ def encode_threads() -> int:
     """Threads a delta's encoding is spread over: the cores this process may run on
     (``DELTASYNC_ENCODE_THREADS`` overrides). NumPy, torch and zstandard release the GIL in the
     loops that matter, and the bytes do not depend on the count."""
-    env = os.environ.get("DELTASYNC_ENCODE_THREADS")
+    return _threads("DELTASYNC_ENCODE_THREADS")
+
+
+def _threads(variable: str) -> int:
+    """The count the environment ``variable`` sets, else the CPUs the calling thread may run on."""
+    env = os.environ.get(variable)
     if env:
-        return max(1, int(env))
+        if not env.strip().isdigit() or int(env) < 1:
+            raise ConfigError(f"{variable} must be a whole number of threads, 1 or more; it is {env!r}")
+        return int(env)
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
@@ -223,7 +230,7 @@ _SYMBOL_DIFF = np.array([-1, 1, -2, 0], dtype=np.int16)
 """The difference each symbol stands for (zigzag 1, 2, 3); 3 is the escape, filled in after."""
 
 
-def _flip16(bits: torch.Tensor) -> torch.Tensor:
+def _flip16(bits: np.ndarray) -> np.ndarray:
     """:func:`ordered` and :func:`from_ordered` on int16 bit patterns, modulo 2**16: both are
     this involution (negative patterns, sign bit set, have their other 15 bits flipped). One
     pass of three int16 operations, where the int32 forms take several."""
@@ -281,13 +288,7 @@ def decode_threads() -> int:
     """Threads a delta's decoding is spread over: the CPUs the calling thread may run on
     (``DELTASYNC_DECODE_THREADS`` overrides). The threads start in the calling thread, so a
     server's staging thread hands them its CPUs and its priority."""
-    env = os.environ.get("DELTASYNC_DECODE_THREADS")
-    if env:
-        return max(1, int(env))
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
+    return _threads("DELTASYNC_DECODE_THREADS")
 
 
 _Spread = Callable[[Callable[[_T], _R], Sequence[_T]], list[_R]]
@@ -454,9 +455,7 @@ def _decode_spread(
         dtype = delta.dtype(name)
         if dtype == torch.bfloat16:
             base = old.to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy()
-            flipped = base ^ ((base >> np.int16(15)) & np.int16(0x7FFF))
-            flipped += diff[start : start + count]  # int16 arithmetic wraps modulo 2**16
-            new = flipped ^ ((flipped >> np.int16(15)) & np.int16(0x7FFF))
+            new = _flip16(_flip16(base) + diff[start : start + count])  # int16 arithmetic wraps modulo 2**16
             return Change(index=index, new=torch.from_numpy(new).view(torch.bfloat16))
         # One-byte codes: lanes, which must stay within their byte where the reader holds them.
         moved = lanes(old.cpu()).numpy() + diff[start : start + count]

@@ -156,11 +156,11 @@ def test_ordered_bit_pattern_transform() -> None:
     assert all(ref_from_ordered(ref_ordered(b)) == b for b in range(0x10000))
     # The decoder's int16 form of both: the same map on every pattern, and (ordered + d) taken
     # back for every pattern at every difference the symbols code (1-3 each way) and at the extremes.
-    flip = Z._flip16(every.view(torch.int16))
+    flip = Z._flip16(every.view(torch.int16).numpy())
     assert flip.tolist() == [o - 0x10000 if o >= 0x8000 else o for o in (ref_ordered(b) for b in bits)]
     assert Z._flip16(flip).tolist() == every.view(torch.int16).tolist()
     for d in (1, -1, 2, -2, 3, -3, 0x7FFF, -0x8000):
-        moved = bits_of(Z._flip16(flip + torch.tensor(d, dtype=torch.int16)).view(torch.bfloat16))
+        moved = bits_of(torch.from_numpy(Z._flip16(flip + np.int16(d))).view(torch.bfloat16))
         assert moved == [ref_from_ordered(ref_ordered(b) + d) for b in bits], d
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import load as st_load
 
 from format_example import CASES, encode, header_json, lookup
 
-from deltasync import FormatError
+from deltasync import ConfigError, FormatError
 from deltasync import format as F
 from deltasync.format.codecs import zstd as Z
 from deltasync.format.codecs.base import BaseLookup, DeltaContext
@@ -199,3 +199,12 @@ def test_the_decode_threads_start_in_the_calling_thread_and_end_with_the_call(mo
     assert len(asked) == len(decoded) and all(any(a is c.index for a in asked) for c in decoded.values())
     monkeypatch.setenv("DELTASYNC_DECODE_THREADS", "5")
     assert Z.decode_threads() == 5
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+@pytest.mark.parametrize("variable", ["DELTASYNC_DECODE_THREADS", "DELTASYNC_ENCODE_THREADS"])
+def test_a_thread_count_that_is_not_one_or_more_is_refused_by_name(monkeypatch, variable: str, value: str) -> None:
+    monkeypatch.setenv(variable, value)
+    count = Z.decode_threads if "DECODE" in variable else Z.encode_threads
+    with pytest.raises(ConfigError, match=f"{variable} must be a whole number of threads, 1 or more; it is '{value}'"):
+        count()
