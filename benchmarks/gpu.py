@@ -5,14 +5,15 @@ Every figure is a ratio to a floor measured in the same run on the same weights:
 - floors: device copy bandwidth, a plain torch change scan (per tensor: ``ne``, ``nonzero``,
   gather, indices and values to the host), a fused AdamW step of the weights, full pinned
   device-to-host and host-to-device copies, and ``safetensors.torch.save_file`` of the weights
-  into the bucket's folder;
+  into the bucket's folder (and the same made durable with ``fsync``, as every bucket file is);
 - a training loop ("backward": bf16 matmuls for a fixed time, then an AdamW step whose learning
   rate is set so that about ``--densities`` of the bf16 elements change per step), without
   deltasync and with a publisher (default options, ``capture="overlap"``, ``submit()`` after
   every step), in time per iteration;
 - the trainer's hold per version with ``submit()`` (``capture="submit"``), capture-to-commit of
-  a delta, an anchor, the FP8_DYNAMIC view's extra time per version (where compressed-tensors is
-  installed), and the extra accelerator memory the publisher holds;
+  a delta, an anchor (and one written as a single file against one written as parts at once),
+  the FP8_DYNAMIC view's extra time per version (where compressed-tensors is installed), and
+  the extra accelerator memory the publisher holds;
 - the in-place writer on the accelerator's tensors (vLLM's server path without vLLM): the full
   fingerprint of the live weights, the stage of a delta and its write (against a full
   host-to-device load), exact after every version.
@@ -246,6 +247,13 @@ def floors(model: Weights, device: torch.device, bucket: Path) -> dict[str, floa
     start = time.perf_counter()
     save()
     out["save_file_s"] = time.perf_counter() - start
+    # and made durable, as every bucket file is (an anchor fsyncs before its rename)
+    fd = os.open(bucket / "save_file.safetensors", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    out["save_file_fsync_s"] = time.perf_counter() - start
     (bucket / "save_file.safetensors").unlink()
     host.clear()
     state.clear()
@@ -413,6 +421,43 @@ def _one_thread_and_all(variable: str, run: Callable[[], object], count: int) ->
     return out
 
 
+def anchor_split(model: Weights, device: torch.device, lr: float, root: Path, part_bytes: int) -> dict[str, Any]:
+    """An anchor beside a delta, waited for, written as one file and as parts of ``part_bytes``
+    (each publisher's first anchor is timed too); the two buckets' newest states must agree."""
+    from deltasync import DeltaReceiver
+    from deltasync.format import ANCHOR_PART_BYTES
+
+    out: dict[str, Any] = {"part_bytes": part_bytes, "default_part_bytes": ANCHOR_PART_BYTES}
+    fingerprints = []
+    params = list(model.parameters())
+    for label, size in (("one_file", 1 << 62), ("parts", part_bytes)):
+        bucket = root / f"anchor-{label}"
+        opt = optimizer_for(params, lr, device)
+        options = PublishOptions(capture="submit", anchor_every=1000, anchor_bytes_ratio=0.0, anchor_part_bytes=size)
+        start = time.perf_counter()
+        publisher = DeltaPublisher(str(bucket), model, opt, options=options)
+        publisher.publish()
+        out[f"{label}_first_s"] = time.perf_counter() - start
+        opt.step()
+        sync(device)
+        start = time.perf_counter()
+        publisher.publish(anchor=True)
+        publisher.flush()
+        out[f"{label}_s"] = time.perf_counter() - start
+        pointer = publisher.pointer
+        assert pointer is not None
+        out[f"{label}_files"] = len(pointer.anchors[-1].files)
+        fingerprints.append(publisher.fingerprint)
+        publisher.close()
+        late = DeltaReceiver(str(bucket))
+        late.sync()
+        out[f"{label}_read_back"] = late.fingerprint == publisher.fingerprint
+        del late, opt
+        shutil.rmtree(bucket, ignore_errors=True)
+    out["ratio"] = out["parts_s"] / out["one_file_s"]
+    return out
+
+
 def encode_threads(changes: int, tensors: int = 64) -> dict[str, float]:
     """A zstd delta spanning ``tensors`` tensors, encoded with one thread and with the host's cores."""
     from deltasync.format.codecs.zstd import ZstdCodec, encode_threads
@@ -521,6 +566,10 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
     out["submit hold / scan"] = statistics.median(s["hold_s"]) / f["scan_s"]
     out["capture-to-commit / scan"] = statistics.median(s["commit_s"]) / f["scan_s"]
     out["anchor / save_file"] = s["anchor_s"] / f["save_file_s"]
+    if "save_file_fsync_s" in f:
+        out["anchor / (save_file + fsync)"] = s["anchor_s"] / f["save_file_fsync_s"]
+    if "anchor_split" in r:
+        out["anchor: parts / one file"] = r["anchor_split"]["ratio"]
     if "phases_per_version_s" in s:
         out["capture: detect / scan"] = s["phases_per_version_s"]["capture: detect"] / f["scan_s"]
     if "encode_threads" in r:
@@ -552,6 +601,7 @@ def plot(r: dict[str, Any], path: str) -> None:
         ("floor: AdamW step", f["adamw_step_s"], "tab:gray"),
         ("floor: D2H copy", f["d2h_s"], "tab:gray"),
         ("floor: save_file", f["save_file_s"], "tab:gray"),
+        *([("floor: save_file + fsync", f["save_file_fsync_s"], "tab:gray")] if "save_file_fsync_s" in f else []),
         ("submit() hold", statistics.median(s["hold_s"]), "tab:blue"),
         ("capture to commit", statistics.median(s["commit_s"]), "tab:blue"),
         ("anchor", s["anchor_s"], "tab:blue"),
@@ -651,6 +701,13 @@ def main() -> None:
     log(f"submit: hold {statistics.median(s['hold_s']):.3f} s, capture-to-commit {statistics.median(s['commit_s']):.3f} s, "
         f"anchor {s['anchor_s']:.2f} s (save_file {f['save_file_s']:.2f} s), snapshot on {s['snapshot_devices']}")  # fmt: skip
     shutil.rmtree(bucket, ignore_errors=True)
+    save()
+    from deltasync.format import ANCHOR_PART_BYTES
+
+    # in the quick form a quarter of the weights (the default part is larger than them)
+    r["anchor_split"] = anchor_split(model, device, lrs[densities[0]], root,
+                                     max(1, int(f["weights_bytes"]) // 4) if args.quick else ANCHOR_PART_BYTES)  # fmt: skip
+    log(f"anchor: {r['anchor_split']}")
     save()
     if not args.no_view:
         try:

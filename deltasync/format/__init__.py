@@ -28,7 +28,7 @@ per concern, lowest first:
 from __future__ import annotations
 
 from . import versions
-from .anchors import AnchorSource, anchor_stream, decode_anchor, encode_anchor
+from .anchors import ANCHOR_PART_BYTES, AnchorSource, anchor_parts, anchor_stream, decode_anchor, encode_anchor
 from .codecs import CODECS, BaseLookup, Change, Codec, DeltaContext, get_codec, register_codec, unregister_codec
 from .container import (
     MAX_HEADER_BYTES,
@@ -110,7 +110,9 @@ __all__ = [
     "WriterRecord",
     "Change",
     "FileHeader",
+    "ANCHOR_PART_BYTES",
     "AnchorSource",
+    "anchor_parts",
     "TensorChunks",
     "TensorSpan",
     "anchor_path",

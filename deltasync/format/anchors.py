@@ -14,7 +14,12 @@ from .container import TensorChunks, load_tensors, safetensors_stream
 from .dtypes import ELEMENT_DTYPES
 from .header import FileHeader, read_header, with_extra_metadata
 
-__all__ = ["AnchorSource", "encode_anchor", "anchor_stream", "decode_anchor"]
+__all__ = ["ANCHOR_PART_BYTES", "AnchorSource", "anchor_parts", "encode_anchor", "anchor_stream", "decode_anchor"]
+
+ANCHOR_PART_BYTES = 1 << 29
+"""A single writer's anchor larger than this (512 MiB) is written as parts of about this size,
+each holding whole tensors, in parallel (format version 2's split anchor, which every reader
+reads): their SHA-256s, copies and writes run on several cores at once."""
 
 _HOLDS = "anchors hold bfloat16 (or, in a quantized view, F8_E4M3 / I8 codes)"
 
@@ -102,6 +107,42 @@ def anchor_stream(
         TensorChunks(s.name, s.dtype, s.shape if parts is None else (s.end - s.begin,), s.chunks) for s in ordered
     ]
     return safetensors_stream(tensors, meta)
+
+
+def anchor_parts(sources: Sequence[AnchorSource], part_bytes: int) -> list[list[AnchorSource]]:
+    """A single writer's whole tensors (``sources``, each ``begin == 0`` and ``end`` its size)
+    laid out as the parts of a split anchor of about ``part_bytes`` each: one list of sources per
+    part, every part listing every tensor, whole in the one part that holds it and as an empty
+    range in the others (at its start before that part, at its end after). Tensors go to parts in
+    name order, each to the part its middle byte falls in; one list (the sources as given) when
+    the anchor fits in one part. It depends on the names, sizes and dtypes alone, so the same
+    state splits the same way on any machine."""
+    if part_bytes < 1:
+        raise ValueError(f"part_bytes must be 1 or more, got {part_bytes}")
+    ordered = sorted(sources, key=lambda s: s.name)
+    sizes = [(s.end - s.begin) * s.dtype.itemsize for s in ordered]
+    total = sum(sizes)
+    parts = max(1, math.ceil(total / part_bytes))
+    if parts == 1 or len(ordered) == 1:
+        return [list(sources)]
+    share, at, home = total / parts, 0, []
+    for size in sizes:
+        home.append(min(parts - 1, int((at + size / 2) // share)))
+        at += size
+    used = sorted(set(home))  # a part no middle falls in (next to a tensor larger than a part) is left out
+    number = {p: n for n, p in enumerate(used)}
+    out: list[list[AnchorSource]] = [[] for _ in used]
+    for source, p in zip(ordered, home):
+        if source.begin != 0 or source.end != math.prod(source.shape):
+            raise FormatError(f"anchor part planning takes whole tensors; {source.name!r} is elements {source.begin}..{source.end}")
+        n, size = number[p], source.end
+        for k, listed in enumerate(out):
+            if k == n:
+                listed.append(source)
+            else:
+                edge = 0 if k < n else size
+                listed.append(AnchorSource(source.name, source.shape, edge, edge, lambda: (), source.dtype))
+    return out
 
 
 def decode_anchor(data: bytes | bytearray, *, where: str) -> tuple[FileHeader, dict[str, torch.Tensor]]:

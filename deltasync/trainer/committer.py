@@ -23,23 +23,30 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DeltaSyncError, NotFoundError, WriterConflictError
 from ..format import (
+    ANCHOR_PART_BYTES,
     HISTORY_PATH,
     MAX_HISTORY_BYTES,
+    AnchorSource,
     ChainEntry,
     PartEntry,
     Pointer,
+    anchor_parts,
     anchor_path,
+    anchor_stream,
     check_int,
     delta_path,
     parse_json,
     part_path,
     sha256_hex,
 )
+from ..format.codecs.zstd import encode_threads
 from ..stores import read_limited, write_stream
 
 if TYPE_CHECKING:
@@ -47,12 +54,61 @@ if TYPE_CHECKING:
     from .ownership import PointerFile
     from .sharded import ShardLayout
 
-__all__ = ["ChainCommitter", "History"]
+__all__ = ["AnchorFile", "ChainCommitter", "History", "write_files"]
 
 logger = logging.getLogger("deltasync.trainer.publisher")  # the publisher's parts log as the publisher
 
 History = dict[int, dict[str, object]]
 """Version -> its history record."""
+
+
+@dataclass(frozen=True)
+class AnchorFile:
+    """One file of an anchor as a writer streams it."""
+
+    path: str
+    stream: Callable[[], Iterable[bytes | memoryview]]
+    changed: int
+    """Elements it holds."""
+    sources: Sequence[AnchorSource]
+    """What it holds (:func:`~deltasync.format.anchor_stream`'s sources)."""
+
+
+class _Stopped(Exception):
+    """A part's write stopped because another part of the same anchor failed."""
+
+
+def write_files(store: Store, files: Sequence[AnchorFile], what: str) -> list[PartEntry]:
+    """Stream ``files`` into ``store`` (several at once, over at most one thread per core) and
+    return their entries in order. If one fails, the others stop at their next chunk and the
+    first failure is raised; a file is whole or absent (:func:`~deltasync.stores.write_stream`)."""
+    if len(files) == 1:
+        (only,) = files
+        nbytes, digest = write_stream(store, only.path, only.stream())
+        return [PartEntry(path=only.path, nbytes=nbytes, sha256=digest, changed=only.changed)]
+    stop = threading.Event()
+
+    def one(file: AnchorFile) -> PartEntry:
+        def chunks() -> Iterator[bytes | memoryview]:
+            for chunk in file.stream():
+                if stop.is_set():
+                    raise _Stopped(f"{what}: stopped, another part failed")
+                yield chunk
+
+        try:
+            nbytes, digest = write_stream(store, file.path, chunks())
+        except BaseException:
+            stop.set()
+            raise
+        return PartEntry(path=file.path, nbytes=nbytes, sha256=digest, changed=file.changed)
+
+    with ThreadPoolExecutor(min(len(files), encode_threads()), thread_name_prefix="deltasync-anchor-part") as pool:
+        futures = [pool.submit(one, f) for f in files]
+        wait(futures)
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])  # type: ignore[misc]
+    return [f.result() for f in futures]
 
 
 class ChainCommitter:
@@ -76,6 +132,8 @@ class ChainCommitter:
         """One part file per shard rank (FSDP2, HSDP), committed by rank 0."""
         self.part = (layout.part, layout.parts) if self.split else None
         """This rank's part and the parts of a version (None: one file a version)."""
+        self.anchor_part_bytes = ANCHOR_PART_BYTES
+        """A single writer splits an anchor larger than this into parts written at once."""
         self.lock = threading.Lock()
         """Held by each commit (rank 0), and while the pointer is read for a check or retention."""
         self.pointer: Pointer | None = None
@@ -132,28 +190,49 @@ class ChainCommitter:
         _, written = self.agree(what, write, group)
         return ChainEntry.of_files("delta", version, fingerprint, [w for w in written if w is not None], self.split)
 
+    def anchor_files(
+        self, version: int, sources: Sequence[AnchorSource], *, fingerprint: str, total: int,
+        extra_metadata: Mapping[str, str] | None = None, manifest: str | None = None,
+    ) -> list[AnchorFile]:  # fmt: skip
+        """This rank's files of the anchor of ``version`` holding ``sources``: its part (a shard
+        rank), or the anchor's one file, or, from a single writer whose anchor is larger than
+        :attr:`anchor_part_bytes`, the parts :func:`~deltasync.format.anchor_parts` lays out."""
+
+        def file(path: str, listed: Sequence[AnchorSource], part: int | None, parts: int | None) -> AnchorFile:
+            stream = lambda: anchor_stream(  # noqa: E731
+                listed, version=version, fingerprint=fingerprint, total=total, part=part, parts=parts,
+                extra_metadata=extra_metadata, manifest=manifest,
+            )  # fmt: skip
+            return AnchorFile(path, stream, sum(s.end - s.begin for s in listed), listed)
+
+        if self.split:
+            return [file(part_path("anchor", version, self.layout.part), sources, self.layout.part, self.layout.parts)]
+        groups = anchor_parts(sources, self.anchor_part_bytes)
+        if len(groups) == 1:
+            return [file(anchor_path(version), sources, None, None)]
+        return [file(part_path("anchor", version, n), listed, n, len(groups)) for n, listed in enumerate(groups)]
+
     def write_anchor_file(
-        self, version: int, fingerprint: str, stream: Callable[[], Iterable[bytes | memoryview]], changed: int,
-        group: Any, *, share: Callable[[], int] = lambda: 0, check: bool = True,
+        self, version: int, fingerprint: str, files: Sequence[AnchorFile], group: Any, *,
+        share: Callable[[], int] = lambda: 0, check: bool = True,
     ) -> tuple[ChainEntry, int]:  # fmt: skip
         """Write the anchor of ``version`` (collective over ``group``): each writing rank streams
-        its file or part from ``stream()`` (``changed`` elements); return the version's entry and
-        the sum over the ranks of ``share()``, taken once a rank's stream ended (the bf16 chain
-        hashes its values on the way). ``check``: as :meth:`write_delta_file`'s."""
-        path = self.path("anchor", version)
+        its ``files`` (:meth:`anchor_files`; several at once where it has several); return the
+        version's entry and the sum over the ranks of ``share()``, taken once a rank's files are
+        written (the bf16 chain hashes its values on the way). ``check``: as
+        :meth:`write_delta_file`'s."""
         what = f"writing the anchor of version {version}"
 
-        def write() -> tuple[None, tuple[PartEntry | None, int]]:
+        def write() -> tuple[None, tuple[list[PartEntry], int]]:
             if check:
                 self.check_owner(what)
             if not self.layout.writer:
-                return None, (None, 0)
-            nbytes, digest = write_stream(self.store, path, stream())
-            return None, (PartEntry(path=path, nbytes=nbytes, sha256=digest, changed=changed), share())
+                return None, ([], 0)
+            return None, (write_files(self.store, files, what), share())
 
         _, written = self.agree(what, write, group)
-        files = [w for w, _ in written if w is not None]
-        entry = ChainEntry.of_files("anchor", version, fingerprint, files, self.split)
+        entries = [w for ws, _ in written for w in ws]
+        entry = ChainEntry.of_files("anchor", version, fingerprint, entries, self.split or len(entries) > 1)
         return entry, sum(s for _, s in written)
 
     # ------------------------------------------------------------------ commits (rank 0 writes)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ConfigError, PublishError
-from ..format import CODECS, MAX_ANCHORS, ChainEntry, get_codec
+from ..format import ANCHOR_PART_BYTES, CODECS, MAX_ANCHORS, ChainEntry, get_codec
 from ..stores import open_store
 from .anchors import AnchorScheduler
 from .capture import CAPTURE_MODES, Capture, CaptureMode, ChangeCapture
@@ -64,6 +64,13 @@ class PublishOptions:
     zstd_level: int = _DEFAULT_LEVEL
     """Compression level, for a codec that takes one (the "zstd" codec: 1..22): higher is
     smaller and slower to encode."""
+    anchor_part_bytes: int = ANCHOR_PART_BYTES
+    """A single writer writes an anchor larger than this as parts of about this size, several
+    at once (one thread per core at most), each holding whole tensors: the SHA-256s, copies to
+    the host and writes of a large anchor then use several cores. The split depends on the
+    tensors' names and sizes alone (a bucket written from a GPU is the one written from a CPU);
+    every reader reads split anchors (docs/protocol.md section 18). Sharded trainers write a part
+    per shard rank whatever this is."""
     keep_anchors: int = 1
     """Complete anchors to keep in the bucket. The deltas are kept one anchor further back, so
     that a follower up to an anchor interval behind still catches up with deltas alone; older
@@ -105,6 +112,8 @@ class PublishOptions:
     def __post_init__(self) -> None:
         if self.anchor_every < 1:
             raise ConfigError(f"anchor_every must be >= 1, got {self.anchor_every}")
+        if self.anchor_part_bytes < 1:
+            raise ConfigError(f"anchor_part_bytes must be >= 1, got {self.anchor_part_bytes}")
         if self.anchor_bytes_ratio < 0:
             raise ConfigError(f"anchor_bytes_ratio must be >= 0 (0 disables it), got {self.anchor_bytes_ratio}")
         if self.codec not in CODECS:
@@ -287,6 +296,8 @@ class DeltaPublisher:
             level=level, keep_anchors=options.keep_anchors, group=self._delta_group,
             writer=None if self._writer.owner is None else self._writer.owner.record,
         )  # fmt: skip
+        for committer in (self._writer, *(view.chain for view in self._views)):
+            committer.anchor_part_bytes = options.anchor_part_bytes
         self._view_publisher = ViewPublisher(self._views, self.detector, params, checkpoint, live_layout, layout, self._warnings)
         if layout.rank == 0:
             self._retention.clean_temp()

@@ -46,7 +46,6 @@ from ..format import (
     ChainEntry,
     Change,
     Pointer,
-    anchor_stream,
     encode_delta,
     manifest_digest,
     view_prefix,
@@ -341,14 +340,11 @@ class ViewChain:
             total = sum(math.prod(shape) for shape in self._view_shapes().values())
             # Every rank lists every tensor (its own slice of each), under its full shape.
             manifest = manifest_digest((s.name, s.shape, s.dtype) for s in sources)
-            part, parts = self.chain.part or (None, None)
-            stream = lambda: anchor_stream(  # noqa: E731
-                sources, version=version, fingerprint=fp, total=total, extra_metadata=self.metadata, part=part,
-                parts=parts, manifest=manifest,
-            )  # fmt: skip
-            changed = sum(s.end - s.begin for s in sources)
+            files = self.chain.anchor_files(
+                version, sources, fingerprint=fp, total=total, extra_metadata=self.metadata, manifest=manifest
+            )
             # The pointer was checked as the version was quantized.
-            entry, _ = self.chain.write_anchor_file(version, fp, stream, changed, self.group, check=False)
+            entry, _ = self.chain.write_anchor_file(version, fp, files, self.group, check=False)
             head = None if new_chain or self.broken else self.head
             if head is None:
                 pointer = Pointer.start(entry, total=total, manifest=manifest, view=self.identity.to_json())

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import IntegrityError
-from ..format import AnchorSource, ChainEntry, Change, Pointer, anchor_stream, encode_delta, manifest_digest
-from ..format.fingerprint import DeviceHasher, fingerprint_slice_share, format_fingerprint
-from .committer import ChainCommitter
+from ..format import AnchorSource, ChainEntry, Change, Pointer, encode_delta, manifest_digest
+from ..format.codecs.zstd import encode_threads
+from ..format.fingerprint import DEVICE_CHUNK, DeviceHasher, fingerprint_slice_share, format_fingerprint
+from .committer import AnchorFile, ChainCommitter
 from .ownership import ChainOwnership
 
 if TYPE_CHECKING:
@@ -197,18 +199,23 @@ class ChainWriter(ChainCommitter):
         caller) and the untracked parameters; return the version's entry and fingerprint.
 
         With ``expected`` (the chain's fingerprint of that version) the streamed values are
-        hashed on the way and must add up to it; without, they are hashed first.
+        hashed on the way and must add up to it; without, they are hashed first. A single
+        writer's large anchor is written as parts at once (:meth:`anchor_files`), each hashed in
+        a thread of its own.
         """
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-anchor-hash") as hashing:
-            return self._write_anchor(version, expected, group, hashing)
+        threads = encode_threads()
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="deltasync-anchor-hash") as hashing:
+            return self._write_anchor(version, expected, group, hashing, threads)
 
     def _write_anchor(
-        self, version: int, expected: str | None, group: Any, hashing: ThreadPoolExecutor
+        self, version: int, expected: str | None, group: Any, hashing: ThreadPoolExecutor, threads: int
     ) -> tuple[ChainEntry, str]:
         layout = self.layout
         split = layout.parts > 1
         params = self.params
         shares: list[int] = [0]
+        adding = threading.Lock()
+        at_once = [1]  # files streamed at once: device hashers share the scratch bound
 
         def chunks(name: str) -> Callable[[], Iterator[torch.Tensor]]:
             owned = layout.slices[name]
@@ -223,20 +230,25 @@ class ChainWriter(ChainCommitter):
                 tracked = self.detector.is_tracked(source)
                 flat = self.detector.snapshot_flat(source) if tracked else live.local(params[source])
                 offset = owned.begin
-                hasher = None if flat.device.type == "cpu" else DeviceHasher(flat.device)
+                hasher = None if flat.device.type == "cpu" else DeviceHasher(flat.device, DEVICE_CHUNK // at_once[0])
                 # From an accelerator, large pieces: each is one copy to the host.
                 size = (1 << 20) if hasher is None else ANCHOR_DEVICE_CHUNK
+                mine = 0
+                pending: deque[Future[int]] = deque()
                 for values in self.checkpoint.chunks(name, flat, live.begin, owned, size):
-                    if hasher is None:  # hashed in a helper thread while the file takes the chunk
-                        share = hashing.submit(fingerprint_slice_share, name, values, offset)
+                    if hasher is None:  # hashed in the helper threads while the file takes the chunk
+                        pending.append(hashing.submit(fingerprint_slice_share, name, values, offset))
                     else:  # hashed where it lies; one read of the sum per tensor
                         hasher.add_slice(name, values, offset)
                     offset += values.numel()
                     yield values
-                    if hasher is None:  # before the next chunk, which may reuse this one's memory
-                        shares[0] += share.result()
+                    while len(pending) > threads:  # a few chunks ahead of the hashes at most
+                        mine += pending.popleft().result()
+                mine += sum(f.result() for f in pending)
                 if hasher is not None:
-                    shares[0] += hasher.value()
+                    mine += hasher.value()
+                with adding:
+                    shares[0] += mine
 
             return gen
 
@@ -245,26 +257,37 @@ class ChainWriter(ChainCommitter):
             for name, owned in layout.slices.items()
             if split or layout.writer
         ]
-        if expected is None:
-            for source in sources:
-                for _ in source.chunks():
-                    pass
+        total = sum(self.numels.values())
+
+        def files(fingerprint: str) -> list[AnchorFile]:
+            return self.anchor_files(
+                version, sources, fingerprint=fingerprint, total=total, extra_metadata=self.anchor_metadata,
+                manifest=self.manifest,
+            )  # fmt: skip
+
+        planned = files(expected or "0" * 16)
+        at_once[0] = min(len(planned), threads)
+        if expected is None:  # hashed first, a file's tensors per thread as they will be written
+            with ThreadPoolExecutor(at_once[0], thread_name_prefix="deltasync-anchor-part") as pool:
+                for done in [pool.submit(_drain, f.sources) for f in planned]:
+                    done.result()
             _, all_shares = layout.agree(f"hashing the anchor of version {version}", lambda: (None, shares[0]), group)
             expected, shares[0] = format_fingerprint(sum(all_shares)), 0
-        total = sum(self.numels.values())
-        stream = lambda: anchor_stream(  # noqa: E731
-            sources, version=version, fingerprint=expected, total=total,
-            part=layout.part if split else None, parts=layout.parts if split else None,
-            extra_metadata=self.anchor_metadata, manifest=self.manifest,
-        )  # fmt: skip
-        changed = sum(s.end - s.begin for s in sources)
-        entry, got = self.write_anchor_file(version, expected, stream, changed, group, share=lambda: shares[0])
+            planned = files(expected)
+        entry, got = self.write_anchor_file(version, expected, planned, group, share=lambda: shares[0])
         if format_fingerprint(got) != expected:
             raise IntegrityError(
                 f"the anchor of version {version} hashes to {format_fingerprint(got)}, the chain says {expected} (a "
                 "parameter that is not trained changed, or the snapshot is not the published state)"
             )
         return entry, expected
+
+
+def _drain(sources: Sequence[AnchorSource]) -> None:
+    """Read every chunk of ``sources`` (hashing them on the way, nothing written)."""
+    for source in sources:
+        for _ in source.chunks():
+            pass
 
 
 def manifest_of(layout: ShardLayout) -> str:

@@ -85,8 +85,10 @@ def test_every_version_of_each_view_is_the_quantization_of_the_bf16_version(tmp_
     assert plain.verify() and plain.fingerprint == publisher.fingerprint
 
 
-def test_views_anchor_where_the_bf16_chain_does_and_late_joiners_catch_up(tmp_path):
-    model, optimizer, publisher = _trainer(tmp_path, anchor_every=2, anchor_bytes_ratio=0)
+@pytest.mark.parametrize("part_bytes", [None, 8192], ids=["one-file", "split"])
+def test_views_anchor_where_the_bf16_chain_does_and_late_joiners_catch_up(tmp_path, part_bytes):
+    split = {} if part_bytes is None else {"anchor_part_bytes": part_bytes}  # anchors as parts at once
+    model, optimizer, publisher = _trainer(tmp_path, anchor_every=2, anchor_bytes_ratio=0, **split)
     with publisher:
         publisher.publish()
         follower = DeltaReceiver(tmp_path / "bucket", view=FP8)
@@ -102,6 +104,7 @@ def test_views_anchor_where_the_bf16_chain_does_and_late_joiners_catch_up(tmp_pa
     quant = Pointer.from_bytes(sub_store(store, view_prefix(FP8)).read_bytes(POINTER_PATH))
     assert [a.version for a in quant.anchors] == [a.version for a in bf16.anchors]
     assert quant.version == bf16.version
+    assert all(len(a.files) > (2 if part_bytes else 0) and bool(a.parts) == bool(part_bytes) for a in (*quant.anchors, *bf16.anchors))
     late = assert_view_exact(tmp_path / "bucket", model, FP8)
     assert late.fingerprint == follower.fingerprint
 

@@ -414,6 +414,24 @@ def test_failed_stream_leaves_the_old_file(store: Store) -> None:
     assert store.list("anchors/") == ["anchors/00000003.safetensors"]
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this platform")
+def test_a_local_stream_has_the_disk_start_on_its_bytes_as_they_are_written(tmp_path: Path, monkeypatch) -> None:
+    import deltasync.stores._local as local
+
+    advised: list[tuple[int, int, int]] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(local, "_WRITEBACK", 1000)
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: advised.append((offset, length, advice)) or real(fd, offset, length, advice))
+    store = LocalStore(tmp_path / "b")
+    chunks = [bytes([k]) * 700 for k in range(7)]
+    write_stream(store, "anchors/00000001.safetensors", iter(chunks))
+    assert store.read_bytes("anchors/00000001.safetensors") == b"".join(chunks)
+    # Every 1000 bytes or more written, the bytes since the last call: 0..1400, 1400..2800, 2800..4200.
+    expected = [(0, 1400), (1400, 1400), (2800, 1400)] if local.sys.platform.startswith("linux") else []
+    assert [(o, n) for o, n, _ in advised] == expected
+    assert all(a == os.POSIX_FADV_DONTNEED for _, _, a in advised)
+
+
 def test_read_buffer_of_a_missing_file_is_not_found(store: Store) -> None:
     with pytest.raises(NotFoundError, match="latest.json"):
         read_buffer(store, "latest.json", 100)

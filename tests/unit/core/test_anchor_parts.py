@@ -1,0 +1,139 @@
+"""A single writer's large anchor, written as parts at once (format version 2's split anchor).
+
+The planner (:func:`~deltasync.format.anchor_parts`) is held to the protocol's tiling rule and
+to depending on names and sizes alone; the publisher's split anchors are read back bit for bit
+by a late joiner, are the same bytes whatever the thread count, and a part that fails to write
+commits nothing."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import GatedStore, checkpoint_model, publish_chain, same_state, small_transformer, train_step
+
+from deltasync import DeltaPublisher, DeltaReceiver, StoreError, bf16_state_dict, fingerprint, open_store
+from deltasync.format import AnchorSource, anchor_parts, part_path
+from deltasync.reader.chain import read_pointer
+from deltasync.reader.parts import fetch_anchor
+
+SHAPES = {"a.weight": (8, 6), "b.weight": (40,), "c.bias": (3,), "d.weight": (16, 4), "e.weight": (5, 5)}
+
+
+def sources(sizes: dict[str, int], dtype: torch.dtype = torch.bfloat16) -> list[AnchorSource]:
+    return [AnchorSource(name, (n,), 0, n, lambda: (), dtype) for name, n in sizes.items()]
+
+
+def check_tiling(parts: list[list[AnchorSource]], sizes: dict[str, int]) -> None:
+    """Every part lists every tensor in name order; each tensor is whole in exactly one part,
+    an empty range at 0 before it and at its end after it (section 18's tiling)."""
+    for listed in parts:
+        assert [s.name for s in listed] == sorted(sizes)
+    for name, n in sizes.items():
+        ranges = [next((s.begin, s.end) for s in listed if s.name == name) for listed in parts]
+        home = [k for k, r in enumerate(ranges) if r != (0, 0) and r != (n, n)] if n else []
+        assert len(home) == (1 if n else 0), (name, ranges)
+        if n:
+            k = home[0]
+            assert ranges[k] == (0, n) and all(r == (0, 0) for r in ranges[:k]) and all(r == (n, n) for r in ranges[k + 1 :])
+
+
+def test_an_anchor_within_one_part_stays_one_file() -> None:
+    given = sources({"b": 10, "a": 20})
+    (only,) = anchor_parts(given, 60)
+    assert only == given  # as given: the single-file anchor's own sources
+    with pytest.raises(ValueError, match="part_bytes must be 1 or more"):
+        anchor_parts(given, 0)
+
+
+@pytest.mark.parametrize("part_bytes", [64, 100, 250, 400])
+def test_parts_hold_whole_tensors_in_name_order_and_tile_every_tensor(part_bytes: int) -> None:
+    sizes = {f"t{k:02d}": n for k, n in enumerate([30, 7, 64, 1, 0, 200, 18, 18, 40, 3, 90])}
+    parts = anchor_parts(sources(dict(reversed(sizes.items()))), part_bytes)
+    total = 2 * sum(sizes.values())
+    assert 1 < len(parts) <= math.ceil(total / part_bytes)
+    check_tiling(parts, sizes)
+    held = [[s.name for s in listed if s.end > s.begin and s.begin == 0] for listed in parts]
+    assert [name for names in held for name in names] == sorted(n for n, size in sizes.items() if size)
+    assert all(names for names in held)  # no part is left empty
+    # Balanced: no part holds more than a part's share plus one tensor.
+    share, largest = total / len(parts), 2 * max(sizes.values())
+    for listed in parts:
+        assert sum(2 * (s.end - s.begin) for s in listed) <= share + largest
+
+
+def test_a_tensor_larger_than_a_part_is_a_part_of_its_own() -> None:
+    sizes = {"a": 10, "b": 1000, "c": 10, "d": 10}
+    parts = anchor_parts(sources(sizes), 100)
+    check_tiling(parts, sizes)
+    homes = {s.name: k for k, listed in enumerate(parts) for s in listed if s.end > s.begin and s.begin == 0}
+    assert homes["b"] not in {homes["a"], homes["c"], homes["d"]}
+
+
+def test_the_split_depends_on_names_and_sizes_alone() -> None:
+    sizes = {f"w{k}": 10 + 3 * k for k in range(20)}
+    a = anchor_parts(sources(sizes), 90)
+    b = anchor_parts(sources(dict(reversed(sizes.items()))), 90)
+    assert [[(s.name, s.begin, s.end) for s in p] for p in a] == [[(s.name, s.begin, s.end) for s in p] for p in b]
+    one_byte = anchor_parts(sources({k: 2 * v for k, v in sizes.items()}, torch.float8_e4m3fn), 90)
+    assert len(one_byte) == len(a)  # sized in bytes: twice the one-byte elements weigh the same
+
+
+def test_a_large_anchor_is_written_as_parts_and_read_back_bit_for_bit(tmp_path: Path) -> None:
+    states = publish_chain(tmp_path / "b", checkpoint_model(SHAPES), deltas=3, anchor_at=2, anchor_part_bytes=100)
+    store = open_store(tmp_path / "b")
+    pointer = read_pointer(store)
+    assert [a.version for a in pointer.anchors] == [0, 2]
+    for entry in pointer.anchors:
+        assert not entry.path and len(entry.parts) > 2
+        assert [p.path for p in entry.parts] == [part_path("anchor", entry.version, n) for n in range(len(entry.parts))]
+        anchor = fetch_anchor(store, entry)
+        assert same_state(anchor.tensors, states[entry.version])
+        assert anchor.header.fingerprint == fingerprint(states[entry.version])
+    assert all(not e.parts for e in pointer.chain[1:] if e.kind == "delta")  # deltas stay one file
+    late = DeltaReceiver(tmp_path / "b")
+    staged = late.stage(3)
+    assert (staged.kind, staged.versions) == ("anchor", [2, 3])
+    late.apply(staged)
+    assert same_state(late.state_dict(), states[3]) and late.fingerprint == fingerprint(states[3])
+
+
+def test_split_anchors_are_the_same_bytes_whatever_the_thread_count(tmp_path: Path, monkeypatch) -> None:
+    files = {}
+    for threads in ("1", "3"):
+        monkeypatch.setenv("DELTASYNC_ENCODE_THREADS", threads)
+        bucket = tmp_path / threads
+        publish_chain(bucket, checkpoint_model(SHAPES), deltas=2, anchor_at=2, anchor_part_bytes=100)
+        files[threads] = {
+            f"{d}/{name}": (bucket / d / name).read_bytes() for d in ("anchors", "deltas") for name in os.listdir(bucket / d)
+        }
+    assert any(".part" in name for name in files["1"])
+    assert files["1"] == files["3"]
+
+
+def test_a_part_that_fails_to_write_commits_nothing(tmp_path: Path) -> None:
+    store = GatedStore(tmp_path / "bucket")
+    model = small_transformer(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-4)
+    with DeltaPublisher(store, model, opt, anchor_part_bytes=4096, anchor_every=1000, anchor_bytes_ratio=0) as publisher:
+        store.fail = part_path("anchor", 0, 1)
+        with pytest.raises(StoreError, match="injected failure writing 'anchors/00000000.part1.safetensors'"):
+            publisher.publish()
+        assert publisher.pointer is None and not store.exists("pointer.json")
+        assert not store.exists(part_path("anchor", 0, 1))
+        result = publisher.publish()  # tried again: the anchor, whole
+        assert result.version == 0 and len(publisher.pointer.anchors[0].parts) > 2
+        train_step(model, opt, seed=1)
+        publisher.publish()
+        train_step(model, opt, seed=2)
+        store.fail = part_path("anchor", 2, 0)
+        result = publisher.publish(anchor=True)  # the delta commits; its anchor, written after, fails
+        publisher.flush()
+        assert result.version == 2 and [a.version for a in publisher.pointer.anchors] == [0]
+        want = bf16_state_dict(model)
+    late = DeltaReceiver(tmp_path / "bucket")
+    late.sync()
+    assert late.version == 2 and same_state(late.state_dict(), want)
