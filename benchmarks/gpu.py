@@ -458,6 +458,21 @@ def anchor_split(model: Weights, device: torch.device, lr: float, root: Path, pa
     return out
 
 
+def hash_threads(elements: int) -> dict[str, float]:
+    """The fingerprint of ``elements`` host bf16 values (what a CPU server's full fingerprint and
+    a host move hash), with one thread and with the host's cores; the sums must agree."""
+    from deltasync.format.fingerprint import fingerprint_slice_share, hash_threads
+
+    values = torch.randn(elements).to(torch.bfloat16)
+    sums = set()
+
+    def run() -> None:
+        sums.add(fingerprint_slice_share("model.layers.0.mlp.up_proj.weight", values, 0))
+
+    out = _one_thread_and_all("DELTASYNC_HASH_THREADS", run, hash_threads())
+    return {"elements": elements, "exact": len(sums) == 1, **out}
+
+
 def encode_threads(changes: int, tensors: int = 64) -> dict[str, float]:
     """A zstd delta spanning ``tensors`` tensors, encoded with one thread and with the host's cores."""
     from deltasync.format.codecs.zstd import ZstdCodec, encode_threads
@@ -576,6 +591,8 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
         out["encode: all cores / one thread"] = r["encode_threads"]["ratio"]
     if "decode_threads" in r:
         out["decode: all cores / one thread"] = r["decode_threads"]["ratio"]
+    if "hash_threads" in r:
+        out["host fingerprint: all cores / one thread"] = r["hash_threads"]["ratio"]
     if "view" in r:
         out["FP8_DYNAMIC extra / bf16 publish"] = (statistics.median(r["view"]["commit_s"]) - statistics.median(s["commit_s"])) / statistics.median(s["commit_s"])
     if "inplace" in r:
@@ -637,6 +654,7 @@ def main() -> None:
     parser.add_argument("--bucket", default=None, help="folder for the buckets (default: a temporary one)")
     parser.add_argument("--no-inplace", action="store_true")
     parser.add_argument("--no-view", action="store_true")
+    parser.add_argument("--no-anchor-split", action="store_true", help="skip the anchor as one file against parts")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--plot", default=None, help="draw time per phase against the floors here (needs matplotlib)")
     parser.add_argument("--plot-from", default=None, help="only draw --plot from this JSON")
@@ -671,6 +689,8 @@ def main() -> None:
     log(f"encode: {r['encode_threads']}")
     r["decode_threads"] = decode_threads(4_000_000 if args.quick else 40_000_000)
     log(f"decode: {r['decode_threads']}")
+    r["hash_threads"] = hash_threads(16_000_000 if args.quick else 160_000_000)
+    log(f"hash: {r['hash_threads']}")
     save()
     log("floors: " + ", ".join(f"{k} {v:.4g}" for k, v in f.items()))
     burn = Burn(device, args.backward or (0.2 if args.quick else 0.87))
@@ -704,11 +724,12 @@ def main() -> None:
     save()
     from deltasync.format import ANCHOR_PART_BYTES
 
-    # in the quick form a quarter of the weights (the default part is larger than them)
-    r["anchor_split"] = anchor_split(model, device, lrs[densities[0]], root,
-                                     max(1, int(f["weights_bytes"]) // 4) if args.quick else ANCHOR_PART_BYTES)  # fmt: skip
-    log(f"anchor: {r['anchor_split']}")
-    save()
+    if not args.no_anchor_split:
+        # in the quick form a quarter of the weights (the default part is larger than them)
+        r["anchor_split"] = anchor_split(model, device, lrs[densities[0]], root,
+                                         max(1, int(f["weights_bytes"]) // 4) if args.quick else ANCHOR_PART_BYTES)  # fmt: skip
+        log(f"anchor: {r['anchor_split']}")
+        save()
     if not args.no_view:
         try:
             import compressed_tensors  # noqa: F401

@@ -17,15 +17,18 @@ current at the cost of the changed elements only.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from .dtypes import holds_byte_lanes
+from .threads import spread, thread_count
 
 __all__ = [
     "DeviceHasher",
+    "SPREAD",
+    "hash_threads",
     "fingerprint",
     "fingerprint_add",
     "fingerprint_move",
@@ -222,33 +225,63 @@ class _Hasher:
             return int(np.add.reduce(x, dtype=np.uint64))
 
 
-def _hash_sum(seed_name: str, index: np.ndarray, bits: np.ndarray) -> int:
+def _hash_sum(seed_name: str, index: np.ndarray, bits: np.ndarray, *, workers: int | None = None) -> int:
     """Sum of element hashes (mod 2**64) of ``seed_name``'s uint64 ``index`` and uint16 ``bits``."""
-    hasher = _Hasher(seed_name, bits.size)
-    total = 0
-    for start in range(0, bits.size, _CHUNK):
-        stop = start + _CHUNK
-        total += hasher.sum(hasher.keys(index[start:stop]), bits[start:stop])
-    return total & _MASK
+
+    def part(lo: int, hi: int) -> int:
+        hasher = _Hasher(seed_name, hi - lo)
+        total = 0
+        for start in range(lo, hi, _CHUNK):
+            stop = min(start + _CHUNK, hi)
+            total += hasher.sum(hasher.keys(index[start:stop]), bits[start:stop])
+        return total & _MASK
+
+    return _spread_sum(bits.size, part, workers)
 
 
-def _tensor_sum(name: str, values: torch.Tensor, offset: int = 0) -> int:
+def hash_threads() -> int:
+    """Threads a large fingerprint of host values is spread over: the CPUs the calling thread
+    may run on (``DELTASYNC_HASH_THREADS`` overrides). The sum does not depend on the count."""
+    return thread_count("DELTASYNC_HASH_THREADS")
+
+
+SPREAD = 1 << 20
+"""Elements one hashing thread takes at a time: host values of more than twice this many are
+hashed over threads the calling thread starts (:func:`~deltasync.format.threads.spread`)."""
+
+
+def _spread_sum(n: int, part: Callable[[int, int], int], workers: int | None) -> int:
+    """``part(0, n)``, computed as the sum (mod 2**64) of ``part(lo, hi)`` over pieces of
+    :data:`SPREAD` elements spread over ``workers`` threads (None: :func:`hash_threads`)."""
+    if n <= 2 * SPREAD:
+        return part(0, n)
+    pieces = [(lo, min(lo + SPREAD, n)) for lo in range(0, n, SPREAD)]
+    count = min(hash_threads() if workers is None else workers, len(pieces))
+    with spread(count, "deltasync-hash") as threads:
+        return sum(threads(lambda piece: part(*piece), pieces)) & _MASK
+
+
+def _tensor_sum(name: str, values: torch.Tensor, offset: int = 0, *, workers: int | None = None) -> int:
     device = _on_device(values)
     if device is not None:  # hashed where the values are: nothing crosses to the host
         on_device = DeviceHasher(device)
         on_device.add_slice(name, values, offset)
         return on_device.value()
     bits = _bits_u16(values)
-    hasher = _Hasher(name, bits.size)
-    total = 0
-    for start in range(0, bits.size, _CHUNK):
-        chunk = bits[start : start + _CHUNK]
-        at = np.arange(offset + start, offset + start + chunk.size, dtype=np.uint64)
-        total += hasher.sum(hasher.keys(at), chunk)
-    return total & _MASK
+
+    def part(lo: int, hi: int) -> int:
+        hasher = _Hasher(name, hi - lo)
+        total = 0
+        for start in range(lo, hi, _CHUNK):
+            chunk = bits[start : min(start + _CHUNK, hi)]
+            at = np.arange(offset + start, offset + start + chunk.size, dtype=np.uint64)
+            total += hasher.sum(hasher.keys(at), chunk)
+        return total & _MASK
+
+    return _spread_sum(bits.size, part, workers)
 
 
-def _move(name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> int:
+def _move(name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor, *, workers: int | None = None) -> int:
     """``sum h(name, index, new) - sum h(name, index, old)`` (mod 2**64): each chunk's keys are
     built once for both."""
     device = _on_device(index, old, new)
@@ -263,13 +296,17 @@ def _move(name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) 
     new_bits, old_bits = _bits_u16(new), _bits_u16(old)
     if not (idx.size == new_bits.size == old_bits.size):
         raise ValueError(f"{name}: {idx.size} indices, {new_bits.size} new and {old_bits.size} old values")
-    hasher = _Hasher(name, idx.size)
-    total = 0
-    for start in range(0, idx.size, _CHUNK):
-        stop = start + _CHUNK
-        base = hasher.keys(idx[start:stop])
-        total += hasher.sum(base, new_bits[start:stop]) - hasher.sum(base, old_bits[start:stop])
-    return total & _MASK
+
+    def part(lo: int, hi: int) -> int:
+        hasher = _Hasher(name, hi - lo)
+        total = 0
+        for start in range(lo, hi, _CHUNK):
+            stop = min(start + _CHUNK, hi)
+            base = hasher.keys(idx[start:stop])
+            total += hasher.sum(base, new_bits[start:stop]) - hasher.sum(base, old_bits[start:stop])
+        return total & _MASK
+
+    return _spread_sum(idx.size, part, workers)
 
 
 def format_fingerprint(value: int) -> str:

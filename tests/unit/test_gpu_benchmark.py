@@ -34,11 +34,13 @@ def test_the_quick_form_measures_every_phase_and_is_exact(tmp_path: Path) -> Non
     assert r["inplace"]["exact"] and r["inplace"]["exact_at_start"] and len(r["inplace"]["steps"]) == 3
     assert r["encode_threads"]["one_thread_s"] > 0 and r["encode_threads"]["all_cores_s"] > 0
     assert r["decode_threads"]["exact"] and r["decode_threads"]["all_cores_s"] > 0
+    assert r["hash_threads"]["exact"] and r["hash_threads"]["all_cores_s"] > 0
     split = r["anchor_split"]  # a quarter of the weights a part: the split path runs, and reads back exact
     assert split["one_file_files"] == 1 and split["parts_files"] >= 3
     assert split["one_file_read_back"] and split["parts_read_back"]
     for key in ("loop publishing 1.0% / plain", "submit hold / scan", "capture-to-commit / scan", "anchor / save_file",
                 "anchor / (save_file + fsync)", "anchor: parts / one file",
-                "capture: detect / scan", "encode: all cores / one thread", "decode: all cores / one thread"):
+                "capture: detect / scan", "encode: all cores / one thread", "decode: all cores / one thread",
+                "host fingerprint: all cores / one thread"):
         assert r["ratios"][key] > 0, key
     assert (tmp_path / "gpu.png").stat().st_size > 10_000

@@ -4,11 +4,9 @@ that each compress well, each a zstd frame (docs/protocol.md describes every str
 
 from __future__ import annotations
 
-import contextlib
 import io
-import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -16,8 +14,9 @@ import numpy as np
 import torch
 import zstandard
 
-from ...errors import ConfigError, FormatError
+from ...errors import FormatError
 from ..dtypes import from_lanes, is_one_byte, lanes
+from ..threads import Spread, spread, thread_count
 from .base import Change, Codec, DeltaContext, Table, known_numel
 
 __all__ = [
@@ -96,20 +95,7 @@ def encode_threads() -> int:
     """Threads a delta's encoding is spread over: the cores this process may run on
     (``DELTASYNC_ENCODE_THREADS`` overrides). NumPy, torch and zstandard release the GIL in the
     loops that matter, and the bytes do not depend on the count."""
-    return _threads("DELTASYNC_ENCODE_THREADS")
-
-
-def _threads(variable: str) -> int:
-    """The count the environment ``variable`` sets, else the CPUs the calling thread may run on."""
-    env = os.environ.get(variable)
-    if env:
-        if not env.strip().isdigit() or int(env) < 1:
-            raise ConfigError(f"{variable} must be a whole number of threads, 1 or more; it is {env!r}")
-        return int(env)
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
+    return thread_count("DELTASYNC_ENCODE_THREADS")
 
 
 def _map(fn: Callable[[_T], _R], items: Iterable[_T], *, workers: int | None) -> list[_R]:
@@ -288,21 +274,7 @@ def decode_threads() -> int:
     """Threads a delta's decoding is spread over: the CPUs the calling thread may run on
     (``DELTASYNC_DECODE_THREADS`` overrides). The threads start in the calling thread, so a
     server's staging thread hands them its CPUs and its priority."""
-    return _threads("DELTASYNC_DECODE_THREADS")
-
-
-_Spread = Callable[[Callable[[_T], _R], Sequence[_T]], list[_R]]
-
-
-@contextlib.contextmanager
-def _spread(workers: int) -> Iterator[_Spread[Any, Any]]:
-    """A map over ``workers`` threads started here (1: in this thread), in order; where
-    several items fail, the first one's error is raised."""
-    if workers <= 1:
-        yield lambda fn, items: [fn(x) for x in items]
-        return
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltasync-decode") as pool:
-        yield lambda fn, items: [fn(x) for x in items] if len(items) <= 1 else list(pool.map(fn, items))
+    return thread_count("DELTASYNC_DECODE_THREADS")
 
 
 def _attempt(job: tuple[torch.Tensor, int, str, str]) -> bytes | FormatError:
@@ -357,8 +329,9 @@ def _decode(
     if n != delta.changed:
         raise FormatError(f"{where}: counts add up to {n}, metadata says {delta.changed} changed")
     spans = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
-    with _spread((decode_threads() if workers is None else workers) if n > chunk else 1) as spread:
-        return _decode_spread(tensors, delta, names, counts, n, spans, spread)
+    workers = (decode_threads() if workers is None else workers) if n > chunk else 1
+    with spread(workers, "deltasync-decode") as threads:
+        return _decode_spread(tensors, delta, names, counts, n, spans, threads)
 
 
 def _decode_spread(
@@ -368,7 +341,7 @@ def _decode_spread(
     counts: list[int],
     n: int,
     spans: list[tuple[int, int]],
-    spread: _Spread[Any, Any],
+    spread: Spread[Any, Any],
 ) -> dict[str, Change]:
     where, numels = delta.where, delta.numels
     # Streams are checked in the order docs/protocol.md lists them: their errors are raised so.
