@@ -235,8 +235,9 @@ only: the disk writes while the writer hashes and copies the next."""
 def _start_writeback(fd: int, offset: int, length: int) -> None:
     """Have the kernel start writing ``length`` bytes of ``fd`` from ``offset`` to the disk,
     without waiting (Linux: ``POSIX_FADV_DONTNEED`` on dirty pages starts their writeback and
-    leaves them cached; elsewhere, or where the filesystem ignores it, nothing happens and the
-    closing ``fsync`` writes everything, as before)."""
+    leaves them cached; pages of the range the kernel had already written back may leave the
+    cache, so a reader on this host may read them from the disk. Elsewhere, or where the
+    filesystem ignores it, nothing happens and the closing ``fsync`` writes everything, as before)."""
     advise = getattr(os, "posix_fadvise", None)
     if advise is not None and sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):
