@@ -97,6 +97,19 @@ def replace_file(
         store.write_bytes(POINTER_PATH, dataclasses.replace(pointer, **changes).to_bytes())
 
 
+def record_thread_starts(monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
+    """Every thread started from now on, as ``"<its name> from <the starting thread's name>"``."""
+    started: list[str] = []
+    real = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        started.append(f"{self.name} from {threading.current_thread().name}")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return started
+
+
 class GatedStore(LocalStore):
     """A local bucket for background-publishing tests: writes of paths starting with ``gated``
     wait for ``gate`` (``waiting`` is set once one does), a write of a path starting with

@@ -91,8 +91,7 @@ class LocalStore(LimitedReads):
                 with os.fdopen(fd, "wb") as f:
                     written = flushed = 0
                     for chunk in chunks:
-                        f.write(chunk)
-                        written += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+                        written += f.write(chunk)
                         if written - flushed >= _WRITEBACK:
                             f.flush()
                             _start_writeback(f.fileno(), flushed, written - flushed)

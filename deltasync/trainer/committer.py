@@ -105,9 +105,9 @@ def write_files(store: Store, files: Sequence[AnchorFile], what: str) -> list[Pa
     with ThreadPoolExecutor(min(len(files), encode_threads()), thread_name_prefix="deltasync-anchor-part") as pool:
         futures = [pool.submit(one, f) for f in files]
         wait(futures)
-    errors = [f.exception() for f in futures if f.exception() is not None]
+    errors = [e for e in (f.exception() for f in futures) if e is not None]
     if errors:
-        raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])  # type: ignore[misc]
+        raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
     return [f.result() for f in futures]
 
 

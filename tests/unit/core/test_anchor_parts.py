@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import GatedStore, checkpoint_model, publish_chain, same_state, small_transformer, train_step
 
-from deltasync import DeltaPublisher, DeltaReceiver, StoreError, bf16_state_dict, fingerprint, open_store
+from deltasync import ConfigError, DeltaPublisher, DeltaReceiver, StoreError, bf16_state_dict, fingerprint, open_store
 from deltasync.format import AnchorSource, anchor_parts, part_path
 from deltasync.reader.chain import read_pointer
 from deltasync.reader.parts import fetch_anchor
@@ -80,6 +80,13 @@ def test_the_split_depends_on_names_and_sizes_alone() -> None:
     assert [[(s.name, s.begin, s.end) for s in p] for p in a] == [[(s.name, s.begin, s.end) for s in p] for p in b]
     one_byte = anchor_parts(sources({k: 2 * v for k, v in sizes.items()}, torch.float8_e4m3fn), 90)
     assert len(one_byte) == len(a)  # sized in bytes: twice the one-byte elements weigh the same
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_a_part_size_below_one_byte_is_refused_naming_it(tmp_path: Path, bad: int) -> None:
+    with pytest.raises(ConfigError, match=f"anchor_part_bytes must be >= 1, got {bad}"):
+        DeltaPublisher(tmp_path / "bucket", checkpoint_model(SHAPES), anchor_part_bytes=bad)
+    assert not (tmp_path / "bucket").exists() or not any((tmp_path / "bucket").iterdir())  # nothing written
 
 
 def test_a_large_anchor_is_written_as_parts_and_read_back_bit_for_bit(tmp_path: Path) -> None:

@@ -263,10 +263,12 @@ def test_cuda_synchronizations_are_counted_by_torch_too(device: str) -> None:
 
 
 def publish_versions(bucket: Path, model: torch.nn.Module, *, sliced: bool, capture: str = "submit",
-                     views: tuple[str, ...] = ()) -> str:  # fmt: skip
-    """Anchor, three deltas, an anchor beside the third, one more delta: the same edits on any device."""
+                     views: tuple[str, ...] = (), part_bytes: int | None = None) -> str:  # fmt: skip
+    """Anchor, three deltas, an anchor beside the third, one more delta: the same edits on any device
+    (``part_bytes``: anchors written as parts of about that size)."""
+    split = {} if part_bytes is None else {"anchor_part_bytes": part_bytes}
     publisher = DeltaPublisher(str(bucket), model, None, options=PublishOptions(
-        anchor_every=100, anchor_bytes_ratio=0.0, keep_anchors=2, capture="submit", views=views))  # fmt: skip
+        anchor_every=100, anchor_bytes_ratio=0.0, keep_anchors=2, capture="submit", views=views, **split))  # fmt: skip
     publisher.detector.sliced = sliced
     publisher.publish()
     for step in range(4):
@@ -281,15 +283,18 @@ def data_files(bucket: Path) -> list[str]:
     return sorted(str(p.relative_to(bucket)) for p in bucket.rglob("*.safetensors"))
 
 
+@pytest.mark.parametrize("part_bytes", [None, 16384], ids=["one-file", "split"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_bucket_written_on_the_device_is_byte_identical(device: str, tmp_path: Path) -> None:
+def test_a_bucket_written_on_the_device_is_byte_identical(device: str, part_bytes: int | None, tmp_path: Path) -> None:
     """From the accelerator's path (CUDA weights, or the sliced compare on the CPU) and from
-    the CPU's chunked path: the same files, byte for byte, and receivers end equal."""
-    a = publish_versions(tmp_path / "device", bf16_model(device), sliced=True)
-    b = publish_versions(tmp_path / "host", bf16_model("cpu"), sliced=False)
+    the CPU's chunked path: the same files, byte for byte, and receivers end equal; anchors
+    written as parts at once too."""
+    a = publish_versions(tmp_path / "device", bf16_model(device), sliced=True, part_bytes=part_bytes)
+    b = publish_versions(tmp_path / "host", bf16_model("cpu"), sliced=False, part_bytes=part_bytes)
     assert a == b
     files = data_files(tmp_path / "host")
     assert files == data_files(tmp_path / "device") and len(files) >= 6
+    assert any(".part" in f for f in files) == (part_bytes is not None)
     _, mismatch, errors = filecmp.cmpfiles(tmp_path / "device", tmp_path / "host", files, shallow=False)
     assert not mismatch and not errors
     receiver = DeltaReceiver(str(tmp_path / "device"))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from format_example import bf16, random_bits, ref_fingerprint
+from helpers import record_thread_starts
 
 import deltasync.format.fingerprint as F
 from deltasync import ConfigError
@@ -79,14 +80,7 @@ def test_a_large_state_hashes_to_its_definition_over_threads(small_pieces, monke
 
 
 def test_hash_threads_start_in_the_calling_thread_and_end_with_the_call(small_pieces, monkeypatch) -> None:
-    started: list[str] = []
-    real = threading.Thread.start
-
-    def start(self: threading.Thread) -> None:
-        started.append(f"{self.name} from {threading.current_thread().name}")
-        real(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
+    started = record_thread_starts(monkeypatch)
     F._tensor_sum("w", values(7, 9000), workers=3)
     assert len(started) == 3 and all(s.startswith("deltasync-hash") and s.endswith("from MainThread") for s in started)
     assert not [t for t in threading.enumerate() if t.name.startswith("deltasync-hash")]

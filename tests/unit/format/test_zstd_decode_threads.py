@@ -13,6 +13,7 @@ import zstandard
 from safetensors.torch import load as st_load
 
 from format_example import CASES, encode, header_json, lookup
+from helpers import record_thread_starts
 
 from deltasync import ConfigError, FormatError
 from deltasync import format as F
@@ -183,14 +184,7 @@ def test_the_decode_threads_start_in_the_calling_thread_and_end_with_the_call(mo
         asked.append(index)
         return base(name, index)
 
-    started: list[str] = []
-    real = threading.Thread.start
-
-    def start(self: threading.Thread) -> None:
-        started.append(f"{self.name} from {threading.current_thread().name}")
-        real(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
+    started = record_thread_starts(monkeypatch)
     decoded = Z._decode(st_load(data), _context(data, state, spy), workers=3, chunk=8)
     assert started and all(s.startswith("deltasync-decode") and s.endswith("from MainThread") for s in started)
     assert not [t for t in threading.enumerate() if t.name.startswith("deltasync-decode")]
