@@ -58,6 +58,7 @@ except ImportError:  # a checkout without an install: import the package next to
     sys.path.insert(0, str(REPO))
 
 from codec import ModelShape  # noqa: E402
+from encode import spanning_delta as _spanning_delta  # noqa: E402
 from scale import Weights, tensors  # noqa: E402  (Qwen2 checkpoint shapes; parameters under their names)
 
 from deltasync import DeltaPublisher  # noqa: E402
@@ -382,23 +383,6 @@ def submit_mode(model: Weights, device: torch.device, lr: float, iters: int, buc
     publisher.close()
     del opt
     return out
-
-
-def _spanning_delta(changes: int, tensors: int) -> tuple[list[tuple[str, Any]], dict[str, torch.Tensor]]:
-    """A delta of ``changes`` one- and two-ULP steps spread over ``tensors`` tensors (1 in 70
-    elements changed), and the weights it applies to."""
-    from deltasync.format import Change
-
-    g = torch.Generator().manual_seed(0)
-    items, state = [], {}
-    for k in range(tensors):
-        n = changes // tensors
-        state[f"w{k}"] = (torch.randn(70 * n, generator=g) * 0.02).to(torch.bfloat16)
-        index = torch.sort(torch.randperm(70 * n, generator=g)[:n]).values
-        old = state[f"w{k}"][index]
-        step = torch.randint(1, 3, (n,), dtype=torch.int16, generator=g)
-        items.append((f"w{k}", Change(index=index, new=(old.view(torch.int16) + step).view(torch.bfloat16), old=old)))
-    return items, state
 
 
 def _one_thread_and_all(variable: str, run: Callable[[], object], count: int) -> dict[str, float]:

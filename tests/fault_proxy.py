@@ -64,7 +64,8 @@ class FaultProxy:
         self.requests: Counter[str] = Counter()
         """Requests seen, by method."""
         self.log: list[tuple[str, str, int, int]] = []
-        """Every request answered: method, URL path, bytes sent up, body bytes sent back."""
+        """Every request forwarded and answered (logged as its answer goes out): method, URL path,
+        bytes sent up, body bytes sent back."""
         self._lock = threading.Lock()
         self._random = random.Random(seed)
         proxy = self
@@ -153,6 +154,10 @@ class FaultProxy:
         if kind == "lost":
             handler.close_connection = True
             return
+        # Logged before the client can have the answer: a test that reads the log right after
+        # its request returns finds it there.
+        with self._lock:
+            self.log.append((method, urlsplit(path).path, len(body), 0 if method == "HEAD" else len(data)))
         if kind == "slow":
             time.sleep(rule.delay)  # type: ignore[union-attr]
         handler.send_response(response.status, response.reason)
@@ -168,8 +173,6 @@ class FaultProxy:
         handler.end_headers()
         if method != "HEAD":
             handler.wfile.write(data[: len(data) // 2] if kind == "truncate" else data)
-        with self._lock:
-            self.log.append((method, urlsplit(path).path, len(body), 0 if method == "HEAD" else len(data)))
         if kind == "truncate":
             handler.wfile.flush()
             handler.close_connection = True

@@ -80,9 +80,10 @@ class ZstdCodec(Codec):
 
 
 ENCODE_CHUNK = 1 << 20
-"""Elements of a parameter's changes that one encode thread transforms at a time: its wide
-temporaries (int64 gaps, int32 differences) stay about 40 MiB per thread however big the
-version is, and each NumPy call runs long enough without the GIL for the threads to scale."""
+"""Changes one encode thread transforms at a time (a unit: a bounded span of one parameter's
+changes, or the changes of several small parameters together): its temporaries (int64 indices
+and gaps, int16 differences) stay about 25 MiB per thread however big the version is, and each
+NumPy call runs long enough without the GIL for the threads to scale."""
 
 
 _T = TypeVar("_T")
@@ -113,43 +114,89 @@ def _map(fn: Callable[[_T], _R], items: Iterable[_T], *, workers: int | None) ->
     return list(pool.map(fn, items))
 
 
-def _ordered_np(values: torch.Tensor) -> np.ndarray:
-    """:func:`_ordered_lanes` in NumPy (int32): single-threaded per call, so that the encode
-    threads do not each start a team of torch's intra-op threads."""
+def _flip_lanes(values: torch.Tensor) -> np.ndarray:
+    """The ordered pattern (:func:`ordered`) of bf16 values modulo 2**16, as int16 (the
+    involution :func:`_flip16`); for one-byte elements their lane (the byte zero-extended): those
+    codes move by small steps of their byte, so their differences take the same symbols. NumPy
+    alone, so that the encode threads do not each start a team of torch's intra-op threads."""
     values = values.detach().reshape(-1).cpu()
     if is_one_byte(values.dtype):
-        return values.contiguous().view(torch.uint8).numpy().astype(np.int32)
+        return values.contiguous().view(torch.uint8).numpy().astype(np.int16)
     if values.dtype != torch.bfloat16:
         values = values.to(torch.bfloat16)
-    bits = values.contiguous().view(torch.int16).numpy().astype(np.int32) & 0xFFFF
-    return np.where(bits >= 0x8000, 0x7FFF - bits, bits)
+    return _flip16(values.contiguous().view(torch.int16).numpy())
 
 
-def _unit(work: tuple[Change, int, int]) -> tuple[np.ndarray, ...]:
-    """The stream pieces of changes ``start .. stop - 1`` of one parameter (NumPy only)."""
-    change, start, stop = work
-    assert change.old is not None
-    index = change.index.detach().reshape(-1)[start:stop].cpu().numpy().astype(np.int64, copy=False)
+_Span = tuple[str, Change, int, int]
+"""Changes ``start .. stop - 1`` of one parameter: ``(name, change, start, stop)``."""
+
+
+def _units(items: Sequence[tuple[str, Change]]) -> list[list[_Span]]:
+    """Each parameter's changes in spans of at most :data:`ENCODE_CHUNK`, packed in order into
+    units of at most that many: many small parameters make one unit, so that every NumPy call of
+    a unit runs long enough without the GIL for the encode threads to scale."""
+    units: list[list[_Span]] = []
+    unit: list[_Span] = []
+    size = 0
+    for name, change in items:
+        n = change.index.numel()
+        for start in range(0, n, ENCODE_CHUNK):
+            stop = min(start + ENCODE_CHUNK, n)
+            if unit and size + stop - start > ENCODE_CHUNK:
+                units.append(unit)
+                unit, size = [], 0
+            unit.append((name, change, start, stop))
+            size += stop - start
+    if unit:
+        units.append(unit)
+    return units
+
+
+def _unit(spans: list[_Span]) -> tuple[np.ndarray, ...]:
+    """The stream pieces of the changes in ``spans``, in order (NumPy only).
+
+    Each step is one pass over a narrow array of the whole unit: the gaps in int64, the value
+    differences in int16, where the difference of two ordered patterns modulo 2**16 is int16's
+    own wrap."""
+    offsets = np.cumsum([0] + [stop - start for _, _, start, stop in spans])
+    index = np.empty(int(offsets[-1]), dtype=np.int64)
+    d = np.empty(index.size, dtype=np.int16)
+    for (_name, change, start, stop), at in zip(spans, offsets):
+        assert change.old is not None
+        index[at : at + stop - start] = change.index.detach().reshape(-1)[start:stop].cpu().numpy()
+        np.subtract(_flip_lanes(change.new[start:stop]), _flip_lanes(change.old[start:stop]), out=d[at : at + stop - start])
     g = np.empty(index.size, dtype=np.int64)
-    g[0] = index[0] if start == 0 else index[0] - int(change.index[start - 1]) - 1
     np.subtract(index[1:], index[:-1], out=g[1:])
     g[1:] -= 1
-    g = g.view(np.uint64)
-    lo = (g & np.uint64(0xFF)).astype(np.uint8)
-    hi = g >> np.uint64(8)
-    hi_nz = hi != 0
-    hv = hi[hi_nz]
+    for (_name, change, start, _stop), at in zip(spans, offsets):  # each span's first gap: from its own parameter
+        g[at] = index[at] if start == 0 else index[at] - int(change.index[start - 1]) - 1
+
+    def named(position: int) -> str:
+        return spans[int(np.searchsorted(offsets, position, side="right")) - 1][0]
+
+    if int(g.min()) < 0:
+        raise FormatError(
+            f"parameter {named(int(g.argmin()))!r}: a delta's indices must be non-negative and strictly increasing"
+        )
+    lo = g.astype(np.uint8)  # the low byte (a cast to uint8 keeps it)
+    g >>= 8
+    hi_nz = g != 0
+    hv = g[hi_nz]
     big = hv[hv >= 255].astype("<u8")
     hi_b = np.minimum(hv, 255).astype(np.uint8)
     # New minus old ordered bit pattern modulo 2**16, as a signed 16-bit number,
     # zigzag-mapped: -1 -> 1, +1 -> 2, -2 -> 3, +2 -> 4, ... Symbols 0..2 stand for
     # zigzag 1..3; 3 escapes.
-    d = (_ordered_np(change.new[start:stop]) - _ordered_np(change.old[start:stop])) & 0xFFFF
-    d = np.where(d >= 0x8000, d - 0x10000, d)
-    zig = ((d << 1) ^ (d >> 31)).astype(np.uint32)
-    if (zig == 0).any():
-        raise FormatError("a delta lists changed elements only, but an element's new value equals its old one")
-    return lo, hi_nz, hi_b, big, np.where(zig <= 3, zig - 1, 3).astype(np.uint8), zig[zig > 3]
+    zig = ((d << 1) ^ (d >> 15)).view(np.uint16)
+    sym = np.minimum(zig, 4).astype(np.uint8)
+    if not sym.all():
+        raise FormatError(
+            f"parameter {named(int(sym.argmin()))!r}: a delta lists changed elements only, but an element's new "
+            "value equals its old one"
+        )
+    sym -= 1
+    esc = zig[zig > 3]
+    return lo, hi_nz, hi_b, big, sym, esc.astype(np.uint8), (esc >> 8).astype(np.uint8)
 
 
 def zstd_streams(
@@ -161,27 +208,29 @@ def zstd_streams(
     for name, change in items:
         if change.old is None:
             raise FormatError(f"parameter {name!r}: the zstd codec needs the previous values")
-    units = [(change, start, min(start + ENCODE_CHUNK, change.index.numel()))
-             for _, change in items for start in range(0, change.index.numel(), ENCODE_CHUNK)]  # fmt: skip
-    done = _map(_unit, units, workers=workers)
-    keys = ("lo", "hi_nz", "hi", "big", "sym", "esc")
+    done = _map(_unit, _units(items), workers=workers)
+    keys = ("lo", "hi_nz", "hi", "big", "sym", "esc_lo", "esc_hi")
     pieces: dict[str, list[np.ndarray]] = {key: [unit[k] for unit in done] for k, key in enumerate(keys)}
     if not items:
         return {key: b"" for key in STREAMS}, counts
-    sym = np.concatenate(pieces["sym"])
-    padded = np.zeros(-(-sym.size // 4) * 4, dtype=np.uint8)
-    padded[: sym.size] = sym
-    quads = padded.reshape(-1, 4)
-    packed = (quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)).astype(np.uint8)
-    esc = np.concatenate(pieces["esc"])
+    # Four 2-bit symbols a byte, the first in the low bits: each little-endian group of four
+    # symbol bytes read as one uint32, its bytes' low bits shifted together.
+    counted = sum(piece.size for piece in pieces["sym"])
+    padded = np.zeros(-(-counted // 4) * 4, dtype=np.uint8)
+    np.concatenate(pieces["sym"], out=padded[:counted])
+    quads = padded.view("<u4")
+    quads |= quads >> 6
+    quads |= quads >> 12
+    packed = quads.astype(np.uint8)
+    # Byte streams are joined straight from the pieces' buffers (one copy).
     streams = {
-        "gap_lo": np.concatenate(pieces["lo"]).tobytes(),
+        "gap_lo": b"".join(pieces["lo"]),
         "gap_hi_mask": np.packbits(np.concatenate(pieces["hi_nz"]), bitorder="little").tobytes(),
-        "gap_hi": np.concatenate(pieces["hi"]).tobytes(),
-        "gap_big": np.concatenate(pieces["big"]).tobytes(),
+        "gap_hi": b"".join(pieces["hi"]),
+        "gap_big": b"".join(pieces["big"]),
         "sym": packed.tobytes(),
-        "esc_lo": (esc & 0xFF).astype(np.uint8).tobytes(),
-        "esc_hi": (esc >> 8).astype(np.uint8).tobytes(),
+        "esc_lo": b"".join(pieces["esc_lo"]),
+        "esc_hi": b"".join(pieces["esc_hi"]),
     }
     return streams, counts
 
@@ -201,15 +250,6 @@ def from_ordered(pattern: torch.Tensor) -> torch.Tensor:
     o = ((pattern + 0x8000) & 0xFFFF) - 0x8000
     bits = torch.where(o < 0, 0x7FFF - o, o)
     return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.bfloat16)
-
-
-def _ordered_lanes(values: torch.Tensor) -> torch.Tensor:
-    """The ordered pattern (:func:`ordered`) of bf16 values; for one-byte elements their lane
-    (the byte zero-extended), as int32. One-byte codes move by small steps of their byte, so
-    their differences take the same symbols."""
-    if is_one_byte(values.dtype):
-        return lanes(values.cpu()).to(torch.int32)
-    return ordered(values)
 
 
 _SYMBOL_DIFF = np.array([-1, 1, -2, 0], dtype=np.int16)

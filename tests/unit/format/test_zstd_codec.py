@@ -173,17 +173,25 @@ def test_zstd_values_are_relative_to_the_receivers_state() -> None:
     assert fingerprint(apply(shifted, decoded)) != FP1
 
 
-def test_zstd_encoder_handles_an_unchanged_element() -> None:
+def test_zstd_encoder_refuses_an_unchanged_element() -> None:
+    """A zstd delta codes differences, and a zero difference has no symbol: the encoder names it."""
     old = bf16([0x3F80, 0x3F80])
-    changes = {"w": F.Change(index=torch.tensor([0, 1]), new=bf16([0x3F80, 0x4000]), old=old)}
-    try:
-        data = F.encode_delta(
-            changes, version=1, anchor=0, codec="zstd", total=2, fingerprint=FP1, base_fingerprint=FP0
-        )
-    except FormatError:
-        return  # refusing is fine too
-    _, decoded = decode(data, {"w": old})
-    assert bits_of(decoded["w"].new) == [0x3F80, 0x4000]
+    fine = F.Change(index=torch.tensor([0, 1]), new=bf16([0x3F81, 0x4000]), old=old)
+    changes = {"a": fine, "w": F.Change(index=torch.tensor([0, 1]), new=bf16([0x4000, 0x3F80]), old=old), "z": fine}
+    with pytest.raises(FormatError, match="parameter 'w': .*new value equals its old one"):
+        F.encode_delta(changes, version=1, anchor=0, codec="zstd", total=2, fingerprint=FP1, base_fingerprint=FP0)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 1 << 20])
+@pytest.mark.parametrize("index", [[0, 2, 2, 5], [0, 3, 1, 5], [-1, 2, 3, 5]], ids=["repeated", "decreasing", "negative"])
+def test_zstd_encoder_refuses_indices_that_are_not_strictly_increasing(index, chunk, monkeypatch) -> None:
+    """Gaps are coded as unsigned: an index out of order would be written as a huge gap. The
+    encoder refuses it, also where it falls on a chunk's first element."""
+    monkeypatch.setattr(Z, "ENCODE_CHUNK", chunk)
+    fine = F.Change(index=torch.tensor([0, 4]), new=bf16([1, 2]), old=bf16([5, 6]))  # encoded in the same unit
+    changes = {"a": fine, "w": F.Change(index=torch.tensor(index), new=bf16([1, 2, 3, 4]), old=bf16([5, 6, 7, 8])), "z": fine}
+    with pytest.raises(FormatError, match="parameter 'w': .*strictly increasing"):
+        F.encode_delta(changes, version=1, anchor=0, codec="zstd", total=9, fingerprint=FP1, base_fingerprint=FP0)
 
 
 # --------------------------------------------------------------------------- malformed streams

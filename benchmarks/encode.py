@@ -1,0 +1,133 @@
+"""A zstd delta's encode on this host: one thread against the host's cores, per changed element.
+
+The publisher encodes every version's changes (int64 indices, old and new bf16 values) into the
+zstd codec's byte streams and compresses each stream (docs/protocol.md). This script times
+``ZstdCodec.encode`` on synthetic deltas of ``--changes`` elements spread over ``--tensors``
+tensors (1 element in 70 changed, one- and two-ULP steps: what an RL step at ~1.4% writes), with
+``DELTASYNC_ENCODE_THREADS=1`` and with the host's cores, in interleaved rounds, and reports the
+medians, nanoseconds per changed element, and all cores / one thread.
+
+To compare two commits, run it with each package on ``PYTHONPATH`` in the same session, one
+after the other (it imports whichever ``deltasync`` comes first)::
+
+    python benchmarks/encode.py --out benchmarks/results/encode-cpu.json
+    PYTHONPATH=/path/to/older/checkout python benchmarks/encode.py --out before.json
+
+Run it alone: it measures the host's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    import deltasync
+except ImportError:  # a checkout without an install: import the package next to this file
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import deltasync
+
+from deltasync.format import Change
+from deltasync.format.codecs.zstd import ZstdCodec, encode_threads
+
+from _machine import machine
+
+VARIABLE = "DELTASYNC_ENCODE_THREADS"
+
+
+def log(message: str) -> None:
+    print(f"[encode.py {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def spanning_delta(
+    changes: int, tensors: int, *, weights: bool = True
+) -> tuple[list[tuple[str, Change]], dict[str, torch.Tensor]]:
+    """A delta of ``changes`` one- and two-ULP steps spread over ``tensors`` tensors (1 in 70
+    elements changed: gaps drawn from 1 .. 139), and the weights it applies to (``weights=False``:
+    none, for the encoder alone, which reads only the changes)."""
+    g = torch.Generator().manual_seed(0)
+    items, state = [], {}
+    n = changes // tensors
+    for k in range(tensors):
+        index = torch.cumsum(torch.randint(1, 140, (n,), generator=g), 0) - 1
+        if weights:
+            state[f"w{k}"] = (torch.randn(int(index[-1]) + 1 + int(torch.randint(0, 70, (1,), generator=g)), generator=g) * 0.02).to(torch.bfloat16)
+            old = state[f"w{k}"][index]
+        else:
+            old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+        step = torch.randint(1, 3, (n,), dtype=torch.int16, generator=g)
+        items.append((f"w{k}", Change(index=index, new=(old.view(torch.int16) + step).view(torch.bfloat16), old=old)))
+    return items, state
+
+
+def encode_once(items: list[tuple[str, Change]], threads: str | None) -> tuple[float, int]:
+    if threads is None:
+        os.environ.pop(VARIABLE, None)
+    else:
+        os.environ[VARIABLE] = threads
+    start = time.perf_counter()
+    tensors = ZstdCodec().encode(items, numels=None, level=3)
+    return time.perf_counter() - start, sum(t.numel() for key, t in tensors.items() if key != "zstd:counts")
+
+
+def run(sizes: list[int], tensors: int, rounds: int) -> dict[str, Any]:
+    saved = os.environ.get(VARIABLE)
+    out: dict[str, Any] = {
+        "machine": machine(), "package": str(Path(deltasync.__file__).resolve().parent),
+        "threads": encode_threads(), "tensors": tensors, "rounds": rounds, "sizes": [],
+    }  # fmt: skip
+    try:
+        for changes in sizes:
+            items, _ = spanning_delta(changes, tensors, weights=False)
+            encode_once(items, "1")  # warm: first-touch pages, the pool
+            times: dict[str, list[float]] = {"one_thread_s": [], "all_cores_s": []}
+            nbytes = set()
+            for _ in range(rounds):
+                for label, threads in (("one_thread_s", "1"), ("all_cores_s", None)):
+                    seconds, size = encode_once(items, threads)
+                    times[label].append(seconds)
+                    nbytes.add(size)
+            row = {"changes": changes, "compressed_bytes": sorted(nbytes), "same_bytes": len(nbytes) == 1}
+            for label, values in times.items():
+                row[label] = statistics.median(values)
+                row[label.replace("_s", "_ns_per_change")] = 1e9 * row[label] / changes
+            row["all_cores_over_one_thread"] = row["all_cores_s"] / row["one_thread_s"]
+            out["sizes"].append(row)
+            log(
+                f"{changes:,} changes: one thread {row['one_thread_s']:.3f} s ({row['one_thread_ns_per_change']:.1f} ns/change), "
+                f"all {out['threads']} cores {row['all_cores_s']:.3f} s ({row['all_cores_ns_per_change']:.1f} ns/change), "
+                f"ratio {row['all_cores_over_one_thread']:.2f}"
+            )
+    finally:
+        if saved is None:
+            os.environ.pop(VARIABLE, None)
+        else:
+            os.environ[VARIABLE] = saved
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--changes", type=int, nargs="+", default=[4_000_000, 16_000_000, 45_000_000],
+                        help="changed elements per delta (default: 4M, 16M, and 45M: 1.45%% of a 3B model)")  # fmt: skip
+    parser.add_argument("--tensors", type=int, default=200, help="tensors the changes spread over (default 200)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians reported (default 5)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    log(f"deltasync from {Path(deltasync.__file__).resolve().parent}")
+    result = run(args.changes, args.tensors, args.rounds)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
