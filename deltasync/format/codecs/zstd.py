@@ -132,28 +132,32 @@ _Span = tuple[str, Change, int, int]
 
 
 def _units(items: Sequence[tuple[str, Change]]) -> list[list[_Span]]:
-    """Each parameter's changes in spans of at most :data:`ENCODE_CHUNK`, packed in order into
-    units of at most that many: many small parameters make one unit, so that every NumPy call of
-    a unit runs long enough without the GIL for the encode threads to scale."""
+    """The changes of ``items``, in order, cut into units of exactly :data:`ENCODE_CHUNK` (the
+    last one shorter): a unit is a span of one parameter's changes, or spans of several. Every
+    unit then starts on a byte of the packed streams (the gap mask and the symbols), and every
+    NumPy call of a unit runs long enough without the GIL for the encode threads to scale."""
+    assert ENCODE_CHUNK > 0 and ENCODE_CHUNK % 8 == 0
     units: list[list[_Span]] = []
     unit: list[_Span] = []
     size = 0
     for name, change in items:
-        n = change.index.numel()
-        for start in range(0, n, ENCODE_CHUNK):
-            stop = min(start + ENCODE_CHUNK, n)
-            if unit and size + stop - start > ENCODE_CHUNK:
-                units.append(unit)
-                unit, size = [], 0
+        n, start = change.index.numel(), 0
+        while start < n:
+            stop = min(n, start + ENCODE_CHUNK - size)
             unit.append((name, change, start, stop))
             size += stop - start
+            start = stop
+            if size == ENCODE_CHUNK:
+                units.append(unit)
+                unit, size = [], 0
     if unit:
         units.append(unit)
     return units
 
 
 def _unit(spans: list[_Span]) -> tuple[np.ndarray, ...]:
-    """The stream pieces of the changes in ``spans``, in order (NumPy only).
+    """The pieces of the streams (in :data:`STREAMS` order) of the changes in ``spans``, in order
+    (NumPy only).
 
     Each step is one pass over a narrow array of the whole unit: the gaps in int64, the value
     differences in int16, where the difference of two ordered patterns modulo 2**16 is int16's
@@ -195,8 +199,15 @@ def _unit(spans: list[_Span]) -> tuple[np.ndarray, ...]:
             "value equals its old one"
         )
     sym -= 1
+    # Four 2-bit symbols a byte, the first in the low bits: each little-endian group of four
+    # symbol bytes read as one uint32, its bytes' low bits shifted together.
+    quads = np.zeros(-(-sym.size // 4), dtype="<u4")
+    quads.view(np.uint8)[: sym.size] = sym
+    quads |= quads >> 6
+    quads |= quads >> 12
     esc = zig[zig > 3]
-    return lo, hi_nz, hi_b, big, sym, esc.astype(np.uint8), (esc >> 8).astype(np.uint8)
+    mask = np.packbits(hi_nz, bitorder="little")
+    return lo, mask, hi_b, big, quads.astype(np.uint8), esc.astype(np.uint8), (esc >> 8).astype(np.uint8)
 
 
 def zstd_streams(
@@ -209,29 +220,11 @@ def zstd_streams(
         if change.old is None:
             raise FormatError(f"parameter {name!r}: the zstd codec needs the previous values")
     done = _map(_unit, _units(items), workers=workers)
-    keys = ("lo", "hi_nz", "hi", "big", "sym", "esc_lo", "esc_hi")
-    pieces: dict[str, list[np.ndarray]] = {key: [unit[k] for unit in done] for k, key in enumerate(keys)}
     if not items:
         return {key: b"" for key in STREAMS}, counts
-    # Four 2-bit symbols a byte, the first in the low bits: each little-endian group of four
-    # symbol bytes read as one uint32, its bytes' low bits shifted together.
-    counted = sum(piece.size for piece in pieces["sym"])
-    padded = np.zeros(-(-counted // 4) * 4, dtype=np.uint8)
-    np.concatenate(pieces["sym"], out=padded[:counted])
-    quads = padded.view("<u4")
-    quads |= quads >> 6
-    quads |= quads >> 12
-    packed = quads.astype(np.uint8)
-    # Byte streams are joined straight from the pieces' buffers (one copy).
-    streams = {
-        "gap_lo": b"".join(pieces["lo"]),
-        "gap_hi_mask": np.packbits(np.concatenate(pieces["hi_nz"]), bitorder="little").tobytes(),
-        "gap_hi": b"".join(pieces["hi"]),
-        "gap_big": b"".join(pieces["big"]),
-        "sym": packed.tobytes(),
-        "esc_lo": b"".join(pieces["esc_lo"]),
-        "esc_hi": b"".join(pieces["esc_hi"]),
-    }
+    # A unit's pieces are whole bytes of each stream (units start on a byte of the packed ones):
+    # the streams are the pieces joined, straight from their buffers.
+    streams = {key: b"".join(unit[k] for unit in done) for k, key in enumerate(STREAMS)}
     return streams, counts
 
 
