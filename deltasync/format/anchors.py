@@ -114,7 +114,8 @@ def anchor_parts(sources: Sequence[AnchorSource], part_bytes: int) -> list[list[
     laid out as the parts of a split anchor of about ``part_bytes`` each: one list of sources per
     part, every part listing every tensor, whole in the one part that holds it and as an empty
     range in the others (at its start before that part, at its end after). Tensors go to parts in
-    name order, each to the part its middle byte falls in; one list (the sources as given) when
+    name order, each to the part its middle byte falls in (an empty tensor to the part of the one
+    before it, or of the first nonempty one); one list (the sources as given) when
     the anchor fits in one part. It depends on the names, sizes and dtypes alone, so the same
     state splits the same way on any machine."""
     if part_bytes < 1:
@@ -125,10 +126,15 @@ def anchor_parts(sources: Sequence[AnchorSource], part_bytes: int) -> list[list[
     parts = max(1, math.ceil(total / part_bytes))
     if parts == 1 or len(ordered) == 1:
         return [list(sources)]
-    share, at, home = total / parts, 0, []
+    share, at, middles = total / parts, 0, []
     for size in sizes:
-        home.append(min(parts - 1, int((at + size / 2) // share)))
+        middles.append(min(parts - 1, int((at + size / 2) // share)) if size else None)
         at += size
+    # An empty tensor goes with the tensor before it (the first nonempty one, at the start): it
+    # never makes a part of its own.
+    home: list[int] = []
+    for middle in middles:
+        home.append(middle if middle is not None else home[-1] if home else next(m for m in middles if m is not None))
     used = sorted(set(home))  # a part no middle falls in (next to a tensor larger than a part) is left out
     number = {p: n for n, p in enumerate(used)}
     out: list[list[AnchorSource]] = [[] for _ in used]

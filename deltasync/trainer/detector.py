@@ -418,15 +418,21 @@ class BF16ChangeDetector(SnapshotScan):
         snapshot itself, not a copy. Read it only while :meth:`pin` holds it."""
         return self._snapshot[name]
 
-    def published_flat(self, name: str) -> torch.Tensor:
-        """The published bf16 values of a tracked parameter (this rank's elements), flat, at the
-        newest commit: a copy of the snapshot with the commits a :meth:`pin` keeps aside laid
-        over it."""
+    def published_flat(self, name: str, begin: int = 0, end: int | None = None) -> torch.Tensor:
+        """The published bf16 values of a tracked parameter (this rank's elements ``begin ..
+        end - 1``; all of them by default), flat, at the newest commit: a copy of the snapshot's
+        range with the commits a :meth:`pin` keeps aside laid over it."""
         with self._lock:
-            flat = self._snapshot[name].clone()
+            snapshot = self._snapshot[name]
+            end = snapshot.numel() if end is None else end
+            flat = snapshot[begin:end].clone()
             patch = self._overlay.get(name)
             if patch is not None and patch.index.numel():
-                flat.view(torch.int16)[patch.index.to(flat.device)] = patch.bits.to(flat.device)
+                index, bits = patch.index.to(flat.device), patch.bits.to(flat.device)
+                if begin or end < snapshot.numel():
+                    inside = (index >= begin) & (index < end)
+                    index, bits = index[inside] - begin, bits[inside]
+                flat.view(torch.int16)[index] = bits
             return flat
 
     def close(self) -> None:

@@ -136,26 +136,25 @@ class ViewPublisher:
     def _checkpoint_values(self) -> Callable[[str], torch.Tensor]:
         """Checkpoint tensor name -> the elements of it this rank owns (all of it in a single
         process), flat, at the newest committed version, in bf16 on the CPU, from the snapshot (a
-        parameter that is not trained: its live value). Each live parameter is read once per
-        call of this (a fused MoE tensor serves many names). Ranks that own no element of
-        ``name`` never call it."""
-        flats: dict[str, torch.Tensor] = {}
+        parameter that is not trained: its live value). Only the live elements the name covers
+        are read: a fused MoE tensor serves each of its experts' names a block at a time, in any
+        order and from any thread. Ranks that own no element of ``name`` never call it."""
 
         def value(name: str) -> torch.Tensor:
-            source = self.checkpoint.pieces[name].source
-            flat = flats.get(source)
-            if flat is None:
-                live = self.live_layout.slices[source]
-                tracked = self.detector.is_tracked(source)
-                flat = self.detector.published_flat(source) if tracked else live.local(self.params[source])
-                flats.clear()  # one source at a time: names of one source come together
-                flats[source] = flat
-            return self._checkpoint_value(name, flat)
+            piece, owned = self.checkpoint.pieces[name], self.layout.slices[name]
+            live = self.live_layout.slices[piece.source]
+            if owned.end == owned.begin:
+                return torch.empty(0, dtype=torch.bfloat16)
+            # The live flat range of the owned elements (a strided piece is owned whole), in this
+            # rank's flat elements of the parameter, which start at live.begin.
+            lo, hi = (piece.offset + owned.begin, piece.offset + owned.end) if piece.contiguous else piece.span
+            lo, hi = lo - live.begin, hi - live.begin
+            if self.detector.is_tracked(piece.source):
+                flat = self.detector.published_flat(piece.source, lo, hi)
+            else:
+                flat = live.local(self.params[piece.source])[lo:hi]
+            chunks = self.checkpoint.chunks(name, flat, live.begin + lo, owned)
+            pieces = [c.detach().to("cpu", torch.bfloat16) for c in chunks]
+            return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.bfloat16)
 
         return value
-
-    def _checkpoint_value(self, name: str, flat: torch.Tensor) -> torch.Tensor:
-        owned = self.layout.slices[name]
-        live = self.live_layout.slices[self.checkpoint.pieces[name].source]
-        pieces = [c.detach().to("cpu", torch.bfloat16) for c in self.checkpoint.chunks(name, flat, live.begin, owned)]
-        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.bfloat16)

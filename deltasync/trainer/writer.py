@@ -216,6 +216,9 @@ class ChainWriter(ChainCommitter):
         shares: list[int] = [0]
         adding = threading.Lock()
         at_once = [1]  # files streamed at once: device hashers share the scratch bound
+        # CPU chunks handed to the hash threads and not hashed yet, all parts together (a chunk
+        # may be a copy: a frozen fp32 parameter's bf16, a strided piece).
+        ahead = threading.BoundedSemaphore(2 * threads)
 
         def chunks(name: str) -> Callable[[], Iterator[torch.Tensor]]:
             owned = layout.slices[name]
@@ -237,12 +240,15 @@ class ChainWriter(ChainCommitter):
                 pending: deque[Future[int]] = deque()
                 for values in self.checkpoint.chunks(name, flat, live.begin, owned, size):
                     if hasher is None:  # hashed in the helper threads while the file takes the chunk
-                        pending.append(hashing.submit(fingerprint_slice_share, name, values, offset))
+                        ahead.acquire()
+                        job = hashing.submit(fingerprint_slice_share, name, values, offset)
+                        job.add_done_callback(lambda _: ahead.release())
+                        pending.append(job)
                     else:  # hashed where it lies; one read of the sum per tensor
                         hasher.add_slice(name, values, offset)
                     offset += values.numel()
                     yield values
-                    while len(pending) > threads:  # a few chunks ahead of the hashes at most
+                    while pending and pending[0].done():
                         mine += pending.popleft().result()
                 mine += sum(f.result() for f in pending)
                 if hasher is not None:

@@ -219,6 +219,11 @@ def zstd_streams(
     for name, change in items:
         if change.old is None:
             raise FormatError(f"parameter {name!r}: the zstd codec needs the previous values")
+        if not change.index.numel() == change.new.numel() == change.old.numel():
+            raise FormatError(
+                f"parameter {name!r}: {change.index.numel()} indices, {change.new.numel()} new and "
+                f"{change.old.numel()} old values (one each per changed element)"
+            )
     done = _map(_unit, _units(items), workers=workers)
     if not items:
         return {key: b"" for key in STREAMS}, counts

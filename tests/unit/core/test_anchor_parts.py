@@ -73,6 +73,21 @@ def test_a_tensor_larger_than_a_part_is_a_part_of_its_own() -> None:
     assert homes["b"] not in {homes["a"], homes["c"], homes["d"]}
 
 
+@pytest.mark.parametrize(
+    "sizes",
+    [{"a": 100, "b": 0, "c": 100}, {"a": 0, "b": 0, "c": 300, "d": 50}, {"a": 60, "b": 60, "c": 0, "d": 0}],
+    ids=["between", "first", "last"],
+)
+def test_an_empty_tensor_never_makes_a_part_of_its_own(sizes: dict[str, int]) -> None:
+    """An empty tensor's middle falls where the tensor before it ends, which may be a part no
+    other tensor's middle falls in: it goes with a nonempty neighbour, and no part is empty."""
+    parts = anchor_parts(sources(sizes), 100)
+    check_tiling(parts, sizes)
+    assert len(parts) > 1
+    for listed in parts:
+        assert any(s.end > s.begin for s in listed)  # every part holds data
+
+
 def test_the_split_depends_on_names_and_sizes_alone() -> None:
     sizes = {f"w{k}": 10 + 3 * k for k in range(20)}
     a = anchor_parts(sources(sizes), 90)
@@ -144,3 +159,58 @@ def test_a_part_that_fails_to_write_commits_nothing(tmp_path: Path) -> None:
     late = DeltaReceiver(tmp_path / "bucket")
     late.sync()
     assert late.version == 2 and same_state(late.state_dict(), want)
+
+
+def test_cpu_chunks_waiting_for_their_hash_stay_bounded_across_parts(tmp_path: Path, monkeypatch) -> None:
+    """Parts written at once each hand their CPU chunks to the shared hash threads. A chunk may
+    be a copy (a frozen fp32 parameter's bf16 values), so the chunks not hashed yet are bounded
+    for all parts together: twice the thread count, whatever the number of parts."""
+    import concurrent.futures
+    import threading
+    import time
+
+    import deltasync.trainer.writer as W
+
+    threads = 3
+    monkeypatch.setenv("DELTASYNC_ENCODE_THREADS", str(threads))
+    hash_share = W.fingerprint_slice_share
+
+    def slow(name, values, offset):  # type: ignore[no-untyped-def]
+        time.sleep(0.01)
+        return hash_share(name, values, offset)
+
+    waiting, peak, lock = [0], [0], threading.Lock()
+
+    class Counting(concurrent.futures.ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if fn is not slow:
+                return super().submit(fn, *args, **kwargs)
+            with lock:
+                waiting[0] += 1
+                peak[0] = max(peak[0], waiting[0])
+            job = super().submit(fn, *args, **kwargs)
+
+            def done(_job) -> None:  # type: ignore[no-untyped-def]
+                with lock:
+                    waiting[0] -= 1
+
+            job.add_done_callback(done)
+            return job
+
+    monkeypatch.setattr(W, "fingerprint_slice_share", slow)
+    monkeypatch.setattr(W, "ThreadPoolExecutor", Counting)
+    model = torch.nn.Module()
+    for k in range(6):  # frozen fp32: each chunk is a bf16 copy; 4M elements, 8 MiB of bf16 each
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.randn(4 << 20), requires_grad=False)
+        model.add_module(f"frozen{k}", layer)
+    model.trained = torch.nn.Parameter(torch.randn(16).to(torch.bfloat16))
+    optimizer = torch.optim.SGD([model.trained], lr=0.1)
+    with DeltaPublisher(tmp_path / "b", model, optimizer, anchor_part_bytes=8 << 20, anchor_bytes_ratio=0) as publisher:
+        publisher.publish()
+        parts = len(publisher.pointer.anchors[0].parts)
+    assert parts == 6
+    assert 0 < peak[0] <= 2 * threads
+    late = DeltaReceiver(tmp_path / "b")
+    late.sync()
+    assert late.verify() and late.fingerprint == publisher.fingerprint

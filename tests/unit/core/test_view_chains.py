@@ -317,6 +317,39 @@ def test_moe_views_quantize_each_expert_as_the_checkpoint_holds_it(tmp_path):
     assert any(name.endswith("mlp.gate") for name in config["ignore"])
 
 
+@pytest.mark.parametrize("part_bytes", [None, 4096], ids=["one-file", "split"])
+def test_a_moe_view_reads_each_fused_expert_tensor_a_block_at_a_time(tmp_path, part_bytes):
+    """A fused experts tensor serves one checkpoint name per expert, and a view's names of two
+    fused tensors alternate (``experts.0.down_proj``, ``experts.0.gate_proj``, ...): each name
+    reads its own block of the snapshot, so a version's view copies about the model once, not
+    once per expert."""
+    from moe_helpers import moe_model, routed_step
+
+    from deltasync.examples.tiny import build_tiny_moe_model
+
+    model = moe_model(build_tiny_moe_model(tmp_path / "moe", num_experts=8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    split = {} if part_bytes is None else {"anchor_part_bytes": part_bytes}
+    with DeltaPublisher(tmp_path / "bucket", model, optimizer, views=(FP8,), anchor_every=1, **split) as publisher:
+        copied = []
+        read = publisher.detector.published_flat
+
+        def counted(*args):
+            out = read(*args)
+            copied.append(out.numel())
+            return out
+
+        publisher.detector.published_flat = counted
+        publisher.publish()
+        routed_step(model, optimizer, 0)
+        publisher.publish()  # a delta and an anchor
+    elements = sum(p.numel() for p in model.parameters())
+    # Version 0's anchor, then version 1's delta and anchor: each reads a target at most twice
+    # (its block scales, then its codes).
+    assert 0 < sum(copied) <= 3 * 2 * elements
+    assert_view_exact(tmp_path / "bucket", model, FP8)
+
+
 def test_a_view_pointer_changed_under_its_writer_stops_that_view_and_changes_nothing(tmp_path):
     """A view's commits are conditional, as the bf16 chain's: its own bytes written again are
     still its own; another writer's pointer stops the view (said in the result's warnings), and

@@ -185,6 +185,13 @@ def test_zstd_encoder_refuses_an_unchanged_element() -> None:
         F.encode_delta(changes, version=1, anchor=0, codec="zstd", total=2, fingerprint=FP1, base_fingerprint=FP0)
 
 
+@pytest.mark.parametrize("new, old", [([1], [5, 6, 7]), ([1, 2, 3], [5, 6]), ([1, 2, 3, 4], [5, 6, 7])])
+def test_zstd_encoder_refuses_values_that_do_not_match_the_indices(new, old) -> None:
+    changes = {"w": F.Change(index=torch.tensor([0, 2, 4]), new=bf16(new), old=bf16(old))}
+    with pytest.raises(FormatError, match=f"parameter 'w': 3 indices, {len(new)} new and {len(old)} old values"):
+        F.encode_delta(changes, version=1, anchor=0, codec="zstd", total=9, fingerprint=FP1, base_fingerprint=FP0)
+
+
 @pytest.mark.parametrize("chunk", [8, 1 << 20])
 @pytest.mark.parametrize("index", [[0, 2, 2, 5], [0, 3, 1, 5], [-1, 2, 3, 5]], ids=["repeated", "decreasing", "negative"])
 def test_zstd_encoder_refuses_indices_that_are_not_strictly_increasing(index, chunk, monkeypatch) -> None:
