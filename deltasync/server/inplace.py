@@ -109,6 +109,26 @@ class _Write:
 
 
 @dataclass
+class _Resident:
+    """One parameter's elements of a delta being staged as :meth:`InPlaceState.read` read them,
+    with their copies on the parameter's device: the indices cross to the device once, and the
+    fingerprint move and the write use the copies the read made (see :meth:`InPlaceState.stage_deltas`)."""
+
+    index: torch.Tensor
+    """The checkpoint indices read (the host tensor the decoder holds)."""
+    got: torch.Tensor
+    """Their bits, on the host (what the read returned)."""
+    index_on: torch.Tensor | None
+    """The indices on the device (dropped once the fingerprint move used them)."""
+    dst_on: torch.Tensor
+    """Their flat positions in the parameter, on its device."""
+    got_on: torch.Tensor
+    new: torch.Tensor | None = None
+    """The host bits the fingerprint move took to the device (``new_on``)."""
+    new_on: torch.Tensor | None = None
+
+
+@dataclass
 class LiveStaged:
     """A staged in-place update (this rank's part), checked except for the cross-rank sums."""
 
@@ -207,6 +227,8 @@ class InPlaceState:
         self.fingerprint: str | None = None if self.host else self.full_fingerprint()
         self.tainted: str | None = None
         self.pending: dict[str, Any] | None = None
+        self._resident: dict[str, _Resident] | None = None
+        """While a delta is staged: what the read of each one-piece name left on its device."""
 
     def _refresh_live(self) -> None:
         """(Re)read the live parameters' storage (a reload keeps it, but never trust that)."""
@@ -306,10 +328,18 @@ class InPlaceState:
         them all (the chain reader's :data:`~deltasync.reader.chain.BaseRead`)."""
         pieces = self.map.pieces.get(name, [])
         if len(pieces) == 1:  # the common case: one box of one parameter (hits come sorted, once each)
-            hit, dst = pieces[0].locate(index, sorted_index=True)
+            # The indices cross to the parameter's device once; they are located and read there.
             flat = self.flat[pieces[0].param]
-            got = flat.read(dst.to(flat.device)).cpu()
-            return (None if hit.numel() == index.numel() else hit), got
+            index_on = index.to(flat.device)
+            hit, dst_on = pieces[0].locate(index_on, sorted_index=True)
+            got_on = flat.read(dst_on)
+            got = got_on.cpu()
+            if hit.numel() != index.numel():
+                return hit.cpu(), got
+            resident = self._resident
+            if resident is not None:  # a decode thread's own name: one entry per name
+                resident[name] = _Resident(index, got, index_on, dst_on, got_on)
+            return None, got
         found = torch.zeros(index.numel(), dtype=torch.bool)
         out = torch.zeros(index.numel(), dtype=torch.int16)
         for piece in pieces:
@@ -332,6 +362,15 @@ class InPlaceState:
             kind="delta" if target > self.version else "none",
             fingerprint=reader.pointer.fingerprint_at(target) or "",
         )
+        self._resident = {}
+        try:
+            return self._stage_deltas(reader, target, staged, start)
+        finally:
+            self._resident = None
+
+    def _stage_deltas(self, reader: ChainReader, target: int, staged: LiveStaged, start: float) -> LiveStaged:
+        assert self.version is not None and self._resident is not None
+        resident = self._resident
         # Old values at the elements this rank holds (the others are decoded, then dropped).
         overlay = Overlay(self.read, self.dtypes)
         patches = overlay.patches
@@ -360,25 +399,24 @@ class InPlaceState:
             read = live.get(name) if live is not None and len(pieces) == 1 else None
             if read is not None and read.numel() != patch.index.numel():
                 read = None
+            mine = resident.get(name)
+            if read is not None and mine is not None and patch.index is mine.index and read is mine.got:
+                # What the read left on the device: every element of its one piece, their values now.
+                dev = self.flat[pieces[0].param].device
+                bits = mine.new_on if mine.new_on is not None and patch.bits is mine.new else patch.bits.to(dev)
+                self._add_write(staged, olds, pieces[0].param, mine.dst_on, bits, mine.got_on)
+                continue
             for piece in pieces:
                 hit, dst = piece.locate(patch.index, sorted_index=True)
                 if hit.numel():
                     every = hit.numel() == patch.index.numel()  # hits come in order, each once
                     bits = patch.bits if every else patch.bits[hit]
-                    write = staged.writes.get(piece.param)
-                    if write is None:
-                        staged.writes[piece.param] = _Write(dst, bits)
-                        olds[piece.param] = []
-                    else:
-                        write.dst, write.bits = torch.cat([write.dst, dst]), torch.cat([write.bits, bits])
-                    parts = olds[piece.param]
-                    if parts is not None:
-                        olds[piece.param] = None if read is None else [*parts, read if every else read[hit]]
+                    self._add_write(staged, olds, piece.param, dst, bits, None if read is None else read if every else read[hit])
         for param, write in staged.writes.items():
             flat = self.flat[param]
             write.dst = write.dst.to(flat.device)
             parts = olds[param]
-            old = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+            old = None if not parts else parts[0] if len(parts) == 1 else torch.cat([p.to(flat.device) for p in parts])
             if write.dst.numel() > 1 and not bool((write.dst[1:] > write.dst[:-1]).all()):
                 # Pieces laid out in another order than the checkpoint's (sorted already, else).
                 write.dst, order = torch.sort(write.dst)
@@ -392,10 +430,30 @@ class InPlaceState:
         staged.seconds = time.perf_counter() - start
         return staged
 
+    def _add_write(self, staged: LiveStaged, olds: dict[str, list[torch.Tensor] | None], param: str,
+                   dst: torch.Tensor, bits: torch.Tensor, old: torch.Tensor | None) -> None:  # fmt: skip
+        """Add ``bits`` at flat positions ``dst`` of ``param`` to the staged writes, with the values
+        there now (``old``; None: read them later). Several names of one parameter are joined on
+        its device."""
+        write = staged.writes.get(param)
+        if write is None:
+            staged.writes[param] = _Write(dst, bits)
+            olds[param] = []
+        else:
+            dev = self.flat[param].device
+            write.dst = torch.cat([write.dst.to(dev), dst.to(dev)])
+            write.bits = torch.cat([write.bits.to(dev), bits.to(dev)])
+        parts = olds[param]
+        if parts is not None:
+            olds[param] = None if old is None else [*parts, old]
+
     def _share_move(self, name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> int:
         """Fingerprint move of elements ``index`` (held here) going from ``old`` to ``new`` bits,
         counting only the elements this rank owns."""
         pieces = self.map.pieces.get(name, [])
+        mine = None if self._resident is None else self._resident.get(name)
+        if mine is not None and (index is not mine.index or old is not mine.got):
+            mine = None  # not the values the read left on the device (a later delta of a chain)
         if len(pieces) > 1 or self.before[name][0]:  # else held here means owned here
             owned = torch.zeros(index.numel(), dtype=torch.bool)
             for k, piece in enumerate(pieces):
@@ -404,9 +462,15 @@ class InPlaceState:
                     owned[hit[self._owned(name, k, index[hit])]] = True
                     # An element in two of this rank's pieces: the first piece owns it.
             index, old, new = index[owned], old[owned], new[owned]
+            mine = None
         device = self.flat[pieces[0].param].raw.device if pieces else torch.device("cpu")
         if device.type != "cpu" and index.numel() > 1 << 16:  # hashed on the accelerator
-            index, old, new = (t.to(device, non_blocking=True) for t in (index, old, new))
+            if mine is not None and mine.index_on is not None:  # the indices and old values are there already
+                mine.new, mine.new_on = new, new.to(device, non_blocking=True)
+                index, old, new = mine.index_on, mine.got_on, mine.new_on
+                mine.index_on = None  # the write needs the positions, not the indices
+            else:
+                index, old, new = (t.to(device, non_blocking=True) for t in (index, old, new))
         return fingerprint_move(name, index, old.view(torch.bfloat16), new.view(torch.bfloat16))
 
     # ------------------------------------------------------------------ writing

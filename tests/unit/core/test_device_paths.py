@@ -436,11 +436,23 @@ class LiveModel(torch.nn.Sequential):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_in_place_writer_on_device_tensors_is_exact(device: str, tmp_path: Path) -> None:
+def test_the_in_place_writer_on_device_tensors_is_exact(device: str, tmp_path: Path, monkeypatch) -> None:
     """After every delta and every anchor, the fingerprint of the live tensors (hashed where they
-    are) is the bucket's, and the values are the trainer's."""
+    are) is the bucket's, and the values are the trainer's. One delta's indices are located once,
+    on the device, by the read; its write uses those positions. Two deltas staged at once (a
+    server one version behind) take the general path."""
+    from deltasync.server import weight_map
     from deltasync.server.inplace import InPlaceState
     from deltasync.server.weight_map import discover
+
+    located = [0]
+    locate = weight_map.Piece.locate
+
+    def counted(self, index, **kwargs):  # type: ignore[no-untyped-def]
+        located[0] += 1
+        return locate(self, index, **kwargs)
+
+    monkeypatch.setattr(weight_map.Piece, "locate", counted)
 
     from deltasync.reader.chain import ChainReader, read_pointer
     from deltasync.stores import LocalStore
@@ -458,12 +470,17 @@ def test_the_in_place_writer_on_device_tensors_is_exact(device: str, tmp_path: P
     live.load_anchor(list(state.items()))
     live.commit(0, receiver.fingerprint or "")
     assert live.full_fingerprint() == receiver.fingerprint
-    for step in range(4):
+    for step in range(6):
         bump(trainer, step, share=0.02)
         result = publisher.publish(anchor=step == 1)
         publisher.flush()
+        if step == 3:
+            continue  # staged with the next one
         pointer = read_pointer(store)
+        located[0] = 0
         staged = live.stage_deltas(ChainReader(store, pointer), result.version)
+        if step != 4:  # one delta: one locate per changed name, by the read
+            assert located[0] == len(staged.names) > 0
         fingerprint = live.check_chain(staged, [staged.shares])
         live.write(staged)
         live.commit(result.version, fingerprint)
