@@ -114,6 +114,35 @@ def run(sizes: list[int], tensors: int, rounds: int) -> dict[str, Any]:
     return out
 
 
+def plot(results: dict[str, list[dict[str, Any]]], path: str) -> None:
+    """Nanoseconds per changed element against the delta's size, one thread and all cores, for
+    each labelled list of runs (medians over the runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (label, runs), color in zip(results.items(), ("tab:gray", "tab:blue", "tab:green")):
+        sizes = [row["changes"] for row in runs[0]["sizes"]]
+        cores = f"{runs[0]['threads']} cores"
+        for key, style, what in (("one_thread_ns_per_change", "--", "one thread"), ("all_cores_ns_per_change", "-", cores)):
+            values = [statistics.median(run["sizes"][k][key] for run in runs) for k in range(len(sizes))]
+            ax.plot([n / 1e6 for n in sizes], values, style, marker="o", color=color, label=f"{label}, {what}")
+    ax.set_xscale("log")
+    ticks = sorted({row["changes"] for runs in results.values() for row in runs[0]["sizes"]})
+    ax.set_xticks([n / 1e6 for n in ticks], [f"{n / 1e6:g}M" for n in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("changed elements, spread over tensors")
+    ax.set_ylabel("encode: ns per changed element")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("zstd delta encode (ZstdCodec.encode), medians")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--changes", type=int, nargs="+", default=[4_000_000, 16_000_000, 45_000_000],
@@ -121,12 +150,33 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=200, help="tensors the changes spread over (default 200)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians reported (default 5)")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--plot", help="draw ns per changed element here (needs matplotlib)")
+    parser.add_argument("--plot-from", nargs="+", metavar="LABEL=JSON",
+                        help="only draw --plot from earlier runs: LABEL=a.json,b.json ... (medians over each label's "
+                             "runs), or a saved comparison such as results/encode-cpu.json")  # fmt: skip
     args = parser.parse_args()
+    if args.plot_from:
+        if not args.plot:
+            parser.error("--plot-from needs --plot")
+        results: dict[str, list[dict[str, Any]]] = {}
+        for item in args.plot_from:
+            if "=" in item:
+                label, files = item.split("=", 1)
+                results[label] = [json.loads(Path(f).read_text()) for f in files.split(",")]
+            else:  # a comparison saved as one file: {"before_commit", "before": [runs], "after_commit", "after": [runs]}
+                saved = json.loads(Path(item).read_text())
+                results.update({saved[f"{key}_commit"]: saved[key] for key in ("before", "after")})
+        plot(results, args.plot)
+        log(f"drew {args.plot}")
+        return
     log(f"deltasync from {Path(deltasync.__file__).resolve().parent}")
     result = run(args.changes, args.tensors, args.rounds)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         log(f"wrote {args.out}")
+    if args.plot:
+        plot({"this run": [result]}, args.plot)
+        log(f"drew {args.plot}")
 
 
 if __name__ == "__main__":
