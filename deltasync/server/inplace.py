@@ -414,18 +414,17 @@ class InPlaceState:
                     self._add_write(staged, olds, piece.param, dst, bits, None if read is None else read if every else read[hit])
         for param, write in staged.writes.items():
             flat = self.flat[param]
-            write.dst = write.dst.to(flat.device)
+            write.dst, write.bits = write.dst.to(flat.device), write.bits.to(flat.device)
             parts = olds[param]
-            old = None if not parts else parts[0] if len(parts) == 1 else torch.cat([p.to(flat.device) for p in parts])
+            old = None if not parts else parts[0].to(flat.device) if len(parts) == 1 else torch.cat([p.to(flat.device) for p in parts])
             if write.dst.numel() > 1 and not bool((write.dst[1:] > write.dst[:-1]).all()):
                 # Pieces laid out in another order than the checkpoint's (sorted already, else).
                 write.dst, order = torch.sort(write.dst)
                 write.bits = write.bits[order]
                 old = None if old is None else old[order]
-            write.bits = write.bits.to(flat.device)
             # The undo log, read now rather than in the write's standstill: the staging's own read
             # where it holds every element written, else read here.
-            write.old = flat.read(write.dst) if old is None else old.to(flat.device)
+            write.old = flat.read(write.dst) if old is None else old
         wait_for_device(w.old for w in staged.writes.values())  # filled before another thread uses them
         staged.seconds = time.perf_counter() - start
         return staged
