@@ -165,6 +165,9 @@ def main() -> None:
                 results[label] = [json.loads(Path(f).read_text()) for f in files.split(",")]
             else:  # a comparison saved as one file: {"before_commit", "before": [runs], "after_commit", "after": [runs]}
                 saved = json.loads(Path(item).read_text())
+                keys = ("before_commit", "before", "after_commit", "after")
+                if not isinstance(saved, dict) or any(key not in saved for key in keys):
+                    parser.error(f"--plot-from {item}: neither LABEL=JSON nor a saved comparison (keys {', '.join(keys)})")
                 results.update({saved[f"{key}_commit"]: saved[key] for key in ("before", "after")})
         plot(results, args.plot)
         log(f"drew {args.plot}")

@@ -402,8 +402,7 @@ class InPlaceState:
             mine = resident.get(name)
             if read is not None and mine is not None and patch.index is mine.index and read is mine.got:
                 # What the read left on the device: every element of its one piece, their values now.
-                dev = self.flat[pieces[0].param].device
-                bits = mine.new_on if mine.new_on is not None and patch.bits is mine.new else patch.bits.to(dev)
+                bits = mine.new_on if mine.new_on is not None and patch.bits is mine.new else patch.bits
                 self._add_write(staged, olds, pieces[0].param, mine.dst_on, bits, mine.got_on)
                 continue
             for piece in pieces:

@@ -36,3 +36,14 @@ def test_the_encode_benchmark_times_both_forms_of_the_same_bytes(tmp_path: Path)
     )  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     assert (tmp_path / "saved.png").stat().st_size > 0
+
+
+def test_a_plot_from_a_file_that_is_no_comparison_is_refused_by_name(tmp_path: Path) -> None:
+    (tmp_path / "run.json").write_text(json.dumps({"sizes": []}))
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "encode.py"), "--plot-from", str(tmp_path / "run.json"),
+         "--plot", str(tmp_path / "x.png")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
+    )  # fmt: skip
+    assert run.returncode == 2 and "run.json: neither LABEL=JSON nor a saved comparison" in run.stderr
+    assert not (tmp_path / "x.png").exists()
