@@ -2,7 +2,8 @@
 
 The publisher encodes every version's changes (int64 indices, old and new bf16 values) into the
 zstd codec's byte streams and compresses each stream (docs/protocol.md). This script times
-``ZstdCodec.encode`` on synthetic deltas of ``--changes`` elements spread over ``--tensors``
+``ZstdCodec.encode_blobs`` (what a delta file is written from; ``encode`` in a checkout older
+than it) on synthetic deltas of ``--changes`` elements spread over ``--tensors``
 tensors (1 element in 70 changed, one- and two-ULP steps: what an RL step at ~1.4% writes), with
 ``DELTASYNC_ENCODE_THREADS=1`` and with the host's cores, in interleaved rounds, and reports the
 medians, nanoseconds per changed element, and all cores / one thread.
@@ -23,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -73,12 +75,39 @@ def encode_once(items: list[tuple[str, Change]], threads: str | None) -> tuple[f
         os.environ.pop(VARIABLE, None)
     else:
         os.environ[VARIABLE] = threads
+    codec = ZstdCodec()
+    # What a delta file is written from (its streams' frames as zstandard returned them); a
+    # checkout older than encode_blobs: encode, whose tensors the file was written from then.
+    encode = getattr(codec, "encode_blobs", codec.encode)
     start = time.perf_counter()
-    tensors = ZstdCodec().encode(items, numels=None, level=3)
-    return time.perf_counter() - start, sum(t.numel() for key, t in tensors.items() if key != "zstd:counts")
+    blobs = encode(items, numels=None, level=3)
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(b) if isinstance(b, bytes) else b.numel() for key, b in blobs.items() if key != "zstd:counts")
 
 
-def run(sizes: list[int], tensors: int, rounds: int) -> dict[str, Any]:
+def file_once(items: list[tuple[str, Change]], folder: str) -> float:
+    """Seconds the publisher's writer takes to make one version's delta file, with the host's
+    cores: its own ``write_delta_file`` (encode, a durable write into a local bucket, the file's
+    SHA-256), in a fresh bucket under ``folder``, removed after."""
+    import deltasync.format as F
+    from deltasync.stores import LocalStore
+    from deltasync.trainer.committer import ChainCommitter
+    from deltasync.trainer.view_chain import _ONE_WRITER
+
+    os.environ.pop(VARIABLE, None)
+    changes = dict(items)
+    count = sum(c.index.numel() for c in changes.values())
+    kw = dict(version=1, anchor=0, codec="zstd", total=2**40, fingerprint="0" * 16, base_fingerprint="0" * 16, level=3)
+    # What the writer encodes the file into: its pieces, or (a checkout older than them) its bytes.
+    make = getattr(F, "delta_pieces", F.encode_delta)
+    with tempfile.TemporaryDirectory(prefix="deltasync-encode-", dir=folder) as root:
+        writer = ChainCommitter(LocalStore(root), _ONE_WRITER, None)
+        start = time.perf_counter()
+        writer.write_delta_file(1, "0" * 16, lambda: (make(changes, **kw), count), None, check=False)
+        return time.perf_counter() - start
+
+
+def run(sizes: list[int], tensors: int, rounds: int, file_dir: str | None = None) -> dict[str, Any]:
     saved = os.environ.get(VARIABLE)
     out: dict[str, Any] = {
         "machine": machine(), "package": str(Path(deltasync.__file__).resolve().parent),
@@ -89,22 +118,28 @@ def run(sizes: list[int], tensors: int, rounds: int) -> dict[str, Any]:
             items, _ = spanning_delta(changes, tensors, weights=False)
             encode_once(items, "1")  # warm: first-touch pages, the pool
             times: dict[str, list[float]] = {"one_thread_s": [], "all_cores_s": []}
+            files: list[float] = []
             nbytes = set()
             for _ in range(rounds):
                 for label, threads in (("one_thread_s", "1"), ("all_cores_s", None)):
                     seconds, size = encode_once(items, threads)
                     times[label].append(seconds)
                     nbytes.add(size)
+                if file_dir is not None:
+                    files.append(file_once(items, file_dir))
             row = {"changes": changes, "compressed_bytes": sorted(nbytes), "same_bytes": len(nbytes) == 1}
             for label, values in times.items():
                 row[label] = statistics.median(values)
                 row[label.replace("_s", "_ns_per_change")] = 1e9 * row[label] / changes
             row["all_cores_over_one_thread"] = row["all_cores_s"] / row["one_thread_s"]
+            if files:
+                row["delta_file_s"] = statistics.median(files)
             out["sizes"].append(row)
             log(
                 f"{changes:,} changes: one thread {row['one_thread_s']:.3f} s ({row['one_thread_ns_per_change']:.1f} ns/change), "
                 f"all {out['threads']} cores {row['all_cores_s']:.3f} s ({row['all_cores_ns_per_change']:.1f} ns/change), "
                 f"ratio {row['all_cores_over_one_thread']:.2f}"
+                + (f"; the delta file (encode, durable write, SHA-256) {row['delta_file_s']:.3f} s" if files else "")
             )
     finally:
         if saved is None:
@@ -138,7 +173,7 @@ def plot(results: dict[str, list[dict[str, Any]]], path: str) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("zstd delta encode (ZstdCodec.encode), medians")
+    ax.set_title("zstd delta encode (ZstdCodec.encode_blobs), medians")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -149,6 +184,8 @@ def main() -> None:
                         help="changed elements per delta (default: 4M, 16M, and 45M: 1.45%% of a 3B model)")  # fmt: skip
     parser.add_argument("--tensors", type=int, default=200, help="tensors the changes spread over (default 200)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians reported (default 5)")
+    parser.add_argument("--file", metavar="DIR", help="also time the writer's whole delta file (encode, durable write "
+                        "into a local bucket, SHA-256) with the host's cores, in fresh folders under DIR")  # fmt: skip
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--plot", help="draw ns per changed element here (needs matplotlib)")
     parser.add_argument("--plot-from", nargs="+", metavar="LABEL=JSON",
@@ -173,7 +210,7 @@ def main() -> None:
         log(f"drew {args.plot}")
         return
     log(f"deltasync from {Path(deltasync.__file__).resolve().parent}")
-    result = run(args.changes, args.tensors, args.rounds)
+    result = run(args.changes, args.tensors, args.rounds, args.file)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         log(f"wrote {args.out}")

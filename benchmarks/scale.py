@@ -161,23 +161,23 @@ def step(model: nn.Module, density: float, g: torch.Generator) -> None:
 
 @contextlib.contextmanager
 def timed_encode() -> Any:
-    """Sum the seconds the publisher spends in ``encode_delta``."""
+    """Sum the seconds the publisher spends in ``delta_pieces`` (encoding a delta)."""
     import deltasync.trainer.writer as writer_module
 
-    original, spent = writer_module.encode_delta, [0.0]
+    original, spent = writer_module.delta_pieces, [0.0]
 
-    def encode(*args: Any, **kwargs: Any) -> bytes:
+    def encode(*args: Any, **kwargs: Any) -> list[memoryview]:
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
             spent[0] += time.perf_counter() - start
 
-    writer_module.encode_delta = encode
+    writer_module.delta_pieces = encode
     try:
         yield spent
     finally:
-        writer_module.encode_delta = original
+        writer_module.delta_pieces = original
 
 
 def publish_phase(bucket: str, shape: ModelShape, densities: list[float], seed: int) -> dict[str, Any]:

@@ -103,7 +103,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, init_file: str, buck
             optimizer.step()
         pub = DeltaPublisher(bucket, model, optimizer, anchor_every=10**6, anchor_bytes_ratio=0)
         timers = {"detect": 0.0, "write": 0.0}
-        changes, write = pub.detector.changes, pub.store.write_bytes
+        changes, write = pub.detector.changes, pub.store.write_stream
 
         def timed_changes() -> Any:
             t0 = time.perf_counter()
@@ -112,15 +112,15 @@ def worker(rank: int, world: int, args: argparse.Namespace, init_file: str, buck
             finally:
                 timers["detect"] += time.perf_counter() - t0
 
-        def timed_write(path: str, data: bytes) -> None:
+        def timed_write(path: str, chunks: Any) -> None:  # every write of a local bucket (its write_bytes too)
             t0 = time.perf_counter()
             try:
-                write(path, data)
+                write(path, chunks)
             finally:
                 timers["write"] += time.perf_counter() - t0
 
         pub.detector.changes = timed_changes  # type: ignore[method-assign]
-        pub.store.write_bytes = timed_write  # type: ignore[method-assign]
+        pub.store.write_stream = timed_write  # type: ignore[method-assign]
         dist.barrier()
         t0 = time.perf_counter()
         anchor = pub.publish()

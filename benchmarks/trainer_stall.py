@@ -336,9 +336,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log(f"warm-up {w + 1}/{args.warmup}: {time.perf_counter() - t0:.1f}s")
 
     timers = Timers()
-    # encode_delta runs in a publisher's background thread; the thread says whose.
-    writer_module.encode_delta = timers.wrap(
-        "encode", writer_module.encode_delta, lambda a, k: k.get("version")
+    # delta_pieces (the encode) runs in a publisher's background thread; the thread says whose.
+    writer_module.delta_pieces = timers.wrap(
+        "encode", writer_module.delta_pieces, lambda a, k: k.get("version")
     )
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="deltasync-stall-bench-", dir=args.workdir) as tmp:

@@ -12,7 +12,7 @@ are what ships: ``PublishResult.nbytes`` (the bf16 delta) and ``PublishResult.vi
 view's delta), both with the publisher's default codec (zstd). The view's time is measured by
 wrapping each ``ViewChain.publish_delta`` of the publisher (quantize the changed layers, diff
 against the last published codes and scales, encode, write, commit) and, inside it, the
-scheme's ``quantize`` and the view's ``encode_delta``; the wrappers only time and record, they
+scheme's ``quantize`` and the view's ``delta_pieces``; the wrappers only time and record, they
 change nothing. The bf16 detection (shared by the bf16 chain and the views) is the time of
 ``submit()`` (capture "submit").
 
@@ -154,7 +154,7 @@ def _named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 class ViewProbe:
     """Times a publisher's view chains and records what their deltas hold, changing nothing:
     wraps each chain's ``publish_delta`` and ``_quantize`` (instance attributes) and the view
-    module's ``encode_delta`` (module attribute, restored by :meth:`close`)."""
+    module's ``delta_pieces`` (module attribute, restored by :meth:`close`)."""
 
     def __init__(self, publisher: DeltaPublisher) -> None:
         self.chains = {chain.name: chain for chain in publisher._views}
@@ -163,8 +163,8 @@ class ViewProbe:
         for name, chain in self.chains.items():
             chain.publish_delta = self._timed(name, "publish_s", chain.publish_delta)  # type: ignore[method-assign]
             chain._quantize = self._timed(name, "quantize_s", chain._quantize)  # type: ignore[method-assign]
-        self._encode = view_chain_module.encode_delta
-        view_chain_module.encode_delta = self._encode_probe  # type: ignore[assignment]
+        self._encode = view_chain_module.delta_pieces
+        view_chain_module.delta_pieces = self._encode_probe  # type: ignore[assignment]
 
     def reset(self) -> None:
         self.times: dict[str, dict[str, float]] = {n: {"publish_s": 0.0, "quantize_s": 0.0, "encode_s": 0.0} for n in self.chains}
@@ -183,7 +183,7 @@ class ViewProbe:
 
         return wrapper
 
-    def _encode_probe(self, changes: dict[str, Change], **kwargs: Any) -> bytes:
+    def _encode_probe(self, changes: dict[str, Change], **kwargs: Any) -> list[memoryview]:
         assert self.current is not None
         self.changes[self.current] = dict(changes)
         t0 = time.perf_counter()
@@ -193,7 +193,7 @@ class ViewProbe:
             self.times[self.current]["encode_s"] += time.perf_counter() - t0
 
     def close(self) -> None:
-        view_chain_module.encode_delta = self._encode  # type: ignore[assignment]
+        view_chain_module.delta_pieces = self._encode  # type: ignore[assignment]
 
 
 # --------------------------------------------------------------------------- one trace
@@ -391,15 +391,15 @@ _PUBLISHER_ENCODE: list[Any] = []
 
 
 def _capture_bf16_changes(captured: dict[str, dict[str, Change]]) -> Callable[[dict[str, Change]], bytes]:
-    """Record the bf16 chain's delta changes (the publisher's writer module's ``encode_delta``, wrapped;
+    """Record the bf16 chain's delta changes (the publisher's writer module's ``delta_pieces``, wrapped;
     restored by :func:`_restore_bf16_encode`) and return an encoder with the publisher's settings
     for subsets of changes (the bytes of parts of a delta)."""
     import deltasync.trainer.writer as writer_module
 
-    original = writer_module.encode_delta
+    original = writer_module.delta_pieces
     settings: dict[str, Any] = {}
 
-    def probe(changes: dict[str, Change], **kwargs: Any) -> bytes:
+    def probe(changes: dict[str, Change], **kwargs: Any) -> list[memoryview]:
         captured["bf16"] = dict(changes)
         settings.update(kwargs)
         return original(changes, **kwargs)
@@ -407,17 +407,17 @@ def _capture_bf16_changes(captured: dict[str, dict[str, Change]]) -> Callable[[d
     def encode(changes: dict[str, Change]) -> bytes:
         # zstd's encoder needs no element counts (only the raw codec's wide-index choice reads them)
         kw = {k: settings[k] for k in ("version", "anchor", "codec", "total", "fingerprint", "base_fingerprint", "level")}
-        return original(changes, **kw)
+        return b"".join(original(changes, **kw))
 
     _PUBLISHER_ENCODE[:] = [writer_module, original]
-    writer_module.encode_delta = probe  # type: ignore[assignment]
+    writer_module.delta_pieces = probe  # type: ignore[assignment]
     return encode
 
 
 def _restore_bf16_encode() -> None:
     if _PUBLISHER_ENCODE:
         module, original = _PUBLISHER_ENCODE
-        module.encode_delta = original
+        module.delta_pieces = original
         _PUBLISHER_ENCODE.clear()
 
 

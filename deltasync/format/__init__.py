@@ -40,7 +40,7 @@ from .container import (
     safetensors_stream,
     tensor_spans,
 )
-from .delta import decode_delta, encode_delta
+from .delta import decode_delta, delta_pieces, encode_delta
 from .header import (
     MAX_SLICES_BYTES,
     FileHeader,
@@ -122,6 +122,7 @@ __all__ = [
     "encode_anchor",
     "anchor_stream",
     "encode_delta",
+    "delta_pieces",
     "decode_anchor",
     "decode_delta",
     "read_header",

@@ -25,6 +25,7 @@ __all__ = [
     "TensorSpan",
     "check_tensor_table",
     "safetensors_bytes",
+    "safetensors_pieces",
     "safetensors_stream",
     "tensor_spans",
     "load_safetensors",
@@ -84,12 +85,22 @@ _DTYPES = {
 }
 
 
-def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
-    """Serialize like ``safetensors.torch.save``, with metadata keys sorted (deterministic)."""
+def safetensors_bytes(tensors: Mapping[str, torch.Tensor | bytes], metadata: Mapping[str, str]) -> bytes:
+    """Serialize like ``safetensors.torch.save``, with metadata keys sorted (deterministic).
+    A value given as bytes is a 1-D uint8 tensor's data."""
+    return b"".join(safetensors_pieces(tensors, metadata))
+
+
+def safetensors_pieces(tensors: Mapping[str, torch.Tensor | bytes], metadata: Mapping[str, str]) -> list[memoryview]:
+    """:func:`safetensors_bytes`, as the file's pieces in order (the header, then each tensor's
+    data where it lies: nothing is copied), for a store to write one after another."""
     items = [
-        TensorChunks(name, t.dtype, tuple(t.shape), lambda t=t: (t.detach().reshape(-1),)) for name, t in tensors.items()  # type: ignore[misc]
+        TensorChunks(name, torch.uint8, (len(t),), lambda t=t: (t,))  # type: ignore[misc]
+        if isinstance(t, bytes)
+        else TensorChunks(name, t.dtype, tuple(t.shape), lambda t=t: (t.detach().reshape(-1),))  # type: ignore[misc]
+        for name, t in tensors.items()
     ]
-    return b"".join(safetensors_stream(items, metadata))
+    return list(safetensors_stream(items, metadata))
 
 
 @dataclass(frozen=True)
@@ -100,8 +111,9 @@ class TensorChunks:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    chunks: Callable[[], Iterable[torch.Tensor]]
-    """Yields 1-D tensors of ``dtype`` that together hold the flat values, in order."""
+    chunks: Callable[[], Iterable[torch.Tensor | bytes]]
+    """Yields 1-D tensors of ``dtype`` that together hold the flat values, in order (of a uint8
+    tensor: also its bytes)."""
 
 
 def safetensors_stream(tensors: Sequence[TensorChunks], metadata: Mapping[str, str]) -> Iterator[memoryview]:
@@ -124,15 +136,20 @@ def safetensors_stream(tensors: Sequence[TensorChunks], metadata: Mapping[str, s
     for item in order:
         expected, written = header[item.name]["data_offsets"][1] - header[item.name]["data_offsets"][0], 0
         for chunk in item.chunks():
-            if chunk.dtype != item.dtype:
-                raise FormatError(f"{item.name!r}: a chunk of {chunk.dtype} in a {item.dtype} tensor")
-            if not chunk.numel():
+            if isinstance(chunk, bytes):
+                if item.dtype != torch.uint8:
+                    raise FormatError(f"{item.name!r}: a chunk of bytes in a {item.dtype} tensor")
+                data = memoryview(chunk)
+            else:
+                if chunk.dtype != item.dtype:
+                    raise FormatError(f"{item.name!r}: a chunk of {chunk.dtype} in a {item.dtype} tensor")
+                data = memoryview(chunk.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+            if not data.nbytes:
                 continue
-            data = chunk.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
             written += data.nbytes
             if written > expected:
                 break
-            yield memoryview(data)
+            yield data
         if written != expected:
             raise FormatError(f"{item.name!r}: its chunks hold {written} bytes, its shape {list(item.shape)} needs {expected}")
 

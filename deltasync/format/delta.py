@@ -8,10 +8,10 @@ import torch
 
 from ..errors import FormatError
 from .codecs import CODECS, BaseLookup, Change, DeltaContext, get_codec
-from .container import load_safetensors, safetensors_bytes
+from .container import load_safetensors, safetensors_pieces
 from .header import FileHeader, read_header, with_extra_metadata
 
-__all__ = ["encode_delta", "decode_delta"]
+__all__ = ["encode_delta", "delta_pieces", "decode_delta"]
 
 
 def encode_delta(
@@ -29,7 +29,34 @@ def encode_delta(
     manifest: str | None = None,
     extra_metadata: Mapping[str, str] | None = None,
 ) -> bytes:
-    """A delta from ``version - 1`` to ``version``. Parameters with no change are left out.
+    """A delta from ``version - 1`` to ``version``: the bytes of :func:`delta_pieces`' file."""
+    return b"".join(
+        delta_pieces(
+            changes, version=version, anchor=anchor, codec=codec, total=total, fingerprint=fingerprint,
+            base_fingerprint=base_fingerprint, level=level, numels=numels, part=part, manifest=manifest,
+            extra_metadata=extra_metadata,
+        )  # fmt: skip
+    )
+
+
+def delta_pieces(
+    changes: Mapping[str, Change],
+    *,
+    version: int,
+    anchor: int,
+    codec: str,
+    total: int,
+    fingerprint: str,
+    base_fingerprint: str,
+    level: int | None = None,
+    numels: Mapping[str, int] | None = None,
+    part: tuple[int, int] | None = None,
+    manifest: str | None = None,
+    extra_metadata: Mapping[str, str] | None = None,
+) -> list[memoryview]:
+    """A delta from ``version - 1`` to ``version``, as its file's pieces in order (the header,
+    then each tensor's data where the codec left it: a store writes them one after another, and
+    no copy of the file is made). Parameters with no change are left out.
 
     ``codec`` is a name in :data:`~deltasync.format.codecs.CODECS`; ``level`` its
     compression level (None: the codec's default). ``part=(number, count)`` writes part
@@ -59,9 +86,9 @@ def encode_delta(
         parts=None if part is None else part[1],
         manifest=manifest,
     )
-    tensors = coder.encode(items, numels=numels, level=coder.default_level if level is None else level)
+    tensors = coder.encode_blobs(items, numels=numels, level=coder.default_level if level is None else level)
     metadata = with_extra_metadata(header.to_metadata(), extra_metadata, where=f"delta {version}")
-    return safetensors_bytes(tensors, metadata)
+    return safetensors_pieces(tensors, metadata)
 
 
 def decode_delta(

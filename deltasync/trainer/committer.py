@@ -44,7 +44,6 @@ from ..format import (
     delta_path,
     parse_json,
     part_path,
-    sha256_hex,
 )
 from ..format.codecs.zstd import encode_threads
 from ..stores import read_limited, write_stream
@@ -80,8 +79,10 @@ class _Stopped(Exception):
 
 def write_files(store: Store, files: Sequence[AnchorFile], what: str) -> list[PartEntry]:
     """Stream ``files`` into ``store`` (several at once, over at most one thread per core) and
-    return their entries in order. If one fails, the others stop at their next chunk and the
-    first failure is raised; a file is whole or absent (:func:`~deltasync.stores.write_stream`)."""
+    return their entries in order. If one fails, the others stop at their next chunk, the ones
+    already written are deleted (no pointer names them; a part of a large anchor is hundreds of
+    MiB, and a full disk is a likely reason for the failure) and the first failure is raised; a
+    file is whole or absent (:func:`~deltasync.stores.write_stream`)."""
     if len(files) == 1:
         (only,) = files
         nbytes, digest = write_stream(store, only.path, only.stream())
@@ -107,6 +108,12 @@ def write_files(store: Store, files: Sequence[AnchorFile], what: str) -> list[Pa
         wait(futures)
     errors = [e for e in (f.exception() for f in futures) if e is not None]
     if errors:
+        written = [file.path for file, f in zip(files, futures) if f.exception() is None]
+        if written:
+            try:
+                store.delete(written)
+            except Exception as exc:  # noqa: BLE001  (the write's failure is the one to raise)
+                logger.warning("deltasync: %s failed; its parts written so far are left (%s): %s", what, ", ".join(written), exc)
         raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
     return [f.result() for f in futures]
 
@@ -170,11 +177,13 @@ class ChainCommitter:
 
     # ------------------------------------------------------------------ data files (every rank)
 
-    def write_delta_file(self, version: int, fingerprint: str, encode: Callable[[], tuple[bytes, int]], group: Any,
-                         *, check: bool = True) -> ChainEntry:  # fmt: skip
+    def write_delta_file(self, version: int, fingerprint: str, encode: Callable[[], tuple[Sequence[bytes | memoryview], int]],
+                         group: Any, *, check: bool = True) -> ChainEntry:  # fmt: skip
         """Write the delta of ``version`` (collective over ``group``): each writing rank its file
-        or part, whose bytes and changed elements ``encode()`` gives; return the version's entry.
-        ``check``: first check the pointer is still this writer's (:meth:`check_owner`)."""
+        or part, whose pieces (:func:`~deltasync.format.delta_pieces`) and changed elements
+        ``encode()`` gives; return the version's entry. The file's SHA-256 is taken as its
+        pieces are written. ``check``: first check the pointer is still this writer's
+        (:meth:`check_owner`)."""
         path = self.path("delta", version)
         what = f"writing delta {version}"
 
@@ -183,9 +192,9 @@ class ChainCommitter:
                 self.check_owner(what)
             if not self.layout.writer:
                 return None, None
-            data, changed = encode()
-            self.store.write_bytes(path, data)
-            return None, PartEntry(path=path, nbytes=len(data), sha256=sha256_hex(data), changed=changed)
+            pieces, changed = encode()
+            nbytes, digest = write_stream(self.store, path, pieces)
+            return None, PartEntry(path=path, nbytes=nbytes, sha256=digest, changed=changed)
 
         _, written = self.agree(what, write, group)
         return ChainEntry.of_files("delta", version, fingerprint, [w for w in written if w is not None], self.split)

@@ -46,7 +46,7 @@ from ..format import (
     ChainEntry,
     Change,
     Pointer,
-    encode_delta,
+    delta_pieces,
     manifest_digest,
     view_prefix,
 )
@@ -416,8 +416,8 @@ class ViewChain:
             fp = format_fingerprint(parse_fingerprint(head.fingerprint) + sum(shares))
             numels = {key: math.prod(shape) for key, shape in self._view_shapes().items()}
 
-            def encode() -> tuple[bytes, int]:
-                data = encode_delta(
+            def encode() -> tuple[list[memoryview], int]:
+                data = delta_pieces(
                     view_changes, version=version, anchor=head.pointer.root, codec=self.codec, total=head.total,
                     fingerprint=fp, base_fingerprint=head.fingerprint, level=self.level, numels=numels,
                     part=self.chain.part, manifest=head.pointer.manifest, extra_metadata=self.identity.metadata(),

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import IntegrityError
-from ..format import AnchorSource, ChainEntry, Change, Pointer, encode_delta, manifest_digest
+from ..format import AnchorSource, ChainEntry, Change, Pointer, delta_pieces, manifest_digest
 from ..format.codecs.zstd import encode_threads
 from ..format.fingerprint import DEVICE_CHUNK, DeviceHasher, fingerprint_slice_share, format_fingerprint
 from .committer import AnchorFile, ChainCommitter
@@ -158,8 +158,8 @@ class ChainWriter(ChainCommitter):
         """Write this rank's part of the delta of ``version`` on top of ``chain`` (collective,
         over ``group``); return the version's entry."""
 
-        def encode() -> tuple[bytes, int]:
-            data = encode_delta(
+        def encode() -> tuple[list[memoryview], int]:
+            data = delta_pieces(
                 changes, version=version, anchor=chain.root, codec=self.codec, total=chain.total,
                 fingerprint=fingerprint, base_fingerprint=chain.fingerprint, level=self.level, numels=self.numels,
                 part=self.part, manifest=self.manifest,

@@ -5,13 +5,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeAlias
 
 import torch
 
 from ...errors import FormatError
 
-__all__ = ["Change", "BaseLookup", "Table", "DeltaContext", "Codec", "check_index", "known_numel"]
+__all__ = ["Change", "BaseLookup", "Blob", "Table", "DeltaContext", "Codec", "as_tensor", "check_index", "known_numel"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,18 @@ class Change:
 BaseLookup = Callable[[str, torch.Tensor], torch.Tensor]
 """(parameter name, int64 indices) -> the receiver's current values there, in the
 parameter's element dtype."""
+
+Blob: TypeAlias = torch.Tensor | bytes
+"""A tensor of a file being written: a tensor, or the bytes of a 1-D uint8 tensor (compressed
+data, written from where it lies)."""
+
+
+def as_tensor(blob: Blob) -> torch.Tensor:
+    """``blob`` as a tensor (bytes are copied into a new 1-D uint8 tensor)."""
+    if isinstance(blob, torch.Tensor):
+        return blob
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8)
+
 
 Table = tuple[list[str], list[list[str]]]
 """A table ``deltasync inspect`` prints: its column names and its rows."""
@@ -90,6 +102,13 @@ class Codec(ABC):
 
         ``numels`` maps parameter names to element counts, when the caller knows them;
         ``level`` is one of :attr:`levels` (None for a codec that takes none)."""
+
+    def encode_blobs(
+        self, items: Sequence[tuple[str, Change]], *, numels: Mapping[str, int] | None, level: int | None
+    ) -> dict[str, Blob]:
+        """:meth:`encode`, where a 1-D uint8 tensor may be given as its bytes (what a file is
+        written from: a codec that compresses need not copy its output into tensors)."""
+        return dict(self.encode(items, numels=numels, level=level))
 
     @abstractmethod
     def decode(self, tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[str, Change]:

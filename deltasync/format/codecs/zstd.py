@@ -17,7 +17,7 @@ import zstandard
 from ...errors import FormatError
 from ..dtypes import from_lanes, is_one_byte, lanes
 from ..threads import Spread, spread, thread_count
-from .base import Change, Codec, DeltaContext, Table, known_numel
+from .base import Blob, Change, Codec, DeltaContext, Table, as_tensor, known_numel
 
 __all__ = [
     "ZstdCodec",
@@ -48,20 +48,24 @@ class ZstdCodec(Codec):
     def encode(
         self, items: Sequence[tuple[str, Change]], *, numels: Mapping[str, int] | None, level: int | None
     ) -> dict[str, torch.Tensor]:
-        streams, counts = zstd_streams(items)
+        return {key: as_tensor(blob) for key, blob in self.encode_blobs(items, numels=numels, level=level).items()}
 
-        def compress(raw: bytes) -> torch.Tensor:
-            if not raw:
-                return torch.zeros(0, dtype=torch.uint8)
+    def encode_blobs(
+        self, items: Sequence[tuple[str, Change]], *, numels: Mapping[str, int] | None, level: int | None
+    ) -> dict[str, Blob]:
+        """:meth:`encode`, each stream's zstd frame left as the bytes zstandard returned (a file
+        streams them from there: no copy of the compressed data is made)."""
+        streams, counts = _raw_streams(items, workers=None)
+
+        def compress(raw: np.ndarray | bytes) -> bytes:
             # One compressor per stream (they are not thread-safe); single-threaded frames, so
             # the bytes are those of any machine, whatever its cores.
-            frame = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw)
-            return torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+            return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw) if len(raw) else b""
 
-        blobs = _map(compress, list(streams.values()), workers=None)
-        tensors = {PREFIX + key: blob for key, blob in zip(streams, blobs)}
-        tensors[PREFIX + "counts"] = torch.tensor(counts, dtype=torch.int64)
-        return tensors
+        frames = _map(compress, list(streams.values()), workers=None)
+        blobs: dict[str, Blob] = {PREFIX + key: frame for key, frame in zip(streams, frames)}
+        blobs[PREFIX + "counts"] = torch.tensor(counts, dtype=torch.int64)
+        return blobs
 
     def decode(self, tensors: Mapping[str, torch.Tensor], delta: DeltaContext) -> dict[str, Change]:
         return _decode(tensors, delta)
@@ -155,25 +159,33 @@ def _units(items: Sequence[tuple[str, Change]]) -> list[list[_Span]]:
     return units
 
 
-def _unit(spans: list[_Span]) -> tuple[np.ndarray, ...]:
-    """The pieces of the streams (in :data:`STREAMS` order) of the changes in ``spans``, in order
-    (NumPy only).
+_FIXED = ("gap_lo", "gap_hi_mask", "sym")
+"""The streams whose size the change count alone sets (a byte, a bit and two bits a change):
+the encode threads write their units' pieces straight into them."""
+
+
+def _unit(spans: list[_Span], at: int, fixed: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, ...]:
+    """The pieces of the streams of the changes in ``spans``, in order (NumPy only); the unit's
+    first change is change ``at`` of the version (a multiple of 8). Its pieces of the
+    :data:`_FIXED` streams are written into ``fixed`` (whole buffers, at the unit's bytes); the
+    others (``gap_hi``, ``gap_big``, ``esc_lo``, ``esc_hi``) are returned.
 
     Each step is one pass over a narrow array of the whole unit: the gaps in int64, the value
     differences in int16, where the difference of two ordered patterns modulo 2**16 is int16's
     own wrap."""
     offsets = np.cumsum([0] + [stop - start for _, _, start, stop in spans])
-    index = np.empty(int(offsets[-1]), dtype=np.int64)
-    d = np.empty(index.size, dtype=np.int16)
-    for (_name, change, start, stop), at in zip(spans, offsets):
+    m = int(offsets[-1])
+    index = np.empty(m, dtype=np.int64)
+    d = np.empty(m, dtype=np.int16)
+    for (_name, change, start, stop), k in zip(spans, offsets):
         assert change.old is not None
-        index[at : at + stop - start] = change.index.detach().reshape(-1)[start:stop].cpu().numpy()
-        np.subtract(_flip_lanes(change.new[start:stop]), _flip_lanes(change.old[start:stop]), out=d[at : at + stop - start])
-    g = np.empty(index.size, dtype=np.int64)
+        index[k : k + stop - start] = change.index.detach().reshape(-1)[start:stop].cpu().numpy()
+        np.subtract(_flip_lanes(change.new[start:stop]), _flip_lanes(change.old[start:stop]), out=d[k : k + stop - start])
+    g = np.empty(m, dtype=np.int64)
     np.subtract(index[1:], index[:-1], out=g[1:])
     g[1:] -= 1
-    for (_name, change, start, _stop), at in zip(spans, offsets):  # each span's first gap: from its own parameter
-        g[at] = index[at] if start == 0 else index[at] - int(change.index[start - 1]) - 1
+    for (_name, change, start, _stop), k in zip(spans, offsets):  # each span's first gap: from its own parameter
+        g[k] = index[k] if start == 0 else index[k] - int(change.index[start - 1]) - 1
 
     def named(position: int) -> str:
         return spans[int(np.searchsorted(offsets, position, side="right")) - 1][0]
@@ -182,7 +194,8 @@ def _unit(spans: list[_Span]) -> tuple[np.ndarray, ...]:
         raise FormatError(
             f"parameter {named(int(g.argmin()))!r}: a delta's indices must be non-negative and strictly increasing"
         )
-    lo = g.astype(np.uint8)  # the low byte (a cast to uint8 keeps it)
+    lo_out, mask_out, sym_out = fixed
+    np.copyto(lo_out[at : at + m], g, casting="unsafe")  # the low byte (a cast to uint8 keeps it)
     g >>= 8
     hi_nz = g != 0
     hv = g[hi_nz]
@@ -201,20 +214,22 @@ def _unit(spans: list[_Span]) -> tuple[np.ndarray, ...]:
     sym -= 1
     # Four 2-bit symbols a byte, the first in the low bits: each little-endian group of four
     # symbol bytes read as one uint32, its bytes' low bits shifted together.
-    quads = np.zeros(-(-sym.size // 4), dtype="<u4")
-    quads.view(np.uint8)[: sym.size] = sym
+    quads = np.zeros(-(-m // 4), dtype="<u4")
+    quads.view(np.uint8)[:m] = sym
     quads |= quads >> 6
     quads |= quads >> 12
+    np.copyto(sym_out[at // 4 : at // 4 + quads.size], quads, casting="unsafe")
+    mask_out[at // 8 : at // 8 + -(-m // 8)] = np.packbits(hi_nz, bitorder="little")
     esc = zig[zig > 3]
-    mask = np.packbits(hi_nz, bitorder="little")
-    return lo, mask, hi_b, big, quads.astype(np.uint8), esc.astype(np.uint8), (esc >> 8).astype(np.uint8)
+    return hi_b, big, esc.astype(np.uint8), (esc >> 8).astype(np.uint8)
 
 
-def zstd_streams(
-    items: Sequence[tuple[str, Change]], *, workers: int | None = None
-) -> tuple[dict[str, bytes], list[int]]:
-    """The raw (uncompressed) streams of ``items`` and each parameter's count of changes; the work
-    is spread over ``workers`` threads (None: :func:`encode_threads`), the bytes are the same."""
+def _raw_streams(
+    items: Sequence[tuple[str, Change]], *, workers: int | None
+) -> tuple[dict[str, np.ndarray | bytes], list[int]]:
+    """The raw streams of ``items`` (each a buffer, in :data:`STREAMS` order) and each
+    parameter's count of changes; the units are spread over ``workers`` threads (None:
+    :func:`encode_threads`), the bytes are the same."""
     counts = [change.index.numel() for _, change in items]
     for name, change in items:
         if change.old is None:
@@ -224,13 +239,23 @@ def zstd_streams(
                 f"parameter {name!r}: {change.index.numel()} indices, {change.new.numel()} new and "
                 f"{change.old.numel()} old values (one each per changed element)"
             )
-    done = _map(_unit, _units(items), workers=workers)
-    if not items:
-        return {key: b"" for key in STREAMS}, counts
-    # A unit's pieces are whole bytes of each stream (units start on a byte of the packed ones):
-    # the streams are the pieces joined, straight from their buffers.
-    streams = {key: b"".join(unit[k] for unit in done) for k, key in enumerate(STREAMS)}
-    return streams, counts
+    n = sum(counts)
+    fixed = (np.empty(n, dtype=np.uint8), np.empty(-(-n // 8), dtype=np.uint8), np.empty(-(-n // 4), dtype=np.uint8))
+    # Every unit starts on a byte of the packed streams (ENCODE_CHUNK is a multiple of 8), so
+    # each writes whole bytes of them; the other streams are the units' pieces joined.
+    done = _map(lambda job: _unit(job[1], job[0] * ENCODE_CHUNK, fixed), list(enumerate(_units(items))), workers=workers)
+    rest = {key: b"".join(unit[k] for unit in done) for k, key in enumerate(s for s in STREAMS if s not in _FIXED)}
+    streams: dict[str, np.ndarray | bytes] = {**dict(zip(_FIXED, fixed)), **rest}
+    return {key: streams[key] for key in STREAMS}, counts
+
+
+def zstd_streams(
+    items: Sequence[tuple[str, Change]], *, workers: int | None = None
+) -> tuple[dict[str, bytes], list[int]]:
+    """The raw (uncompressed) streams of ``items`` and each parameter's count of changes; the work
+    is spread over ``workers`` threads (None: :func:`encode_threads`), the bytes are the same."""
+    streams, counts = _raw_streams(items, workers=workers)
+    return {key: bytes(raw) for key, raw in streams.items()}, counts
 
 
 def ordered(values: torch.Tensor) -> torch.Tensor:

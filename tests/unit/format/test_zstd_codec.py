@@ -92,6 +92,26 @@ def test_zstd_streams_are_single_frames_with_content_size() -> None:
         assert params.content_size == len(bytes.fromhex(BIG_GAP_STREAMS[key]))
 
 
+def test_a_delta_file_is_written_from_the_frames_as_zstandard_returned_them() -> None:
+    """``delta_pieces`` (what the publisher writes) is ``encode_delta``'s file in pieces: the
+    header, then each stream's frame where zstandard left it (no copy), then the counts."""
+    _, changes = big_gap_changes()
+    kw = dict(version=1, anchor=0, codec="zstd", total=70000, fingerprint=FP1, base_fingerprint=FP0)
+    pieces = F.delta_pieces(changes, **kw)
+    data = F.encode_delta(changes, **kw)
+    assert b"".join(pieces) == data
+    frames = [p for p in pieces if isinstance(p.obj, bytes) and bytes(p[:4]) == bytes.fromhex("28b52ffd")]
+    assert len(frames) == len(Z.STREAMS)  # every stream of this example is non-empty
+    tensors = st_load(data)
+    # In the file's order (uint8 tensors by name), each frame is the stream's tensor, uncopied.
+    assert [bytes(f) for f in frames] == [tensors[k].numpy().tobytes() for k in sorted(k for k in tensors if k != "zstd:counts")]
+    blobs = Z.ZstdCodec().encode_blobs(list(changes.items()), numels=None, level=3)
+    assert all(isinstance(blobs["zstd:" + key], bytes) for key in Z.STREAMS)
+    assert {k: Z.ZstdCodec().encode(list(changes.items()), numels=None, level=3)[k].numpy().tobytes() for k in blobs} == {
+        k: b if isinstance(b, bytes) else b.numpy().tobytes() for k, b in blobs.items()
+    }
+
+
 def test_big_gaps_golden_streams() -> None:
     state, changes = big_gap_changes()
     streams, counts = Z.zstd_streams(list(changes.items()))
