@@ -100,6 +100,7 @@ def file_once(items: list[tuple[str, Change]], folder: str) -> float:
     kw = dict(version=1, anchor=0, codec="zstd", total=2**40, fingerprint="0" * 16, base_fingerprint="0" * 16, level=3)
     # What the writer encodes the file into: its pieces, or (a checkout older than them) its bytes.
     make = getattr(F, "delta_pieces", F.encode_delta)
+    os.makedirs(folder, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="deltasync-encode-", dir=folder) as root:
         writer = ChainCommitter(LocalStore(root), _ONE_WRITER, None)
         start = time.perf_counter()
@@ -150,8 +151,9 @@ def run(sizes: list[int], tensors: int, rounds: int, file_dir: str | None = None
 
 
 def plot(results: dict[str, list[dict[str, Any]]], path: str) -> None:
-    """Nanoseconds per changed element against the delta's size, one thread and all cores, for
-    each labelled list of runs (medians over the runs)."""
+    """Nanoseconds per changed element against the delta's size, one thread and all cores (and
+    the writer's delta file, from runs with ``--file``), for each labelled list of runs (medians
+    over the runs)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,16 +166,19 @@ def plot(results: dict[str, list[dict[str, Any]]], path: str) -> None:
         for key, style, what in (("one_thread_ns_per_change", "--", "one thread"), ("all_cores_ns_per_change", "-", cores)):
             values = [statistics.median(run["sizes"][k][key] for run in runs) for k in range(len(sizes))]
             ax.plot([n / 1e6 for n in sizes], values, style, marker="o", color=color, label=f"{label}, {what}")
+        if all("delta_file_s" in row for run in runs for row in run["sizes"]):  # runs with --file
+            values = [1e9 * statistics.median(run["sizes"][k]["delta_file_s"] for run in runs) / n for k, n in enumerate(sizes)]
+            ax.plot([n / 1e6 for n in sizes], values, ":", marker="s", color=color, label=f"{label}, the delta file, {cores}")
     ax.set_xscale("log")
     ticks = sorted({row["changes"] for runs in results.values() for row in runs[0]["sizes"]})
     ax.set_xticks([n / 1e6 for n in ticks], [f"{n / 1e6:g}M" for n in ticks])
     ax.minorticks_off()
     ax.set_xlabel("changed elements, spread over tensors")
-    ax.set_ylabel("encode: ns per changed element")
+    ax.set_ylabel("ns per changed element")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("zstd delta encode (ZstdCodec.encode_blobs), medians")
+    ax.set_title("zstd delta: encode, and the writer's delta file (--file); medians")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

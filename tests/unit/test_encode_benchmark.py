@@ -17,7 +17,7 @@ def test_the_encode_benchmark_times_both_forms_of_the_same_bytes(tmp_path: Path)
     script = str(REPO / "benchmarks" / "encode.py")
     run = subprocess.run(
         [sys.executable, script, "--changes", "40000", "200000", "--tensors", "7", "--rounds", "2",
-         "--out", str(out), "--plot", str(tmp_path / "encode.png")],
+         "--file", str(tmp_path / "buckets"), "--out", str(out), "--plot", str(tmp_path / "encode.png")],
         capture_output=True, text=True, timeout=300, env=env, cwd=REPO,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -27,6 +27,8 @@ def test_the_encode_benchmark_times_both_forms_of_the_same_bytes(tmp_path: Path)
         assert row["same_bytes"] and row["compressed_bytes"][0] > 0
         assert row["one_thread_s"] > 0 and row["all_cores_s"] > 0
         assert row["all_cores_over_one_thread"] == row["all_cores_s"] / row["one_thread_s"]
+        assert row["delta_file_s"] > 0
+    assert list((tmp_path / "buckets").iterdir()) == []  # each file's bucket is removed after
     assert (tmp_path / "encode.png").stat().st_size > 0
     saved = {"before_commit": "a", "before": [r], "after_commit": "b", "after": [r, r]}
     (tmp_path / "saved.json").write_text(json.dumps(saved))
