@@ -428,11 +428,9 @@ class BF16ChangeDetector(SnapshotScan):
             flat = snapshot[begin:end].clone()
             patch = self._overlay.get(name)
             if patch is not None and patch.index.numel():
-                index, bits = patch.index.to(flat.device), patch.bits.to(flat.device)
-                if begin or end < snapshot.numel():
-                    inside = (index >= begin) & (index < end)
-                    index, bits = index[inside] - begin, bits[inside]
-                flat.view(torch.int16)[index] = bits
+                # The patch's sorted indices: a block's commits are one slice of them (an MoE
+                # view reads a fused tensor one expert at a time).
+                self._lay_overlay(flat, patch, begin, end)
             return flat
 
     def close(self) -> None:

@@ -160,6 +160,27 @@ def test_a_pinned_snapshot_keeps_commits_aside_on_the_sliced_path() -> None:
     same_changes(detector.changes(), during)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_published_values_of_any_block_include_the_pinned_commits(device: str) -> None:
+    """``published_flat(name, begin, end)`` (what a view reads, an expert's block at a time) is
+    the committed state while the snapshot is pinned and the commits are kept aside."""
+    model = bf16_model(device)
+    detector = BF16ChangeDetector(model)
+    bump(model, 0)
+    detector.pin()
+    detector.commit(detector.changes())  # kept aside: the snapshot still holds the values before
+    for name, p in model.named_parameters():
+        want = p.detach().reshape(-1).view(torch.int16).cpu()
+        n = want.numel()
+        assert not torch.equal(detector.snapshot_flat(name).view(torch.int16).cpu(), want), name
+        for begin, end in ((0, n), (0, n // 3), (n // 3, n - 1), (n - 1, n), (n // 2, n // 2)):
+            got = detector.published_flat(name, begin, end).view(torch.int16).cpu()
+            assert torch.equal(got, want[begin:end]), (name, begin, end)
+    detector.unpin()
+    for name, p in model.named_parameters():
+        assert torch.equal(detector.snapshot_flat(name).view(torch.int16), p.detach().reshape(-1).view(torch.int16))
+
+
 class SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts what makes the host wait for an accelerator: ops whose result size or value the
     host must read (``nonzero``, ``item``, ...) and blocking copies to the host."""
