@@ -55,15 +55,13 @@ class ZstdCodec(Codec):
     ) -> dict[str, Blob]:
         """:meth:`encode`, each stream's zstd frame left as the bytes zstandard returned (a file
         streams them from there: no copy of the compressed data is made)."""
-        streams, counts = _raw_streams(items, workers=None)
-
         def compress(raw: np.ndarray | bytes) -> bytes:
             # One compressor per stream (they are not thread-safe); single-threaded frames, so
             # the bytes are those of any machine, whatever its cores.
             return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw) if len(raw) else b""
 
-        frames = _map(compress, list(streams.values()), workers=None)
-        blobs: dict[str, Blob] = {PREFIX + key: frame for key, frame in zip(streams, frames)}
+        frames, counts = _streams(items, workers=None, then=compress)
+        blobs: dict[str, Blob] = {PREFIX + key: frame for key, frame in frames.items()}
         blobs[PREFIX + "counts"] = torch.tensor(counts, dtype=torch.int64)
         return blobs
 
@@ -103,18 +101,26 @@ def encode_threads() -> int:
     return thread_count("DELTASYNC_ENCODE_THREADS")
 
 
-def _map(fn: Callable[[_T], _R], items: Iterable[_T], *, workers: int | None) -> list[_R]:
-    """``[fn(x) for x in items]``, in order, spread over the encode threads (``workers``: at most
-    that many; 1 runs here)."""
-    items = list(items)
+def _pool(workers: int | None) -> ThreadPoolExecutor | None:
+    """The encode threads' pool, with at least ``workers`` threads (None: :func:`encode_threads`);
+    None where one thread is asked for (the work runs in the calling thread)."""
     n = encode_threads() if workers is None else workers
-    if n <= 1 or len(items) <= 1:
-        return [fn(x) for x in items]
+    if n <= 1:
+        return None
     global _POOL
     with _POOL_LOCK:
         if _POOL is None or _POOL._max_workers < n:  # noqa: SLF001
             _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="deltasync-encode")
-        pool = _POOL
+        return _POOL
+
+
+def _map(fn: Callable[[_T], _R], items: Iterable[_T], *, workers: int | None) -> list[_R]:
+    """``[fn(x) for x in items]``, in order, spread over the encode threads (``workers``: at most
+    that many; 1 runs here)."""
+    items = list(items)
+    pool = _pool(workers) if len(items) > 1 else None
+    if pool is None:
+        return [fn(x) for x in items]
     return list(pool.map(fn, items))
 
 
@@ -162,45 +168,58 @@ def _units(items: Sequence[tuple[str, Change]]) -> list[list[_Span]]:
 _FIXED = ("gap_lo", "gap_hi_mask", "sym")
 """The streams whose size the change count alone sets (a byte, a bit and two bits a change):
 the encode threads write their units' pieces straight into them."""
+_GAP_STREAMS = ("gap_lo", "gap_hi_mask", "gap_hi", "gap_big")
+_VALUE_STREAMS = ("sym", "esc_lo", "esc_hi")
 
 
-def _unit(spans: list[_Span], at: int, fixed: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, ...]:
-    """The pieces of the streams of the changes in ``spans``, in order (NumPy only); the unit's
-    first change is change ``at`` of the version (a multiple of 8). Its pieces of the
-    :data:`_FIXED` streams are written into ``fixed`` (whole buffers, at the unit's bytes); the
-    others (``gap_hi``, ``gap_big``, ``esc_lo``, ``esc_hi``) are returned.
+def _offsets(spans: list[_Span]) -> np.ndarray:
+    return np.cumsum([0] + [stop - start for _, _, start, stop in spans])
 
-    Each step is one pass over a narrow array of the whole unit: the gaps in int64, the value
-    differences in int16, where the difference of two ordered patterns modulo 2**16 is int16's
-    own wrap."""
-    offsets = np.cumsum([0] + [stop - start for _, _, start, stop in spans])
+
+def _named(spans: list[_Span], offsets: np.ndarray, position: int) -> str:
+    """The parameter of a unit's change ``position``."""
+    return spans[int(np.searchsorted(offsets, position, side="right")) - 1][0]
+
+
+def _gaps(spans: list[_Span], at: int, lo_out: np.ndarray, mask_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The gap streams' pieces of the changes in ``spans``, the unit whose first change is change
+    ``at`` of the version (a multiple of 8): its low bytes and its mask bits are written into
+    ``lo_out`` and ``mask_out`` at the unit's bytes; its ``gap_hi`` and ``gap_big`` pieces are
+    returned. NumPy only, in int64."""
+    offsets = _offsets(spans)
     m = int(offsets[-1])
     index = np.empty(m, dtype=np.int64)
-    d = np.empty(m, dtype=np.int16)
     for (_name, change, start, stop), k in zip(spans, offsets):
-        assert change.old is not None
         index[k : k + stop - start] = change.index.detach().reshape(-1)[start:stop].cpu().numpy()
-        np.subtract(_flip_lanes(change.new[start:stop]), _flip_lanes(change.old[start:stop]), out=d[k : k + stop - start])
     g = np.empty(m, dtype=np.int64)
     np.subtract(index[1:], index[:-1], out=g[1:])
     g[1:] -= 1
     for (_name, change, start, _stop), k in zip(spans, offsets):  # each span's first gap: from its own parameter
         g[k] = index[k] if start == 0 else index[k] - int(change.index[start - 1]) - 1
-
-    def named(position: int) -> str:
-        return spans[int(np.searchsorted(offsets, position, side="right")) - 1][0]
-
     if int(g.min()) < 0:
         raise FormatError(
-            f"parameter {named(int(g.argmin()))!r}: a delta's indices must be non-negative and strictly increasing"
+            f"parameter {_named(spans, offsets, int(g.argmin()))!r}: a delta's indices must be non-negative and "
+            "strictly increasing"
         )
-    lo_out, mask_out, sym_out = fixed
     np.copyto(lo_out[at : at + m], g, casting="unsafe")  # the low byte (a cast to uint8 keeps it)
     g >>= 8
     hi_nz = g != 0
     hv = g[hi_nz]
-    big = hv[hv >= 255].astype("<u8")
-    hi_b = np.minimum(hv, 255).astype(np.uint8)
+    mask_out[at // 8 : at // 8 + -(-m // 8)] = np.packbits(hi_nz, bitorder="little")
+    return np.minimum(hv, 255).astype(np.uint8), hv[hv >= 255].astype("<u8")
+
+
+def _values(spans: list[_Span], at: int, sym_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The value streams' pieces of the changes in ``spans`` (the unit of :func:`_gaps`): its
+    packed symbols are written into ``sym_out`` at the unit's bytes, its ``esc_lo`` and
+    ``esc_hi`` pieces returned. NumPy only: the difference of two ordered patterns modulo 2**16
+    is int16's own wrap."""
+    offsets = _offsets(spans)
+    m = int(offsets[-1])
+    d = np.empty(m, dtype=np.int16)
+    for (_name, change, start, stop), k in zip(spans, offsets):
+        assert change.old is not None
+        np.subtract(_flip_lanes(change.new[start:stop]), _flip_lanes(change.old[start:stop]), out=d[k : k + stop - start])
     # New minus old ordered bit pattern modulo 2**16, as a signed 16-bit number,
     # zigzag-mapped: -1 -> 1, +1 -> 2, -2 -> 3, +2 -> 4, ... Symbols 0..2 stand for
     # zigzag 1..3; 3 escapes.
@@ -208,8 +227,8 @@ def _unit(spans: list[_Span], at: int, fixed: tuple[np.ndarray, np.ndarray, np.n
     sym = np.minimum(zig, 4).astype(np.uint8)
     if not sym.all():
         raise FormatError(
-            f"parameter {named(int(sym.argmin()))!r}: a delta lists changed elements only, but an element's new "
-            "value equals its old one"
+            f"parameter {_named(spans, offsets, int(sym.argmin()))!r}: a delta lists changed elements only, but an "
+            "element's new value equals its old one"
         )
     sym -= 1
     # Four 2-bit symbols a byte, the first in the low bits: each little-endian group of four
@@ -219,17 +238,21 @@ def _unit(spans: list[_Span], at: int, fixed: tuple[np.ndarray, np.ndarray, np.n
     quads |= quads >> 6
     quads |= quads >> 12
     np.copyto(sym_out[at // 4 : at // 4 + quads.size], quads, casting="unsafe")
-    mask_out[at // 8 : at // 8 + -(-m // 8)] = np.packbits(hi_nz, bitorder="little")
     esc = zig[zig > 3]
-    return hi_b, big, esc.astype(np.uint8), (esc >> 8).astype(np.uint8)
+    return esc.astype(np.uint8), (esc >> 8).astype(np.uint8)
 
 
-def _raw_streams(
-    items: Sequence[tuple[str, Change]], *, workers: int | None
-) -> tuple[dict[str, np.ndarray | bytes], list[int]]:
-    """The raw streams of ``items`` (each a buffer, in :data:`STREAMS` order) and each
-    parameter's count of changes; the units are spread over ``workers`` threads (None:
-    :func:`encode_threads`), the bytes are the same."""
+def _streams(
+    items: Sequence[tuple[str, Change]], *, workers: int | None, then: Callable[[np.ndarray | bytes], _R]
+) -> tuple[dict[str, _R], list[int]]:
+    """``then`` of each raw stream of ``items`` (in :data:`STREAMS` order), and each parameter's
+    count of changes; the work is spread over ``workers`` threads (None: :func:`encode_threads`),
+    the bytes are the same.
+
+    Each unit's gaps are transformed first, then its values: ``then`` of the gap streams (the
+    compression of ``gap_lo``, the largest, one frame on one thread) runs while the other
+    threads transform the values. Errors in the indices come first, then those in the values,
+    each unit in order, whatever the thread count."""
     counts = [change.index.numel() for _, change in items]
     for name, change in items:
         if change.old is None:
@@ -240,13 +263,37 @@ def _raw_streams(
                 f"{change.old.numel()} old values (one each per changed element)"
             )
     n = sum(counts)
-    fixed = (np.empty(n, dtype=np.uint8), np.empty(-(-n // 8), dtype=np.uint8), np.empty(-(-n // 4), dtype=np.uint8))
+    lo, mask, sym = np.empty(n, dtype=np.uint8), np.empty(-(-n // 8), dtype=np.uint8), np.empty(-(-n // 4), dtype=np.uint8)
     # Every unit starts on a byte of the packed streams (ENCODE_CHUNK is a multiple of 8), so
     # each writes whole bytes of them; the other streams are the units' pieces joined.
-    done = _map(lambda job: _unit(job[1], job[0] * ENCODE_CHUNK, fixed), list(enumerate(_units(items))), workers=workers)
-    rest = {key: b"".join(unit[k] for unit in done) for k, key in enumerate(s for s in STREAMS if s not in _FIXED)}
-    streams: dict[str, np.ndarray | bytes] = {**dict(zip(_FIXED, fixed)), **rest}
-    return {key: streams[key] for key in STREAMS}, counts
+    units = [(k * ENCODE_CHUNK, unit) for k, unit in enumerate(_units(items))]
+
+    def gap_streams(pieces: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, _R]:
+        raw = {"gap_lo": lo, "gap_hi_mask": mask, "gap_hi": b"".join(p[0] for p in pieces),
+               "gap_big": b"".join(p[1] for p in pieces)}  # fmt: skip
+        return {key: then(raw[key]) for key in _GAP_STREAMS}
+
+    def value_streams(pieces: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, _R]:
+        raw = {"sym": sym, "esc_lo": b"".join(p[0] for p in pieces), "esc_hi": b"".join(p[1] for p in pieces)}
+        done = _map(then, [raw[key] for key in _VALUE_STREAMS], workers=workers)
+        return dict(zip(_VALUE_STREAMS, done))
+
+    pool = _pool(workers)
+    if pool is None:
+        gap = gap_streams([_gaps(unit, at, lo, mask) for at, unit in units])
+        value = value_streams([_values(unit, at, sym) for at, unit in units])
+    else:
+        # In submission order: a task waits only for tasks submitted before it, which the pool
+        # started first, so that tasks of concurrent encodes sharing the pool never deadlock.
+        gaps = [pool.submit(_gaps, unit, at, lo, mask) for at, unit in units]
+        gap_job = pool.submit(lambda: gap_streams([f.result() for f in gaps]))
+        values = [pool.submit(_values, unit, at, sym) for at, unit in units]
+        for f in gaps:  # the first error in the indices, in order
+            f.result()
+        value = value_streams([f.result() for f in values])
+        gap = gap_job.result()
+    out = {**gap, **value}
+    return {key: out[key] for key in STREAMS}, counts
 
 
 def zstd_streams(
@@ -254,8 +301,7 @@ def zstd_streams(
 ) -> tuple[dict[str, bytes], list[int]]:
     """The raw (uncompressed) streams of ``items`` and each parameter's count of changes; the work
     is spread over ``workers`` threads (None: :func:`encode_threads`), the bytes are the same."""
-    streams, counts = _raw_streams(items, workers=workers)
-    return {key: bytes(raw) for key, raw in streams.items()}, counts
+    return _streams(items, workers=workers, then=bytes)
 
 
 def ordered(values: torch.Tensor) -> torch.Tensor:

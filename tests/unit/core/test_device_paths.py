@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import filecmp
 from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 from helpers import small_transformer
 
 import deltasync.trainer.scan as scan_module
-from deltasync import ConfigError, DeltaPublisher, DeltaReceiver
+from deltasync import ConfigError, DeltaPublisher, DeltaReceiver, FormatError
 from deltasync.format import Change
 from deltasync.format import fingerprint as fp
 from deltasync.format.codecs.zstd import zstd_streams
@@ -389,6 +390,53 @@ def test_the_parallel_encode_writes_the_same_bytes() -> None:
     many, counts4 = zstd_streams(items, workers=4)
     assert counts1 == counts4 and one == many
     assert all(isinstance(v, bytes) for v in many.values()) and np.frombuffer(many["gap_lo"], np.uint8).size == sum(counts1)
+
+
+def test_encodes_at_once_share_the_encode_threads_and_write_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 chain and the views encode in threads of their own, over one pool of encode
+    threads whose tasks wait for others (the gap streams' compression waits for the gaps):
+    many encodes at once, on two threads, each with many units, all finish with the bytes of
+    one thread."""
+    import deltasync.format.codecs.zstd as zstd_module
+
+    monkeypatch.setattr(zstd_module, "ENCODE_CHUNK", 1 << 12)
+    g = torch.Generator().manual_seed(1)
+    deltas = []
+    for d in range(6):
+        items = []
+        for k in range(3):
+            n = 20_000 + 777 * k + 1000 * d
+            index = torch.sort(torch.randperm(3 * n, generator=g)[:n]).values
+            old = special_bf16(n, seed=10 * d + k)
+            new = (old.view(torch.int16) + torch.randint(1, 4, (n,), dtype=torch.int16, generator=g)).view(torch.bfloat16)
+            items.append((f"w{k}", Change(index=index, new=new, old=old)))
+        deltas.append(items)
+    want = [zstd_streams(items, workers=1) for items in deltas]
+    with ThreadPoolExecutor(len(deltas)) as callers:
+        jobs = [callers.submit(zstd_streams, items, workers=2) for items in deltas * 3]
+        got = [job.result(timeout=120) for job in jobs]  # a deadlock fails here, not forever
+    assert got == want * 3
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_the_encoders_first_error_is_the_same_for_any_thread_count(workers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unchanged element in an early unit and indices out of order in a later one: the
+    indices are named, whatever the thread count (errors in the indices come first, each kind in
+    unit order)."""
+    import deltasync.format.codecs.zstd as zstd_module
+
+    monkeypatch.setattr(zstd_module, "ENCODE_CHUNK", 8)
+    old = special_bf16(16)
+    new = (old.view(torch.int16) + 1).view(torch.bfloat16)
+    new[2] = old[2]  # unchanged, in the first unit
+    index = torch.arange(0, 32, 2)
+    index[12] = index[11]  # repeated, in the second unit
+    same = Change(index=torch.arange(0, 32, 2), new=new, old=old)
+    with pytest.raises(FormatError, match="parameter 'b': .*strictly increasing"):
+        zstd_streams([("a", same), ("b", Change(index=index, new=(old.view(torch.int16) + 1).view(torch.bfloat16), old=old))],
+                     workers=workers)  # fmt: skip
+    with pytest.raises(FormatError, match="parameter 'a': .*new value equals its old one"):
+        zstd_streams([("a", same)], workers=workers)
 
 
 # --------------------------------------------------------------------------- bad input
