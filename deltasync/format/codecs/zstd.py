@@ -188,23 +188,26 @@ def _gaps(spans: list[_Span], at: int, lo_out: np.ndarray, mask_out: np.ndarray)
     returned. NumPy only, in int64."""
     offsets = _offsets(spans)
     m = int(offsets[-1])
-    index = np.empty(m, dtype=np.int64)
-    for (_name, change, start, stop), k in zip(spans, offsets):
-        index[k : k + stop - start] = change.index.detach().reshape(-1)[start:stop].cpu().numpy()
     g = np.empty(m, dtype=np.int64)
-    np.subtract(index[1:], index[:-1], out=g[1:])
-    g[1:] -= 1
-    for (_name, change, start, _stop), k in zip(spans, offsets):  # each span's first gap: from its own parameter
-        g[k] = index[k] if start == 0 else index[k] - int(change.index[start - 1]) - 1
-    if int(g.min()) < 0:
-        raise FormatError(
-            f"parameter {_named(spans, offsets, int(g.argmin()))!r}: a delta's indices must be non-negative and "
-            "strictly increasing"
-        )
+    for (_name, change, start, stop), k in zip(spans, offsets):
+        # Straight from the parameter's indices (a view of them on the host): each gap plus one,
+        # the span's first from the index before it, or for a parameter's first, the index itself.
+        index = change.index.detach().reshape(-1)[max(start - 1, 0) : stop].cpu().numpy()
+        if start == 0:
+            g[k] = int(index[0]) + 1
+            np.subtract(index[1:], index[:-1], out=g[k + 1 : k + stop])
+        else:
+            np.subtract(index[1:], index[:-1], out=g[k : k + stop - start])
+    g -= 1
     np.copyto(lo_out[at : at + m], g, casting="unsafe")  # the low byte (a cast to uint8 keeps it)
-    g >>= 8
+    g >>= 8  # arithmetic: a negative gap stays negative, and among the high parts
     hi_nz = g != 0
     hv = g[hi_nz]
+    if hv.size and int(hv.min()) < 0:
+        raise FormatError(
+            f"parameter {_named(spans, offsets, int(np.flatnonzero(g < 0)[0]))!r}: a delta's indices must be "
+            "non-negative and strictly increasing"
+        )
     mask_out[at // 8 : at // 8 + -(-m // 8)] = np.packbits(hi_nz, bitorder="little")
     return np.minimum(hv, 255).astype(np.uint8), hv[hv >= 255].astype("<u8")
 
