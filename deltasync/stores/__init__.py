@@ -15,6 +15,7 @@ from ._base import (
     open_read,
     read_buffer,
     read_limited,
+    write_pieces,
     write_stream,
 )
 from ._conditional import ConditionalStore, TaggedFile, conditional_guarantee, read_tagged, write_if
@@ -41,5 +42,6 @@ __all__ = [
     "read_limited",
     "read_tagged",
     "write_if",
+    "write_pieces",
     "write_stream",
 ]

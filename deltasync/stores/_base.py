@@ -13,7 +13,7 @@ import hashlib
 from concurrent.futures import Future, ThreadPoolExecutor
 import io
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import BinaryIO, Protocol, runtime_checkable
 
@@ -32,6 +32,7 @@ __all__ = [
     "read_into_buffer",
     "read_limited",
     "reading",
+    "write_pieces",
     "write_stream",
 ]
 
@@ -181,6 +182,24 @@ def open_read(store: Store, path: str, limit: int) -> AbstractContextManager[Bin
     if isinstance(store, StreamingStore):
         return store.open_read(path)
     return contextlib.nullcontext(io.BytesIO(read_limited(store, path, limit)))
+
+
+def write_pieces(store: Store, path: str, pieces: Sequence[bytes | memoryview]) -> tuple[int, str]:
+    """Write a file held in memory as ``pieces`` (a delta: its header and its compressed
+    streams); return its size and SHA-256.
+
+    A store that writes a stream where it lies (``streams_in_place``: a local folder) takes the
+    pieces one after another, each large one hashed while the store writes it
+    (:func:`write_stream`): no copy of the file is made. Any other store gets them joined, in
+    one ``write_bytes`` (a remote store would first spool a stream to a local file), hashed
+    meanwhile in a helper thread."""
+    if getattr(store, "streams_in_place", False):
+        return write_stream(store, path, pieces)
+    data = b"".join(pieces)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-sha256") as hashing:
+        digest = hashing.submit(lambda: hashlib.sha256(data).hexdigest())
+        store.write_bytes(path, data)
+        return len(data), digest.result()
 
 
 def read_buffer(store: Store, path: str, limit: int) -> bytearray:

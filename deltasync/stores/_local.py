@@ -36,6 +36,10 @@ class LocalStore(LimitedReads):
     (on this host or through NFS) see either the old file or the new one.
     """
 
+    streams_in_place = True
+    """:meth:`write_stream` writes each chunk into the file as it comes (see
+    :func:`~deltasync.stores.write_pieces`)."""
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         # Absolute now, so a later chdir cannot move the bucket under a running publisher.
         self.root = Path(root).expanduser().absolute()

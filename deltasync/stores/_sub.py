@@ -70,6 +70,11 @@ class SubStore:
 class _StreamingSubStore(SubStore):
     """A :class:`SubStore` of a parent that streams (:class:`StreamingStore`)."""
 
+    @property
+    def streams_in_place(self) -> bool:
+        """The parent's (see :func:`~deltasync.stores.write_pieces`)."""
+        return bool(getattr(self.parent, "streams_in_place", False))
+
     def write_stream(self, path: str, chunks: Iterable[bytes | memoryview]) -> None:
         write_stream(self.parent, self.prefix + check_path(path), chunks)
 

@@ -46,7 +46,7 @@ from ..format import (
     part_path,
 )
 from ..format.codecs.zstd import encode_threads
-from ..stores import read_limited, write_stream
+from ..stores import read_limited, write_pieces, write_stream
 
 if TYPE_CHECKING:
     from ..stores import Store
@@ -181,8 +181,8 @@ class ChainCommitter:
                          group: Any, *, check: bool = True) -> ChainEntry:  # fmt: skip
         """Write the delta of ``version`` (collective over ``group``): each writing rank its file
         or part, whose pieces (:func:`~deltasync.format.delta_pieces`) and changed elements
-        ``encode()`` gives; return the version's entry. The file's SHA-256 is taken as its
-        pieces are written. ``check``: first check the pointer is still this writer's
+        ``encode()`` gives (:func:`~deltasync.stores.write_pieces`: no copy of them into a local
+        bucket, the SHA-256 taken beside the write); return the version's entry. ``check``: first check the pointer is still this writer's
         (:meth:`check_owner`)."""
         path = self.path("delta", version)
         what = f"writing delta {version}"
@@ -193,7 +193,7 @@ class ChainCommitter:
             if not self.layout.writer:
                 return None, None
             pieces, changed = encode()
-            nbytes, digest = write_stream(self.store, path, pieces)
+            nbytes, digest = write_pieces(self.store, path, pieces)
             return None, PartEntry(path=path, nbytes=nbytes, sha256=digest, changed=changed)
 
         _, written = self.agree(what, write, group)

@@ -55,6 +55,7 @@ class ZstdCodec(Codec):
     ) -> dict[str, Blob]:
         """:meth:`encode`, each stream's zstd frame left as the bytes zstandard returned (a file
         streams them from there: no copy of the compressed data is made)."""
+
         def compress(raw: np.ndarray | bytes) -> bytes:
             # One compressor per stream (they are not thread-safe); single-threaded frames, so
             # the bytes are those of any machine, whatever its cores.

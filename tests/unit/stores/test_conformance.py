@@ -26,6 +26,7 @@ from deltasync.stores import (
     open_store,
     read_buffer,
     read_limited,
+    write_pieces,
     write_stream,
 )
 
@@ -412,6 +413,33 @@ def test_failed_stream_leaves_the_old_file(store: Store) -> None:
         write_stream(store, "anchors/00000003.safetensors", broken())
     assert store.read_bytes("anchors/00000003.safetensors") == b"old"
     assert store.list("anchors/") == ["anchors/00000003.safetensors"]
+
+
+def test_write_pieces_round_trip_with_size_and_digest(store: Store, monkeypatch) -> None:
+    """A file held in memory as pieces (a delta): a local folder streams them where they lie, any
+    other backend gets one ``write_bytes`` of them joined (a remote one would spool a stream to a
+    local file first); the file, its size and its digest are the same."""
+    pieces = [b"header", memoryview(bytearray(b"\x00\x01")), b"", BIG]
+    whole = b"".join(bytes(p) for p in pieces)
+    calls: list[str] = []
+    for method in ("write_bytes", "write_stream"):
+        real = getattr(store, method)
+        monkeypatch.setattr(store, method, lambda *a, real=real, method=method: calls.append(method) or real(*a))
+    size, digest = write_pieces(store, "deltas/00000004.safetensors", pieces)
+    assert (size, digest) == (len(whole), hashlib.sha256(whole).hexdigest())
+    assert store.read_bytes("deltas/00000004.safetensors") == whole
+    assert calls[0] == ("write_stream" if type(store).__name__ == "LocalStore" else "write_bytes")
+
+
+def test_a_sub_store_writes_pieces_as_its_parent_does(tmp_path: Path) -> None:
+    from deltasync.stores._sub import sub_store
+
+    assert sub_store(LocalStore(tmp_path), "views/FP8_DYNAMIC/").streams_in_place  # type: ignore[attr-defined]
+    five = FiveMethodStore()
+    view = sub_store(five, "views/FP8_DYNAMIC/")
+    assert not getattr(view, "streams_in_place", False)
+    assert write_pieces(view, "deltas/x", [b"ab", memoryview(b"c")]) == (3, hashlib.sha256(b"abc").hexdigest())
+    assert five.files["views/FP8_DYNAMIC/deltas/x"] == b"abc"
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this platform")
