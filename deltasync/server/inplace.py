@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 from deltasync import IntegrityError
+from deltasync.format.codecs.zstd import decode_threads
 from deltasync.format.fingerprint import DeviceHasher, fingerprint_add, fingerprint_move, fingerprint_share
+from deltasync.format.threads import spread
 from deltasync.protocol import Heal
 from deltasync.reader import ChainReader, Overlay
 
@@ -45,6 +47,9 @@ from .weight_map import Piece, WeightMap
 __all__ = ["InPlaceState", "LiveStaged", "release_freed_memory", "release_later", "wait_for_device"]
 
 _MASK = (1 << 64) - 1
+_SPREAD_MOVES = 1 << 20
+"""A delta's fingerprint moves of host values are spread over the decode threads from this
+many changed elements."""
 # Parameter names of the host copy in ``InPlaceState.flat`` (never a vLLM parameter's name).
 _HOST = "<host>"
 
@@ -331,10 +336,16 @@ class InPlaceState:
             # The indices cross to the parameter's device once; they are located and read there.
             flat = self.flat[pieces[0].param]
             index_on = index.to(flat.device)
-            hit, dst_on = pieces[0].locate(index_on, sorted_index=True)
+            run = pieces[0].locate_run(index_on)
+            hit: torch.Tensor | None
+            if run is None:
+                hit, dst_on = pieces[0].locate(index_on, sorted_index=True)
+            else:  # a dense box: positions are made only where some indices fall outside it
+                first, last, dst_on = run
+                hit = None if last - first == index.numel() else torch.arange(first, last)
             got_on = flat.read(dst_on)
             got = got_on.cpu()
-            if hit.numel() != index.numel():
+            if hit is not None and hit.numel() != index.numel():
                 return hit.cpu(), got
             resident = self._resident
             if resident is not None:  # a decode thread's own name: one entry per name
@@ -378,11 +389,9 @@ class InPlaceState:
         # One delta (the common case): the live values it read are the undo log already.
         live: dict[str, torch.Tensor] | None = {} if target == self.version + 1 else None
         for step in reader.deltas(self.version + 1, target, overlay, numels=self.map.numels):
-            share = 0
-            for name, move in step.moves.items():
-                if name in self.map.ignored:
-                    continue
-                share += self._share_move(name, move.index, move.old, move.new)
+            moves = [(name, move) for name, move in step.moves.items() if name not in self.map.ignored]
+            share = sum(self._share_moves(moves))
+            for name, move in moves:
                 names[name] = None
                 staged.changed += move.changed
                 if live is not None:
@@ -444,6 +453,24 @@ class InPlaceState:
         parts = olds[param]
         if parts is not None:
             olds[param] = None if old is None else [*parts, old]
+
+    def _share_moves(self, moves: list[tuple[str, Any]]) -> list[int]:
+        """:meth:`_share_move` of each ``(name, move)``. Those held on the host are hashed over
+        the decode threads (NumPy, without the interpreter lock) where they are many; the others
+        are hashed on their device, in this thread."""
+        def one(item: tuple[str, Any]) -> int:
+            name, move = item
+            return self._share_move(name, move.index, move.old, move.new)
+
+        host = [item for item in moves if self._on_host(item[0])]
+        rest = [item for item in moves if not self._on_host(item[0])]
+        workers = decode_threads() if sum(move.index.numel() for _, move in host) > _SPREAD_MOVES else 1
+        with spread(workers, "deltasync-move") as threads:
+            return [*threads(one, host), *(one(item) for item in rest)]
+
+    def _on_host(self, name: str) -> bool:
+        """Whether every piece of ``name`` this rank holds is in host memory."""
+        return all(self.flat[piece.param].raw.device.type == "cpu" for piece in self.map.pieces.get(name, []))
 
     def _share_move(self, name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> int:
         """Fingerprint move of elements ``index`` (held here) going from ``old`` to ``new`` bits,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from deltasync.format.dtypes import find_element_type
@@ -56,8 +57,13 @@ class LiveFlat:
         return self.raw.numel()
 
     def read(self, dst: torch.Tensor) -> torch.Tensor:
-        """The lanes at flat positions ``dst`` (on this parameter's device)."""
-        got = self.raw.index_select(0, dst)
+        """The lanes at flat positions ``dst`` (on this parameter's device). On the CPU with
+        NumPy: it runs in the decode threads, where each torch operation would start a team of
+        torch's intra-op threads of its own, more threads than cores."""
+        if self.raw.device.type == "cpu":
+            got = torch.from_numpy(np.take(self.raw.numpy(), dst.numpy()))
+        else:
+            got = self.raw.index_select(0, dst)
         if self.raw.dtype == torch.int32:  # the bf16 bits: the upper half, the lower one is zero
             got = got >> 16
         return got.to(torch.int16)  # a lane's bits zero-extended (no copy for int16)

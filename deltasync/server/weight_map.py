@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -89,6 +90,24 @@ class Piece:
             run *= self.sizes[d]
         return True
 
+    def locate_run(self, index: torch.Tensor) -> tuple[int, int, torch.Tensor] | None:
+        """For sorted int64 checkpoint indices and a dense box: the run ``index[first:last]`` of
+        those inside it and their parameter flat indices, ``(first, last, dst)``; None for a box
+        that is not dense (:meth:`locate` then). No positions are made: a caller that holds the
+        whole run needs none."""
+        if not self._dense:
+            return None
+        lo, hi = self.src_range
+        shift = self.dst_offset - self.src_offset
+        if index.device.type == "cpu":  # NumPy: see LiveFlat.read (the decode threads call this)
+            flat = index.numpy()
+            first, last = int(np.searchsorted(flat, lo)), int(np.searchsorted(flat, hi, side="right"))
+            return first, last, torch.from_numpy(flat[first:last] + np.int64(shift))
+        bounds = torch.tensor([lo, hi], dtype=index.dtype, device=index.device)
+        first = int(torch.searchsorted(index, bounds[:1]))
+        last = int(torch.searchsorted(index, bounds[1:], right=True))
+        return first, last, index[first:last] + shift
+
     def locate(self, index: torch.Tensor, *, sorted_index: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """For int64 checkpoint indices: the positions in ``index`` inside this box (increasing)
         and their parameter flat indices. O(len(index)); for a dense box and a sorted ``index``
@@ -96,10 +115,10 @@ class Piece:
         and one pass."""
         lo, hi = self.src_range
         if self._dense and (sorted_index or index.numel() < 2 or bool((index[1:] >= index[:-1]).all())):
-            bounds = torch.tensor([lo, hi], dtype=index.dtype, device=index.device)
-            first = int(torch.searchsorted(index, bounds[:1]))
-            last = int(torch.searchsorted(index, bounds[1:], right=True))
-            return torch.arange(first, last, device=index.device), index[first:last] + (self.dst_offset - self.src_offset)
+            run = self.locate_run(index)
+            assert run is not None
+            first, last, dst = run
+            return torch.arange(first, last, device=index.device), dst
         hit = torch.nonzero((index >= lo) & (index <= hi)).reshape(-1)
         if hit.numel() == 0:
             return hit, hit

@@ -514,14 +514,21 @@ def test_the_in_place_writer_on_device_tensors_is_exact(device: str, tmp_path: P
     from deltasync.server.inplace import InPlaceState
     from deltasync.server.weight_map import discover
 
-    located = [0]
-    locate = weight_map.Piece.locate
+    located, depth = [0], [0]
 
-    def counted(self, index, **kwargs):  # type: ignore[no-untyped-def]
-        located[0] += 1
-        return locate(self, index, **kwargs)
+    def counting(real):  # type: ignore[no-untyped-def]  # a location asked for (locate uses locate_run)
+        def counted(self, index, **kwargs):  # type: ignore[no-untyped-def]
+            located[0] += depth[0] == 0
+            depth[0] += 1
+            try:
+                return real(self, index, **kwargs)
+            finally:
+                depth[0] -= 1
 
-    monkeypatch.setattr(weight_map.Piece, "locate", counted)
+        return counted
+
+    monkeypatch.setattr(weight_map.Piece, "locate", counting(weight_map.Piece.locate))
+    monkeypatch.setattr(weight_map.Piece, "locate_run", counting(weight_map.Piece.locate_run))
 
     from deltasync.reader.chain import ChainReader, read_pointer
     from deltasync.stores import LocalStore

@@ -91,6 +91,15 @@ def test_piece_locate_and_chunks_match_the_strided_view(shape, data):
         hit, dst = piece.locate(index)
         assert sorted(hit.tolist()) == [p for p, i in enumerate(index.tolist()) if i in where]
         assert [where[int(i)] for i in index[hit]] == dst.tolist()
+    # The run of a sorted index in a dense box (what the in-place read takes): the same elements.
+    sorted_pick = torch.unique(pick)
+    run = piece.locate_run(sorted_pick)
+    if run is None:
+        assert not piece._dense
+    else:
+        first, last, dst = run
+        hit, want_dst = piece.locate(sorted_pick, sorted_index=True)
+        assert hit.tolist() == list(range(first, last)) and torch.equal(dst, want_dst)
 
 
 def test_in_place_writes_every_bit_pattern_exactly_and_rolls_back():
