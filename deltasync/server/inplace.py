@@ -458,12 +458,15 @@ class InPlaceState:
         """:meth:`_share_move` of each ``(name, move)``. Those held on the host are hashed over
         the decode threads (NumPy, without the interpreter lock) where they are many; the others
         are hashed on their device, in this thread."""
+
         def one(item: tuple[str, Any]) -> int:
             name, move = item
             return self._share_move(name, move.index, move.old, move.new)
 
-        host = [item for item in moves if self._on_host(item[0])]
-        rest = [item for item in moves if not self._on_host(item[0])]
+        host: list[tuple[str, Any]] = []
+        rest: list[tuple[str, Any]] = []
+        for item in moves:
+            (host if self._on_host(item[0]) else rest).append(item)
         workers = decode_threads() if sum(move.index.numel() for _, move in host) > _SPREAD_MOVES else 1
         with spread(workers, "deltasync-move") as threads:
             return [*threads(one, host), *(one(item) for item in rest)]

@@ -182,8 +182,8 @@ class ChainCommitter:
         """Write the delta of ``version`` (collective over ``group``): each writing rank its file
         or part, whose pieces (:func:`~deltasync.format.delta_pieces`) and changed elements
         ``encode()`` gives (:func:`~deltasync.stores.write_pieces`: no copy of them into a local
-        bucket, the SHA-256 taken beside the write); return the version's entry. ``check``: first check the pointer is still this writer's
-        (:meth:`check_owner`)."""
+        bucket, the SHA-256 taken beside the write); return the version's entry. ``check``:
+        first check the pointer is still this writer's (:meth:`check_owner`)."""
         path = self.path("delta", version)
         what = f"writing delta {version}"
 
