@@ -111,6 +111,8 @@ class _Write:
     dst: torch.Tensor
     bits: torch.Tensor
     old: torch.Tensor | None = None
+    ordered: bool = False
+    """Whether ``dst`` is known to be increasing already (one dense box's run of sorted indices)."""
 
 
 @dataclass
@@ -412,20 +414,21 @@ class InPlaceState:
             if read is not None and mine is not None and patch.index is mine.index and read is mine.got:
                 # What the read left on the device: every element of its one piece, their values now.
                 bits = mine.new_on if mine.new_on is not None and patch.bits is mine.new else patch.bits
-                self._add_write(staged, olds, pieces[0].param, mine.dst_on, bits, mine.got_on)
+                self._add_write(staged, olds, pieces[0].param, mine.dst_on, bits, mine.got_on, ordered=pieces[0].dense)
                 continue
             for piece in pieces:
                 hit, dst = piece.locate(patch.index, sorted_index=True)
                 if hit.numel():
                     every = hit.numel() == patch.index.numel()  # hits come in order, each once
                     bits = patch.bits if every else patch.bits[hit]
-                    self._add_write(staged, olds, piece.param, dst, bits, None if read is None else read if every else read[hit])
+                    self._add_write(staged, olds, piece.param, dst, bits, None if read is None else read if every else read[hit],
+                                    ordered=piece.dense)  # fmt: skip
         for param, write in staged.writes.items():
             flat = self.flat[param]
             write.dst, write.bits = write.dst.to(flat.device), write.bits.to(flat.device)
             parts = olds[param]
             old = None if not parts else parts[0].to(flat.device) if len(parts) == 1 else torch.cat([p.to(flat.device) for p in parts])
-            if write.dst.numel() > 1 and not bool((write.dst[1:] > write.dst[:-1]).all()):
+            if not write.ordered and write.dst.numel() > 1 and not bool((write.dst[1:] > write.dst[:-1]).all()):
                 # Pieces laid out in another order than the checkpoint's (sorted already, else).
                 write.dst, order = torch.sort(write.dst)
                 write.bits = write.bits[order]
@@ -438,18 +441,19 @@ class InPlaceState:
         return staged
 
     def _add_write(self, staged: LiveStaged, olds: dict[str, list[torch.Tensor] | None], param: str,
-                   dst: torch.Tensor, bits: torch.Tensor, old: torch.Tensor | None) -> None:  # fmt: skip
+                   dst: torch.Tensor, bits: torch.Tensor, old: torch.Tensor | None, *, ordered: bool = False) -> None:  # fmt: skip
         """Add ``bits`` at flat positions ``dst`` of ``param`` to the staged writes, with the values
-        there now (``old``; None: read them later). Several names of one parameter are joined on
-        its device."""
+        there now (``old``; None: read them later); ``ordered``: ``dst`` is increasing already.
+        Several names of one parameter are joined on its device."""
         write = staged.writes.get(param)
         if write is None:
-            staged.writes[param] = _Write(dst, bits)
+            staged.writes[param] = _Write(dst, bits, ordered=ordered)
             olds[param] = []
         else:
             dev = self.flat[param].device
             write.dst = torch.cat([write.dst.to(dev), dst.to(dev)])
             write.bits = torch.cat([write.bits.to(dev), bits.to(dev)])
+            write.ordered = False  # joined: checked, and sorted where needed
         parts = olds[param]
         if parts is not None:
             olds[param] = None if old is None else [*parts, old]

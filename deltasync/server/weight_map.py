@@ -90,11 +90,18 @@ class Piece:
             run *= self.sizes[d]
         return True
 
+    @property
+    def dense(self) -> bool:
+        """Whether the box is one run laid out alike on both sides (see :meth:`locate_run`): the
+        parameter indices of sorted checkpoint indices are then sorted too."""
+        return self._dense
+
     def locate_run(self, index: torch.Tensor) -> tuple[int, int, torch.Tensor] | None:
         """For sorted int64 checkpoint indices and a dense box: the run ``index[first:last]`` of
         those inside it and their parameter flat indices, ``(first, last, dst)``; None for a box
         that is not dense (:meth:`locate` then). No positions are made: a caller that holds the
-        whole run needs none."""
+        whole run needs none. Where the box starts at the same flat index in both (a whole
+        tensor), ``dst`` is a view of ``index``: a caller must not write into it."""
         if not self._dense:
             return None
         lo, hi = self.src_range
@@ -102,11 +109,13 @@ class Piece:
         if index.device.type == "cpu":  # NumPy: see LiveFlat.read (the decode threads call this)
             flat = index.numpy()
             first, last = int(np.searchsorted(flat, lo)), int(np.searchsorted(flat, hi, side="right"))
-            return first, last, torch.from_numpy(flat[first:last] + np.int64(shift))
+            run = index[first:last]
+            return first, last, run if shift == 0 else torch.from_numpy(flat[first:last] + np.int64(shift))
         bounds = torch.tensor([lo, hi], dtype=index.dtype, device=index.device)
         first = int(torch.searchsorted(index, bounds[:1]))
         last = int(torch.searchsorted(index, bounds[1:], right=True))
-        return first, last, index[first:last] + shift
+        run = index[first:last]
+        return first, last, run if shift == 0 else run + shift
 
     def locate(self, index: torch.Tensor, *, sorted_index: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """For int64 checkpoint indices: the positions in ``index`` inside this box (increasing)

@@ -4,7 +4,6 @@ that each compress well, each a zstd frame (docs/protocol.md describes every str
 
 from __future__ import annotations
 
-import io
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -329,21 +328,24 @@ _SYMBOL_DIFF = np.array([-1, 1, -2, 0], dtype=np.int16)
 """The difference each symbol stands for (zigzag 1, 2, 3); 3 is the escape, filled in after."""
 
 
-def _flip16(bits: np.ndarray) -> np.ndarray:
+def _flip16(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """:func:`ordered` and :func:`from_ordered` on int16 bit patterns, modulo 2**16: both are
-    this involution (negative patterns, sign bit set, have their other 15 bits flipped). One
-    pass of three int16 operations, where the int32 forms take several."""
-    return bits ^ ((bits >> 15) & 0x7FFF)
+    this involution (negative patterns, sign bit set, have their other 15 bits flipped). Three
+    int16 operations, where the int32 forms take several, into one new array (or ``out``,
+    which may be ``bits``)."""
+    flip = np.right_shift(bits, 15)
+    flip &= 0x7FFF
+    return np.bitwise_xor(bits, flip, out=out)
 
 
-def _decompress(blob: torch.Tensor, expected: int, key: str, where: str) -> bytes:
+def _decompress(blob: torch.Tensor, expected: int, key: str, where: str) -> memoryview:
     if blob.dtype != torch.uint8 or blob.dim() != 1:
         raise FormatError(f"{where}: stream {key!r} must be a 1-D uint8 tensor")
     if expected == 0:
         if blob.numel():
             raise FormatError(f"{where}: stream {key!r} should be empty")
-        return b""
-    data = blob.numpy().tobytes()
+        return memoryview(b"")
+    data = np.ascontiguousarray(blob.numpy())  # read in place: zstandard takes any buffer
     try:
         declared = zstandard.frame_content_size(data)
         if declared not in (-1, expected):  # -1: the frame does not say
@@ -359,22 +361,26 @@ def _decompress(blob: torch.Tensor, expected: int, key: str, where: str) -> byte
     return raw
 
 
-def bounded_decompress(blob: bytes, expected: int) -> bytes:
-    """Decompress at most ``expected + 1`` bytes, whatever the frame header claims.
+def bounded_decompress(blob: Any, expected: int) -> memoryview:
+    """Decompress at most ``expected + 1`` bytes of the frame in ``blob`` (any buffer),
+    whatever the frame header claims.
 
     The one-shot API trusts a frame's declared content size (a 1 KB frame can ask for a
     terabyte). Streaming with a bounded window keeps memory at ``expected`` plus a constant.
+    The bytes land in one NumPy buffer, with no copy after (a large one is given huge pages
+    where the system allows: a large stream faults in few pages).
     """
     window = max(_MIN_WINDOW, 1 << max(expected - 1, 1).bit_length())
     dctx = zstandard.ZstdDecompressor(max_window_size=window)
-    out = bytearray()
-    with dctx.stream_reader(io.BytesIO(blob), read_across_frames=False) as reader:
-        while len(out) <= expected:
-            chunk = reader.read(expected + 1 - len(out))
-            if not chunk:
+    out = memoryview(np.empty(expected + 1, dtype=np.uint8))
+    got = 0
+    with dctx.stream_reader(blob, read_across_frames=False) as reader:
+        while got <= expected:
+            n = reader.readinto(out[got:])
+            if not n:
                 break
-            out += chunk
-    return bytes(out)
+            got += n
+    return out[:got]
 
 
 DECODE_CHUNK = 1 << 18
@@ -390,7 +396,7 @@ def decode_threads() -> int:
     return thread_count("DELTASYNC_DECODE_THREADS")
 
 
-def _attempt(job: tuple[torch.Tensor, int, str, str]) -> bytes | FormatError:
+def _attempt(job: tuple[torch.Tensor, int, str, str]) -> memoryview | FormatError:
     """:func:`_decompress`, its error returned rather than raised (raised later, in stream order)."""
     try:
         return _decompress(*job)
@@ -398,7 +404,7 @@ def _attempt(job: tuple[torch.Tensor, int, str, str]) -> bytes | FormatError:
         return exc
 
 
-def _got(result: bytes | FormatError) -> bytes:
+def _got(result: memoryview | FormatError) -> memoryview:
     if isinstance(result, FormatError):
         raise result
     return result
@@ -541,7 +547,9 @@ def _decode_spread(
         dtype = delta.dtype(name)
         if dtype == torch.bfloat16:
             base = old.to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy()
-            new = _flip16(_flip16(base) + diff[start : start + count])  # int16 arithmetic wraps modulo 2**16
+            new = _flip16(base)  # a new array, then in place: int16 arithmetic wraps modulo 2**16
+            new += diff[start : start + count]
+            _flip16(new, out=new)
             return Change(index=index, new=torch.from_numpy(new).view(torch.bfloat16))
         # One-byte codes: lanes, which must stay within their byte where the reader holds them.
         moved = lanes(old.cpu()).numpy() + diff[start : start + count]

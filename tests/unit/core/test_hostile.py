@@ -18,6 +18,7 @@ import struct
 import time
 import uuid
 
+import numpy as np
 import pytest
 import torch
 import zstandard
@@ -435,6 +436,9 @@ def test_bounded_decompress_reads_one_byte_past_the_promise() -> None:
     assert Z.bounded_decompress(frame, 6000) == b"abcdef" * 1000
     assert len(Z.bounded_decompress(frame, 10)) == 11
     assert Z.bounded_decompress(frame, 7000) == b"abcdef" * 1000  # short: the caller refuses it
+    # Any buffer is read in place (a stream's NumPy view, a memoryview), into one buffer.
+    for source in (np.frombuffer(frame, dtype=np.uint8), memoryview(frame)):
+        assert Z.bounded_decompress(source, 6000) == b"abcdef" * 1000
 
 
 # --------------------------------------------------------------------------- oversized objects

@@ -71,21 +71,22 @@ def test_piece_locate_and_chunks_match_the_strided_view(shape, data):
         view = view.narrow(d, start, length)
     perm = data.draw(st.permutations(range(len(shape))))
     view = view.permute(*perm)
+    at = data.draw(st.sampled_from([3, view.storage_offset()]))  # where the box starts in the parameter
     piece = Piece(param="p", sizes=tuple(view.shape), src_offset=view.storage_offset(),
-                  src_strides=tuple(view.stride()), dst_offset=3, dst_strides=tuple(torch.empty(view.shape).stride()))  # fmt: skip
+                  src_strides=tuple(view.stride()), dst_offset=at, dst_strides=tuple(torch.empty(view.shape).stride()))  # fmt: skip
     assert piece.invertible()
     everything = torch.arange(base.numel())
     hit, dst = piece.locate(everything)
     want = view.reshape(-1)  # checkpoint indices in box order; box order = dst order
     order = torch.argsort(dst)
     assert torch.equal(everything[hit][order], want)
-    assert torch.equal(dst[order], 3 + torch.arange(want.numel()))
+    assert torch.equal(dst[order], at + torch.arange(want.numel()))
     src_all = torch.cat([s for s, _ in piece.chunks(limit=4)])
     dst_all = torch.cat([d for _, d in piece.chunks(limit=4)])
     assert torch.equal(src_all[torch.argsort(dst_all)], want)
     # Any index (a sorted subset, as deltas hold them, or not sorted, repeats included): the
     # dense fast path and the general one agree with the box.
-    where = {int(src): 3 + j for j, src in enumerate(want.tolist())}
+    where = {int(src): at + j for j, src in enumerate(want.tolist())}
     pick = torch.tensor(data.draw(st.lists(st.integers(0, base.numel() - 1), max_size=12)), dtype=torch.int64)
     for index in (torch.unique(pick), pick):
         hit, dst = piece.locate(index)
@@ -100,6 +101,10 @@ def test_piece_locate_and_chunks_match_the_strided_view(shape, data):
         first, last, dst = run
         hit, want_dst = piece.locate(sorted_pick, sorted_index=True)
         assert hit.tolist() == list(range(first, last)) and torch.equal(dst, want_dst)
+        assert piece.dense and bool((dst[1:] > dst[:-1]).all())  # the stage skips its order check
+        # A box at the same flat index on both sides gives a view of the indices, not a copy.
+        shares = dst.numel() > 0 and dst.data_ptr() == sorted_pick[first:].data_ptr()
+        assert shares == (dst.numel() > 0 and piece.dst_offset == piece.src_offset)
 
 
 def test_in_place_writes_every_bit_pattern_exactly_and_rolls_back():
