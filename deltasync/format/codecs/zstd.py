@@ -202,7 +202,7 @@ def _gaps(spans: list[_Span], at: int, lo_out: np.ndarray, mask_out: np.ndarray)
     np.copyto(lo_out[at : at + m], g, casting="unsafe")  # the low byte (a cast to uint8 keeps it)
     g >>= 8  # arithmetic: a negative gap stays negative, and among the high parts
     hi_nz = g != 0
-    hv = g[hi_nz]
+    hv = np.compress(hi_nz, g)  # (NumPy's boolean indexing is several times slower on a dense mask)
     if hv.size and int(hv.min()) < 0:
         raise FormatError(
             f"parameter {_named(spans, offsets, int(np.flatnonzero(g < 0)[0]))!r}: a delta's indices must be "
@@ -241,7 +241,7 @@ def _values(spans: list[_Span], at: int, sym_out: np.ndarray) -> tuple[np.ndarra
     quads |= quads >> 6
     quads |= quads >> 12
     np.copyto(sym_out[at // 4 : at // 4 + quads.size], quads, casting="unsafe")
-    esc = zig[zig > 3]
+    esc = np.compress(zig > 3, zig)  # as the gaps' high parts: faster than zig[zig > 3]
     return esc.astype(np.uint8), (esc >> 8).astype(np.uint8)
 
 
