@@ -325,17 +325,37 @@ def from_ordered(pattern: torch.Tensor) -> torch.Tensor:
 
 
 _SYMBOL_DIFF = np.array([-1, 1, -2, 0], dtype=np.int16)
-"""The difference each symbol stands for (zigzag 1, 2, 3); 3 is the escape, filled in after."""
+"""The difference each symbol stands for (zigzag 1, 2, 3); 3 is the escape, filled in after.
+No other symbol stands for 0, so the zeros of the differences looked up are the escapes."""
+_PACKED_DIFF = _SYMBOL_DIFF[(np.arange(256)[:, None] >> (2 * np.arange(4))) & 3].reshape(-1).view(np.int64)
+"""The four differences a byte of packed symbols stands for (lowest bits first), as the int64
+that holds them: one lookup a byte instead of unpacking the symbols and looking each up."""
+_FLIP_CHUNK = 1 << 16
+"""Elements flipped at a time: the temporary (128 KiB) stays in cache, and no fresh pages are
+taken for it."""
 
 
-def _flip16(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """:func:`ordered` and :func:`from_ordered` on int16 bit patterns, modulo 2**16: both are
+def _flip16(bits: np.ndarray, out: np.ndarray | None = None, add: np.ndarray | None = None) -> np.ndarray:
+    """:func:`ordered` and :func:`from_ordered` on 1-D int16 bit patterns, modulo 2**16: both are
     this involution (negative patterns, sign bit set, have their other 15 bits flipped). Three
     int16 operations, where the int32 forms take several, into one new array (or ``out``,
-    which may be ``bits``)."""
-    flip = np.right_shift(bits, 15)
-    flip &= 0x7FFF
-    return np.bitwise_xor(bits, flip, out=out)
+    which may be ``bits``), a cache-sized chunk at a time. ``add``: the flip of (the flip of
+    ``bits`` + ``add``), int16 arithmetic wrapping modulo 2**16 (the decode's move of ordered
+    patterns), in the same pass."""
+    out = np.empty_like(bits) if out is None else out
+    tmp = np.empty(min(bits.size, _FLIP_CHUNK), dtype=np.int16)
+    for at in range(0, bits.size, _FLIP_CHUNK):
+        src, dst = bits[at : at + _FLIP_CHUNK], out[at : at + _FLIP_CHUNK]
+        t = tmp[: src.size]
+        np.right_shift(src, 15, out=t)
+        t &= 0x7FFF
+        np.bitwise_xor(src, t, out=dst)
+        if add is not None:
+            dst += add[at : at + _FLIP_CHUNK]
+            np.right_shift(dst, 15, out=t)
+            t &= 0x7FFF
+            dst ^= t
+    return out
 
 
 def _decompress(blob: torch.Tensor, expected: int, key: str, where: str) -> memoryview:
@@ -410,14 +430,6 @@ def _got(result: memoryview | FormatError) -> memoryview:
     return result
 
 
-def _unpack_sym(packed: np.ndarray, count: int) -> np.ndarray:
-    """The first ``count`` 2-bit symbols of ``packed`` (four per byte, lowest bits first)."""
-    sym = np.empty((packed.size, 4), dtype=np.uint8)
-    for k in range(4):
-        np.bitwise_and(packed >> np.uint8(2 * k), np.uint8(3), out=sym[:, k])
-    return sym.reshape(-1)[:count]
-
-
 def _decode(
     tensors: Mapping[str, torch.Tensor], delta: DeltaContext, *, workers: int | None = None, chunk: int = DECODE_CHUNK
 ) -> dict[str, Change]:
@@ -469,14 +481,20 @@ def _decode_spread(
     lo = np.frombuffer(_got(first[0]), dtype=np.uint8)
     mask = np.frombuffer(_got(first[1]), dtype=np.uint8)
     packed = None if isinstance(first[2], FormatError) else np.frombuffer(first[2], dtype=np.uint8)
+    # The differences, four a byte of packed symbols (the padding past n is never read).
+    diff_4 = np.empty(-(-n // 4), dtype=np.int64)
+    diff = diff_4.view(np.int16)[:n]
 
-    def unpack(span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def unpack(span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
         a, b = span
         hi_at = np.flatnonzero(np.unpackbits(mask[a // 8 : -(-b // 8)], bitorder="little")[: b - a])
         if packed is None:  # its error is raised after those of the gap streams
-            return hi_at, np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.int64)
-        sym = _unpack_sym(packed[a // 4 : -(-b // 4)], b - a)
-        return hi_at, sym, np.flatnonzero(sym == 3)
+            return hi_at, np.zeros(0, dtype=np.int64)
+        # A byte is always in range: "clip" writes straight into out ("raise" takes the values
+        # into a buffer first, then copies them).
+        got = slice(a // 4, -(-b // 4))
+        np.take(_PACKED_DIFF, packed[got], out=diff_4[got], mode="clip")
+        return hi_at, np.flatnonzero(diff[a:b] == 0)  # the escapes
 
     unpacked = spread(unpack, spans)
     n_hi = sum(u[0].size for u in unpacked)
@@ -487,7 +505,7 @@ def _decode_spread(
         raise FormatError(f"{where}: stream 'gap_big' holds a value outside 255..2**55-1")
     hv[hv == 255] = big.astype(np.int64)
     _got(first[2])
-    n_esc = sum(u[2].size for u in unpacked)
+    n_esc = sum(u[1].size for u in unpacked)
     esc_lo = np.frombuffer(_decompress(tensors[PREFIX + "esc_lo"], n_esc, "esc_lo", where), dtype=np.uint8)
     esc_hi = np.frombuffer(_decompress(tensors[PREFIX + "esc_hi"], n_esc, "esc_hi", where), dtype=np.uint8)
     esc = (esc_hi.astype(np.uint16) << np.uint16(8)) | esc_lo
@@ -498,15 +516,13 @@ def _decode_spread(
     esc_diff = ((esc >> np.uint16(1)) ^ (np.uint16(0) - (esc & np.uint16(1)))).view(np.int16)
     # Every gap is in 0..2**63-1: the low byte, plus the high part (< 2**55) shifted by 8.
     gaps = np.empty(n, dtype=np.int64)
-    diff = np.empty(n, dtype=np.int16)
     hi_from = np.cumsum([0] + [u[0].size for u in unpacked]).tolist()
-    esc_from = np.cumsum([0] + [u[2].size for u in unpacked]).tolist()
+    esc_from = np.cumsum([0] + [u[1].size for u in unpacked]).tolist()
 
     def fill(k: int) -> None:
-        (a, b), (hi_at, sym, esc_at) = spans[k], unpacked[k]
+        (a, b), (hi_at, esc_at) = spans[k], unpacked[k]
         np.copyto(gaps[a:b], lo[a:b], casting="unsafe")
         gaps[a + hi_at] |= hv[hi_from[k] : hi_from[k + 1]] << np.int64(8)
-        np.take(_SYMBOL_DIFF, sym, out=diff[a:b])
         diff[a + esc_at] = esc_diff[esc_from[k] : esc_from[k + 1]]
 
     spread(fill, list(range(len(spans))))
@@ -547,9 +563,7 @@ def _decode_spread(
         dtype = delta.dtype(name)
         if dtype == torch.bfloat16:
             base = old.to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy()
-            new = _flip16(base)  # a new array, then in place: int16 arithmetic wraps modulo 2**16
-            new += diff[start : start + count]
-            _flip16(new, out=new)
+            new = _flip16(base, add=diff[start : start + count])  # int16 arithmetic wraps modulo 2**16
             return Change(index=index, new=torch.from_numpy(new).view(torch.bfloat16))
         # One-byte codes: lanes, which must stay within their byte where the reader holds them.
         moved = lanes(old.cpu()).numpy() + diff[start : start + count]

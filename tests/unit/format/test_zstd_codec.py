@@ -187,6 +187,31 @@ def test_ordered_bit_pattern_transform() -> None:
         assert moved == [ref_from_ordered(ref_ordered(b) + d) for b in bits], d
 
 
+@pytest.mark.parametrize("size", [0, 1, Z._FLIP_CHUNK, 3 * Z._FLIP_CHUNK + 5])
+def test_the_flip_and_the_decodes_move_are_the_same_a_chunk_at_a_time(size: int) -> None:
+    """:func:`_flip16` runs a cache-sized chunk at a time: over several chunks and a partial last
+    one it is the involution of the whole array, in place or not, and with ``add`` it is the flip
+    of (the flip + the differences), modulo 2**16."""
+    rng = np.random.default_rng(size)
+    bits = rng.integers(-0x8000, 0x8000, size=size, dtype=np.int16)
+    diff = rng.integers(-0x8000, 0x8000, size=size, dtype=np.int16)
+    want = bits ^ ((bits >> 15) & 0x7FFF)
+    assert Z._flip16(bits).tolist() == want.tolist()
+    moved = want + diff  # int16: wraps modulo 2**16
+    assert Z._flip16(bits, add=diff).tolist() == (moved ^ ((moved >> 15) & 0x7FFF)).tolist()
+    again = bits.copy()
+    assert Z._flip16(again, out=again) is again and again.tolist() == want.tolist()
+
+
+def test_a_byte_of_packed_symbols_stands_for_its_four_differences() -> None:
+    """The decode's lookup of a packed byte: its four symbols, lowest bits first, each the
+    difference it codes, and 0 (no symbol's difference) only for the escape."""
+    table = Z._PACKED_DIFF.view(np.int16).reshape(256, 4)
+    for byte in range(256):
+        symbols = [(byte >> (2 * k)) & 3 for k in range(4)]
+        assert table[byte].tolist() == [{0: -1, 1: 1, 2: -2, 3: 0}[s] for s in symbols], byte
+
+
 def test_zstd_values_are_relative_to_the_receivers_state() -> None:
     data = example_files()["zstd"]
     shifted = {name: bf16([b + 1 for b in bits_of(t)]) for name, t in example_state().items()}
