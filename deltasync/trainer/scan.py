@@ -137,34 +137,61 @@ class SnapshotScan:
         return bufs[0][:numel], bufs[1][:numel], bufs[2][:numel]
 
     def _compare(self, name: str) -> Change | None:
-        """One parameter on the CPU against its published state, :data:`CHUNK` elements at a time."""
+        """One parameter on the CPU against its published state, :data:`CHUNK` elements at a time.
+
+        The chunks are compared and gathered with NumPy on int16 views made once per weight: a
+        torch call (even a view) releases the GIL, and each release can cost a thread switch
+        interval (5 ms) to take it back beside a thread that runs Python all the time, so a
+        chunk makes a few such calls instead of a dozen (``benchmarks/gil.py``)."""
         snap = self._snapshot[name]
         flat = self._flat(name, self._tracked[name])
         overlay = self._overlay.get(name)
+        numel = snap.numel()
+        current_t, base_t, diff_t = self._scratch(snap.device, min(numel, CHUNK))
+        scratch_current = current_t.view(torch.int16).numpy()
+        scratch_base = base_t.view(torch.int16).numpy()
+        diff = diff_t.numpy()
+        snap_bits = snap.view(torch.int16).numpy()
+        # bf16 weights are read where they are; others are rounded into the scratch a chunk at a time
+        live_bits = None
+        if flat.dtype == torch.bfloat16 and flat.is_contiguous():
+            try:
+                live_bits = flat.view(torch.int16).numpy()
+            except (RuntimeError, TypeError):  # a tensor NumPy cannot view (a lazy negation, say): copied
+                live_bits = None
         indices, news, olds = [], [], []
-        for lo in range(0, snap.numel(), CHUNK):
-            hi = min(lo + CHUNK, snap.numel())
-            current, base, diff = self._scratch(snap.device, hi - lo)
-            current.copy_(flat[lo:hi])  # rounds to nearest even, like Tensor.to
-            if overlay is None:
-                base = snap[lo:hi]
+        for lo in range(0, numel, CHUNK):
+            hi = min(lo + CHUNK, numel)
+            if live_bits is None:
+                current_t[: hi - lo].copy_(flat[lo:hi])  # rounds to nearest even, like Tensor.to
+                current = scratch_current[: hi - lo]
             else:
-                base.copy_(snap[lo:hi])
-                self._lay_overlay(base, overlay, lo, hi)
-            torch.ne(current.view(torch.int16), base.view(torch.int16), out=diff)
-            index = torch.from_numpy(np.flatnonzero(diff.numpy()))  # several times faster here than nonzero
-            if index.numel():
-                indices.append(index + lo)
-                news.append(current[index])
-                olds.append(base[index])
+                current = live_bits[lo:hi]
+            if overlay is None:
+                base = snap_bits[lo:hi]
+            else:
+                base_t[: hi - lo].copy_(snap[lo:hi])
+                self._lay_overlay(base_t[: hi - lo], overlay, lo, hi)
+                base = scratch_base[: hi - lo]
+            np.not_equal(current, base, out=diff[: hi - lo])
+            index = np.flatnonzero(diff[: hi - lo])  # several times faster here than nonzero
+            if index.size:
+                news.append(np.take(current, index))
+                olds.append(np.take(base, index))
+                index += lo
+                indices.append(index)
         if not indices:
             return None
         offset = self._offset(name)
-        index = indices[0] if len(indices) == 1 else torch.cat(indices)
+        index_np = indices[0] if len(indices) == 1 else np.concatenate(indices)
+        if offset:
+            index_np += offset
+        new_np = news[0] if len(news) == 1 else np.concatenate(news)
+        old_np = olds[0] if len(olds) == 1 else np.concatenate(olds)
         return Change(
-            index=index + offset if offset else index,
-            new=news[0] if len(news) == 1 else torch.cat(news),
-            old=olds[0] if len(olds) == 1 else torch.cat(olds),
+            index=torch.from_numpy(index_np),
+            new=torch.from_numpy(new_np).view(torch.bfloat16),
+            old=torch.from_numpy(old_np).view(torch.bfloat16),
         )
 
     @staticmethod

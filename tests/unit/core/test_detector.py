@@ -58,6 +58,37 @@ def test_exact_against_brute_force_over_many_steps(snapshot_device: str | None) 
     assert detector.changes() == {}
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_weight_of_several_chunks_is_exact_in_each_chunk_and_bit_pattern(dtype: torch.dtype) -> None:
+    """Changes at both ends of every chunk of a CPU weight, a zero turned to -0.0, a NaN whose
+    payload changed and one that did not: a bf16 weight is compared where it lives, another
+    after rounding into the scratch."""
+    from deltasync.trainer.scan import CHUNK
+
+    n = 3 * CHUNK + 5
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(n, generator=g).to(dtype))
+    model.b = torch.nn.Parameter(torch.randn(7, generator=g).to(dtype))
+    lanes = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    nan = 0x7FC1 if dtype == torch.bfloat16 else 0x7FC10000
+    with torch.no_grad():
+        model.w[CHUNK + 3] = 0.0
+        model.w.view(lanes)[2 * CHUNK + 1] = nan
+        model.w.view(lanes)[2 * CHUNK + 2] = nan  # stays: a float compare would call it changed
+    detector = BF16ChangeDetector(model)
+    published = bf16_state_dict(model)
+    at = torch.tensor([0, 1, CHUNK - 1, CHUNK, 2 * CHUNK + 17, 3 * CHUNK - 1, 3 * CHUNK, n - 1])
+    with torch.no_grad():
+        model.w[at] = model.w[at] * 1.5 + 0.25
+        model.w[CHUNK + 3] = -0.0
+        model.w.view(lanes)[2 * CHUNK + 1] = nan + (1 if dtype == torch.bfloat16 else 0x10000)
+    want = sorted([*at.tolist(), CHUNK + 3, *([2 * CHUNK + 1] if dtype == torch.bfloat16 else [])])
+    assert set(detector.changes()) == {"w"} and detector.changes()["w"].index.tolist() == want  # fp32 NaNs round alike
+    assert_exact(detector, published, model)
+    assert detector.changes() == {}
+
+
 def test_gradient_accumulation_and_skipped_steps() -> None:
     model = small_transformer()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
