@@ -17,7 +17,7 @@ current at the cost of the changed elements only.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ __all__ = [
     "fingerprint",
     "fingerprint_add",
     "fingerprint_move",
+    "fingerprint_moves",
     "fingerprint_share",
     "fingerprint_slice_share",
     "fingerprint_update",
@@ -176,17 +177,29 @@ class DeviceHasher:
         return int(self.total.item()) & _MASK
 
 
+def _host_flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flat, contiguous, on the CPU and detached, with no torch call where it is already
+    (each call releases the GIL, and a hash of many small tensors makes many)."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.dim() != 1:
+        t = t.reshape(-1)
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _bits_u16(values: torch.Tensor) -> np.ndarray:
     if holds_byte_lanes(values.dtype):  # a one-byte element: its bits, zero-extended (its lane)
-        return values.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().astype(np.uint16)
+        return _host_flat(values).view(torch.uint8).numpy().astype(np.uint16)
     if values.dtype != torch.bfloat16:
         values = values.to(torch.bfloat16)
-    return values.detach().reshape(-1).cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+    return _host_flat(values).view(torch.int16).numpy().view(np.uint16)
 
 
 def _index_u64(index: torch.Tensor) -> np.ndarray:
     """Flat indices (>= 0) as uint64, without a copy where they are int64 already."""
-    idx = index.detach().reshape(-1).cpu().contiguous().numpy()
+    idx = _host_flat(index).numpy()
     return idx.view(np.uint64) if idx.dtype == np.int64 else idx.astype(np.uint64)
 
 
@@ -361,6 +374,57 @@ def fingerprint_move(name: str, index: torch.Tensor, old: torch.Tensor, new: tor
     if index.numel() == 0:
         return 0
     return _move(name, index, old, new)
+
+
+def fingerprint_moves(moves: Iterable[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]) -> int:
+    """The sum (mod 2**64) of :func:`fingerprint_move` over ``(name, index, old, new)`` items: how
+    far a version's changes move the fingerprint.
+
+    Host changes of fewer than 64K elements per name are hashed together, each element keyed with
+    its own name's seed, 64K elements at a time: one round of NumPy calls for many small tensors
+    (a MoE checkpoint's experts, biases, norms) instead of one per tensor. Larger ones, and
+    changes on an accelerator, are hashed as :func:`fingerprint_move` hashes them. The sum is the
+    same either way."""
+    total = 0
+    seeds: list[np.uint64] = []
+    parts: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])
+    pending = 0
+
+    def flush() -> None:
+        nonlocal total, pending
+        if not seeds:
+            return
+        idx, new_bits, old_bits = (p[0] if len(p) == 1 else np.concatenate(p) for p in parts)
+        keyed = np.repeat(np.array(seeds, dtype=np.uint64), [len(i) for i in parts[0]])
+        hasher = _Hasher("", idx.size)
+        for start in range(0, idx.size, _CHUNK):
+            stop = min(start + _CHUNK, idx.size)
+            base = hasher.base[: stop - start]
+            np.left_shift(idx[start:stop], np.uint64(16), out=base)
+            base ^= keyed[start:stop]
+            total += hasher.sum(base, new_bits[start:stop]) - hasher.sum(base, old_bits[start:stop])
+        seeds.clear()
+        for p in parts:
+            p.clear()
+        pending = 0
+
+    for name, index, old, new in moves:
+        if index.numel() == 0:
+            continue
+        if index.numel() >= _CHUNK or _on_device(index, old, new) is not None:
+            total += _move(name, index, old, new)
+            continue
+        idx, new_bits, old_bits = _index_u64(index), _bits_u16(new), _bits_u16(old)
+        if not (idx.size == new_bits.size == old_bits.size):
+            raise ValueError(f"{name}: {idx.size} indices, {new_bits.size} new and {old_bits.size} old values")
+        seeds.append(_seed(name))
+        for p, a in zip(parts, (idx, new_bits, old_bits)):
+            p.append(a)
+        pending += idx.size
+        if pending >= _CHUNK:
+            flush()
+    flush()
+    return total & _MASK
 
 
 def fingerprint_share(name: str, index: torch.Tensor, values: torch.Tensor) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from ..format.fingerprint import fingerprint_update, format_fingerprint, parse_fingerprint
+from ..format.fingerprint import fingerprint_moves, format_fingerprint, parse_fingerprint
 
 if TYPE_CHECKING:
     from ..format import Change
@@ -95,7 +95,5 @@ class ChangeCapture:
         changes = self.checkpoint.to_checkpoint(live)
         if self.checkpoint.identity and self.detector.last_share is not None:
             return (changes, live), self.detector.last_share  # summed where the weights are
-        share = 0
-        for name, change in changes.items():
-            share += parse_fingerprint(fingerprint_update(format_fingerprint(0), name, change.index, change.old, change.new))
+        share = fingerprint_moves((name, c.index, c.old, c.new) for name, c in changes.items())
         return (changes, live), share

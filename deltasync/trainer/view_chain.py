@@ -51,7 +51,7 @@ from ..format import (
     view_prefix,
 )
 from ..format.dtypes import element_type
-from ..format.fingerprint import fingerprint_slice_share, fingerprint_update, format_fingerprint, parse_fingerprint
+from ..format.fingerprint import fingerprint_moves, fingerprint_slice_share, format_fingerprint, parse_fingerprint
 from ..stores._sub import sub_store
 from ..views.identity import ViewIdentity
 from .committer import ChainCommitter
@@ -405,11 +405,9 @@ class ViewChain:
                         moved = _diff(before[suffix], layer[suffix], ranges[suffix][0])
                         if moved is not None:
                             view_changes[key] = moved
-                share = 0
                 for key, change in view_changes.items():
-                    assert change.old is not None
-                    moved_fp = fingerprint_update(format_fingerprint(0), key, change.index, change.old, change.new)
-                    share += parse_fingerprint(moved_fp)
+                    assert change.old is not None, key
+                share = fingerprint_moves((k, c.index, c.old, c.new) for k, c in view_changes.items())
                 return (view_changes, new_layers), share
 
             (view_changes, new_layers), shares = self._agree(f"quantizing version {version}", diff)

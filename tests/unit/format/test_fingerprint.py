@@ -4,6 +4,7 @@ properties."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from format_example import (
@@ -83,3 +84,37 @@ def test_fingerprint_hashes_other_dtypes_as_their_bf16_rounding() -> None:
     fp32 = torch.tensor([1.0 + 2**-9, -3.14159, 1e-40])
     assert fingerprint({"w": fp32}) == fingerprint({"w": fp32.to(torch.bfloat16)})
     assert fingerprint({"w": fp32.reshape(3, 1)}) == fingerprint({"w": fp32})  # shapes are not hashed
+
+
+def test_moves_hashed_together_sum_to_each_tensors_move_and_to_the_definition() -> None:
+    """``fingerprint_moves`` hashes small host changes of many tensors together: batches cut
+    inside and between tensors, a large tensor hashed alone, an empty one, -0.0 and NaN
+    payloads, one-byte codes, indices far past 2**32."""
+    from format_example import MASK64
+
+    from deltasync.format.fingerprint import _CHUNK, fingerprint_move, fingerprint_moves
+
+    rng = np.random.default_rng(7)
+    moves = []
+    for k, n in enumerate([1, 3, 0, 700, _CHUNK - 1, 2, _CHUNK, 5, 40000, 30000, 1]):
+        index = torch.from_numpy(rng.integers(0, 1 << 40, size=n))
+        moves.append((f"layers.{k}.w", index, bf16(random_bits(rng, n)), bf16(random_bits(rng, n))))
+    special = ("nan.w", torch.tensor([0, 5, 1 << 33]), bf16([0x0000, 0x7FC1, 0x3F80]), bf16([0x8000, 0x7FC2, 0x3F81]))
+    codes = ("view.codes", torch.tensor([1, 2, 3]), torch.tensor([1, -2, 127], dtype=torch.int8),
+             torch.tensor([0, -128, 5], dtype=torch.int8))  # fmt: skip
+    moves += [special, codes]
+    want = sum(fingerprint_move(name, index, old, new) for name, index, old, new in moves) & MASK64
+    assert fingerprint_moves(moves) == want
+    assert fingerprint_moves(reversed(moves)) == want
+    assert fingerprint_moves([]) == 0
+
+    name, index, old, new = special
+    seed = ref_seed(name)
+    by_definition = sum(
+        ref_mix64(((i << 16) | n) ^ seed) - ref_mix64(((i << 16) | o) ^ seed)
+        for i, o, n in zip(index.tolist(), [0x0000, 0x7FC1, 0x3F80], [0x8000, 0x7FC2, 0x3F81])
+    )
+    assert fingerprint_moves([special]) == by_definition & MASK64
+
+    with pytest.raises(ValueError, match="nan.w: 3 indices, 2 new and 3 old values"):
+        fingerprint_moves([moves[0], (name, index, old, new[:2])])
