@@ -214,12 +214,13 @@ class _Hasher:
         self.x = np.empty(m, dtype=np.uint64)
         self.tmp = np.empty(m, dtype=np.uint64)
 
-    def keys(self, index: np.ndarray) -> np.ndarray:
+    def keys(self, index: np.ndarray, seed: np.uint64 | np.ndarray | None = None) -> np.ndarray:
         """``(index << 16) XOR seed`` for a chunk of uint64 indices: an element's key is this
-        XOR its 16 bits (they fill the low bits the shift left empty)."""
+        XOR its 16 bits (they fill the low bits the shift left empty). ``seed``: the hasher's
+        name's (None), another, or one per index."""
         base = self.base[: index.size]
         np.left_shift(index, np.uint64(16), out=base)
-        base ^= self.seed
+        base ^= self.seed if seed is None else seed
         return base
 
     def sum(self, base: np.ndarray, bits: np.ndarray) -> int:
@@ -305,17 +306,29 @@ def _move(name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor, 
         on_device.add(name, index, new)
         on_device.add(name, index, old, sign=-1)
         return on_device.value()
-    idx = _index_u64(index)
-    new_bits, old_bits = _bits_u16(new), _bits_u16(old)
+    return _move_sum(_seed(name), *_host_move_bits(name, index, old, new), workers=workers)
+
+
+def _host_move_bits(name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """A move's indices, new and old bits on the host, of one length (else a ValueError naming ``name``)."""
+    idx, new_bits, old_bits = _index_u64(index), _bits_u16(new), _bits_u16(old)
     if not (idx.size == new_bits.size == old_bits.size):
         raise ValueError(f"{name}: {idx.size} indices, {new_bits.size} new and {old_bits.size} old values")
+    return idx, new_bits, old_bits
+
+
+def _move_sum(seed: np.uint64 | np.ndarray, idx: np.ndarray, new_bits: np.ndarray, old_bits: np.ndarray, *,
+              workers: int | None = None) -> int:  # fmt: skip
+    """``sum h(new) - sum h(old)`` (mod 2**64) over keys ``(idx << 16) XOR seed``, ``seed`` one
+    name's or one per element: each chunk's keys are built once for both."""
+    per_element = isinstance(seed, np.ndarray)
 
     def part(lo: int, hi: int) -> int:
-        hasher = _Hasher(name, hi - lo)
+        hasher = _Hasher("", hi - lo)
         total = 0
         for start in range(lo, hi, _CHUNK):
             stop = min(start + _CHUNK, hi)
-            base = hasher.keys(idx[start:stop])
+            base = hasher.keys(idx[start:stop], seed[start:stop] if per_element else seed)
             total += hasher.sum(base, new_bits[start:stop]) - hasher.sum(base, old_bits[start:stop])
         return total & _MASK
 
@@ -396,13 +409,7 @@ def fingerprint_moves(moves: Iterable[tuple[str, torch.Tensor, torch.Tensor, tor
             return
         idx, new_bits, old_bits = (p[0] if len(p) == 1 else np.concatenate(p) for p in parts)
         keyed = np.repeat(np.array(seeds, dtype=np.uint64), [len(i) for i in parts[0]])
-        hasher = _Hasher("", idx.size)
-        for start in range(0, idx.size, _CHUNK):
-            stop = min(start + _CHUNK, idx.size)
-            base = hasher.base[: stop - start]
-            np.left_shift(idx[start:stop], np.uint64(16), out=base)
-            base ^= keyed[start:stop]
-            total += hasher.sum(base, new_bits[start:stop]) - hasher.sum(base, old_bits[start:stop])
+        total += _move_sum(keyed, idx, new_bits, old_bits)
         seeds.clear()
         for p in parts:
             p.clear()
@@ -414,13 +421,11 @@ def fingerprint_moves(moves: Iterable[tuple[str, torch.Tensor, torch.Tensor, tor
         if index.numel() >= _CHUNK or _on_device(index, old, new) is not None:
             total += _move(name, index, old, new)
             continue
-        idx, new_bits, old_bits = _index_u64(index), _bits_u16(new), _bits_u16(old)
-        if not (idx.size == new_bits.size == old_bits.size):
-            raise ValueError(f"{name}: {idx.size} indices, {new_bits.size} new and {old_bits.size} old values")
+        bits = _host_move_bits(name, index, old, new)
         seeds.append(_seed(name))
-        for p, a in zip(parts, (idx, new_bits, old_bits)):
+        for p, a in zip(parts, bits):
             p.append(a)
-        pending += idx.size
+        pending += bits[0].size
         if pending >= _CHUNK:
             flush()
     flush()

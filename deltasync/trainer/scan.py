@@ -158,7 +158,7 @@ class SnapshotScan:
             try:
                 live_bits = flat.view(torch.int16).numpy()
             except (RuntimeError, TypeError):  # a tensor NumPy cannot view (a lazy negation, say): copied
-                live_bits = None
+                pass
         indices, news, olds = [], [], []
         for lo in range(0, numel, CHUNK):
             hi = min(lo + CHUNK, numel)
