@@ -170,7 +170,11 @@ class Overlay:
             if pos is not None:
                 index, new = index[pos], new[pos]
             moves[name] = Move(index, old, new, change.index.numel())
-            self.patches.setdefault(name, Patch()).merge(index, new)
+            patch = self.patches.get(name)
+            if patch is None:  # (not setdefault: that would make a Patch, two empty tensors, every time)
+                self.patches[name] = Patch(index, new)
+            else:
+                patch.merge(index, new)
         return moves
 
 

@@ -14,7 +14,7 @@ import torch
 from ..errors import ConfigError, FormatError, IntegrityError, NotFoundError, VersionError
 from ..format import MAX_POINTER_BYTES, POINTER_PATH, Pointer, tensors_manifest, view_prefix
 from ..format.dtypes import read_lanes
-from ..format.fingerprint import fingerprint, fingerprint_update
+from ..format.fingerprint import fingerprint, fingerprint_add, fingerprint_moves
 from ..protocol.messages import Heal
 from ..stores import open_store
 from ..stores._sub import sub_store
@@ -367,10 +367,8 @@ class DeltaReceiver:
                     f"{step.where}: applies to a state with fingerprint {step.header.base_fingerprint}, but the "
                     f"state at version {step.entry.version - 1} has {staged.fingerprint}"
                 )
-            fp = staged.fingerprint
-            for name, move in step.moves.items():
-                fp = fingerprint_update(fp, name, move.index, move.old.view(torch.bfloat16), move.new.view(torch.bfloat16))
-            staged.fingerprint = fp
+            moves = ((name, m.index, m.old.view(torch.bfloat16), m.new.view(torch.bfloat16)) for name, m in step.moves.items())
+            fp = staged.fingerprint = fingerprint_add(staged.fingerprint, fingerprint_moves(moves))
             if fp != step.header.fingerprint:
                 raise IntegrityError(
                     f"{step.where}: applying it gives fingerprint {fp}, the file says "

@@ -35,8 +35,8 @@ import torch
 
 from deltasync import IntegrityError
 from deltasync.format.codecs.zstd import decode_threads
-from deltasync.format.fingerprint import DeviceHasher, fingerprint_add, fingerprint_move, fingerprint_share
-from deltasync.format.threads import spread
+from deltasync.format.fingerprint import DeviceHasher, fingerprint_add, fingerprint_move, fingerprint_moves, fingerprint_share
+from deltasync.format.threads import SMALL, spread
 from deltasync.protocol import Heal
 from deltasync.reader import ChainReader, Overlay
 
@@ -392,7 +392,7 @@ class InPlaceState:
         live: dict[str, torch.Tensor] | None = {} if target == self.version + 1 else None
         for step in reader.deltas(self.version + 1, target, overlay, numels=self.map.numels):
             moves = [(name, move) for name, move in step.moves.items() if name not in self.map.ignored]
-            share = sum(self._share_moves(moves))
+            share = self._share_moves(moves)
             for name, move in moves:
                 names[name] = None
                 staged.changed += move.changed
@@ -458,26 +458,48 @@ class InPlaceState:
         if parts is not None:
             olds[param] = None if old is None else [*parts, old]
 
-    def _share_moves(self, moves: list[tuple[str, Any]]) -> list[int]:
-        """:meth:`_share_move` of each ``(name, move)``. Those held on the host are hashed over
-        the decode threads (NumPy, without the interpreter lock) where they are many; the others
-        are hashed on their device, in this thread."""
-
-        def one(item: tuple[str, Any]) -> int:
-            name, move = item
-            return self._share_move(name, move.index, move.old, move.new)
-
+    def _share_moves(self, moves: list[tuple[str, Any]]) -> int:
+        """The sum (mod 2**64) of :meth:`_share_move` over ``(name, move)`` items. Those held on
+        the host are hashed with NumPy, without the interpreter lock: the large ones over the decode
+        threads, the small ones together in this thread meanwhile (:func:`fingerprint_moves`). The
+        others are hashed on their device, in this thread."""
         host: list[tuple[str, Any]] = []
         rest: list[tuple[str, Any]] = []
         for item in moves:
             (host if self._on_host(item[0]) else rest).append(item)
-        workers = decode_threads() if sum(move.index.numel() for _, move in host) > _SPREAD_MOVES else 1
+        large = [item for item in host if item[1].index.numel() >= SMALL]
+        small = [item for item in host if item[1].index.numel() < SMALL]
+
+        def one(job: tuple[str, Any] | None) -> int:
+            if job is None:  # the small ones, together
+                owned = ((name, self._owned_move(name, m.index, m.old, m.new)) for name, m in small)
+                return fingerprint_moves((name, i, o.view(torch.bfloat16), n.view(torch.bfloat16)) for name, (i, o, n) in owned)
+            name, move = job
+            return self._share_move(name, move.index, move.old, move.new)
+
+        jobs: list[tuple[str, Any] | None] = [*large, None]
+        workers = decode_threads() if sum(move.index.numel() for _, move in large) > _SPREAD_MOVES else 1
         with spread(workers, "deltasync-move") as threads:
-            return [*threads(one, host), *(one(item) for item in rest)]
+            shares = threads(one, jobs, sizes=[m.index.numel() for _, m in large] + [0], small=SMALL)
+        return (sum(shares) + sum(one(item) for item in rest)) & _MASK
 
     def _on_host(self, name: str) -> bool:
         """Whether every piece of ``name`` this rank holds is in host memory."""
         return all(self.flat[piece.param].raw.device.type == "cpu" for piece in self.map.pieces.get(name, []))
+
+    def _owned_move(self, name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(index, old, new)`` of the elements of a move (held here) that this rank owns: the
+        same tensors where it owns all it holds."""
+        pieces = self.map.pieces.get(name, [])
+        if len(pieces) <= 1 and not self.before[name][0]:  # held here means owned here
+            return index, old, new
+        owned = torch.zeros(index.numel(), dtype=torch.bool)
+        for k, piece in enumerate(pieces):
+            hit, _ = piece.locate(index, sorted_index=True)
+            if hit.numel():
+                owned[hit[self._owned(name, k, index[hit])]] = True
+                # An element in two of this rank's pieces: the first piece owns it.
+        return index[owned], old[owned], new[owned]
 
     def _share_move(self, name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> int:
         """Fingerprint move of elements ``index`` (held here) going from ``old`` to ``new`` bits,
@@ -486,14 +508,9 @@ class InPlaceState:
         mine = None if self._resident is None else self._resident.get(name)
         if mine is not None and (index is not mine.index or old is not mine.got):
             mine = None  # not the values the read left on the device (a later delta of a chain)
-        if len(pieces) > 1 or self.before[name][0]:  # else held here means owned here
-            owned = torch.zeros(index.numel(), dtype=torch.bool)
-            for k, piece in enumerate(pieces):
-                hit, _ = piece.locate(index, sorted_index=True)
-                if hit.numel():
-                    owned[hit[self._owned(name, k, index[hit])]] = True
-                    # An element in two of this rank's pieces: the first piece owns it.
-            index, old, new = index[owned], old[owned], new[owned]
+        owned = self._owned_move(name, index, old, new)
+        if owned[0] is not index:
+            index, old, new = owned
             mine = None
         device = self.flat[pieces[0].param].raw.device if pieces else torch.device("cpu")
         if device.type != "cpu" and index.numel() > 1 << 16:  # hashed on the accelerator

@@ -362,8 +362,11 @@ class BF16ChangeDetector(SnapshotScan):
                 index = change.index - offset if offset else change.index
                 if self._pins:
                     # Copies: a Patch keeps the first tensors it is given, and these are the caller's.
-                    patch = self._overlay.setdefault(name, Patch())
-                    patch.merge(index.clone(), change.new.view(torch.int16).clone())
+                    patch = self._overlay.get(name)
+                    if patch is None:
+                        self._overlay[name] = Patch(index.clone(), change.new.view(torch.int16).clone())
+                    else:
+                        patch.merge(index.clone(), change.new.view(torch.int16).clone())
                 else:
                     snap = self._snapshot[name]
                     stream = self._stream(snap.device)

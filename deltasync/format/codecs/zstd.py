@@ -15,7 +15,7 @@ import zstandard
 
 from ...errors import FormatError
 from ..dtypes import from_lanes, is_one_byte, lanes
-from ..threads import Spread, spread, thread_count
+from ..threads import SMALL, Spread, spread, thread_count
 from .base import Blob, Change, Codec, DeltaContext, Table, as_tensor, known_numel
 
 __all__ = [
@@ -462,7 +462,7 @@ def _decode(
     spans = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
     workers = (decode_threads() if workers is None else workers) if n > chunk else 1
     with spread(workers, "deltasync-decode") as threads:
-        return _decode_spread(tensors, delta, names, counts, n, spans, threads)
+        return _decode_spread(tensors, delta, names, counts, n, spans, threads, min(chunk, SMALL))
 
 
 def _decode_spread(
@@ -472,7 +472,8 @@ def _decode_spread(
     counts: list[int],
     n: int,
     spans: list[tuple[int, int]],
-    spread: Spread[Any, Any],
+    spread: Spread,
+    small: int,
 ) -> dict[str, Change]:
     where, numels = delta.where, delta.numels
     # Streams are checked in the order docs/protocol.md lists them: their errors are raised so.
@@ -551,7 +552,9 @@ def _decode_spread(
             )
         return steps
 
-    indices = spread(index_of, list(range(len(names))))
+    # A parameter of fewer than ``small`` changes is finished in this thread (handing it over
+    # costs more than it saves).
+    indices = spread(index_of, list(range(len(names))), sizes=counts, small=small)
     def change(i: int) -> Change:
         name, start, count = names[i], starts[i], counts[i]
         index = torch.from_numpy(indices[i])
@@ -571,4 +574,4 @@ def _decode_spread(
         invalid = torch.from_numpy(bad) if bad.size else None
         return Change(index=index, new=from_lanes(torch.from_numpy(moved & np.int16(0xFF)), dtype), invalid=invalid)
 
-    return dict(zip(names, spread(change, list(range(len(names))))))
+    return dict(zip(names, spread(change, list(range(len(names))), sizes=counts, small=small)))

@@ -20,8 +20,10 @@ from deltasync import format as F
 from deltasync.format.codecs import zstd as Z
 from deltasync.format.codecs.base import BaseLookup, DeltaContext
 
-SPREADS = [(3, 8), (2, 16), (4, 64)]
-"""(threads, chunk) to compare with one piece decoded in the calling thread."""
+SPREADS = [(3, 8), (2, 16), (4, 64), (2, 128)]
+"""(threads, chunk) to compare with one piece decoded in the calling thread. A parameter of fewer
+changes than the chunk is finished in the calling thread: at 128, ``_case``'s ``b.bias`` (at most
+97 changes) is, and its other two (about 190) are not."""
 ONE = (1, 1 << 30)
 
 State = dict[str, torch.Tensor]
@@ -193,6 +195,25 @@ def test_the_decode_threads_start_in_the_calling_thread_and_end_with_the_call(mo
     assert len(asked) == len(decoded) and all(any(a is c.index for a in asked) for c in decoded.values())
     monkeypatch.setenv("DELTASYNC_DECODE_THREADS", "5")
     assert Z.decode_threads() == 5
+
+
+def test_a_parameter_of_few_changes_is_finished_in_the_calling_thread() -> None:
+    """Handing a parameter of fewer changes than a chunk to a decode thread costs more than it
+    saves: it is looked up and finished in the calling thread, the others in decode threads."""
+    state, changes = _case(5)
+    assert changes["b.bias"].index.numel() < 128 <= min(changes[n].index.numel() for n in ("a.weight", "c.weight"))
+    data = encode(changes, state, "zstd")
+    where: dict[str, str] = {}
+    base = lookup(state)
+
+    def spy(name: str, index: torch.Tensor) -> torch.Tensor:
+        where[name] = threading.current_thread().name
+        return base(name, index)
+
+    decoded = Z._decode(st_load(data), _context(data, state, spy), workers=2, chunk=128)
+    assert where["b.bias"] == "MainThread"
+    assert where["a.weight"].startswith("deltasync-decode") and where["c.weight"].startswith("deltasync-decode")
+    _same(decoded, _decode(data, state, ONE))
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
