@@ -16,6 +16,7 @@ current at the cost of the changed elements only.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -48,7 +49,9 @@ _CHUNK = 1 << 16
 and every step of the hash runs in place in them."""
 
 
+@functools.lru_cache(maxsize=1 << 17)
 def _seed(name: str) -> np.uint64:
+    """A name's 64-bit seed (kept: a version of a model of many small tensors asks for each)."""
     return np.uint64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
 
 

@@ -155,6 +155,7 @@ class BF16ChangeDetector(SnapshotScan):
         self._pending_at = 0
         self._snapshot: dict[str, torch.Tensor] = {}
         self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._host_views = {}
         # Guards the marks (the optimizer hook runs in the training thread, commits may run in
         # a publisher's background thread) and the snapshot against a pin's end.
         self._lock = threading.RLock()
@@ -346,7 +347,8 @@ class BF16ChangeDetector(SnapshotScan):
                 change = self._compare(name)
                 if change is not None:
                     out[name] = change
-            found, share = self._device_changes([n for n in names if n not in set(on_host)])
+            host = set(on_host)
+            found, share = self._device_changes([n for n in names if n not in host])
             self.last_share = None if on_host else share
             return {name: out.get(name) or found[name] for name in names if name in out or name in found}
 
@@ -369,6 +371,11 @@ class BF16ChangeDetector(SnapshotScan):
                         patch.merge(index.clone(), change.new.view(torch.int16).clone())
                 else:
                     snap = self._snapshot[name]
+                    if snap.device.type == index.device.type == change.new.device.type == "cpu":
+                        # NumPy: one call, where torch's index_put_ makes several (a model of
+                        # many small tensors pays for each).
+                        snap.view(torch.int16).numpy()[index.numpy()] = change.new.view(torch.int16).numpy()
+                        continue
                     stream = self._stream(snap.device)
                     # On an accelerator, a slice of the changes at a time: the copies of their
                     # indices and values there stay within the detector's scratch.

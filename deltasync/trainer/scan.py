@@ -67,6 +67,8 @@ class SnapshotScan:
     _snapshot: dict[str, torch.Tensor]
     _overlay: dict[str, Patch]
     _buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    _host_views: dict[torch.device, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    """NumPy views of the CPU's buffers (int16, int16, bool), made once."""
     _streams: dict[torch.device, Any]
     _ready: dict[torch.device, Any]
     last_timing: dict[str, float]
@@ -134,6 +136,8 @@ class SnapshotScan:
                 torch.empty(size, dtype=torch.bool, device=device),
             )
             self._buffers[device] = bufs
+            if device.type == "cpu":
+                self._host_views[device] = (bufs[0].view(torch.int16).numpy(), bufs[1].view(torch.int16).numpy(), bufs[2].numpy())
         return bufs[0][:numel], bufs[1][:numel], bufs[2][:numel]
 
     def _compare(self, name: str) -> Change | None:
@@ -147,10 +151,8 @@ class SnapshotScan:
         flat = self._flat(name, self._tracked[name])
         overlay = self._overlay.get(name)
         numel = snap.numel()
-        current_t, base_t, diff_t = self._scratch(snap.device, min(numel, CHUNK))
-        scratch_current = current_t.view(torch.int16).numpy()
-        scratch_base = base_t.view(torch.int16).numpy()
-        diff = diff_t.numpy()
+        current_t, base_t, _ = self._scratch(snap.device, min(numel, CHUNK))
+        scratch_current, scratch_base, diff = self._host_views[snap.device]  # int16, int16, bool
         snap_bits = snap.view(torch.int16).numpy()
         # bf16 weights are read where they are; others are rounded into the scratch a chunk at a time
         live_bits = None

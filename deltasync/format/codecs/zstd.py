@@ -565,7 +565,10 @@ def _decode_spread(
         old = delta.base_values(name, index)
         dtype = delta.dtype(name)
         if dtype == torch.bfloat16:
-            base = old.to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy()
+            # (No torch call where there is nothing to do: a model of many small tensors pays for each.)
+            old = old if old.dtype == torch.bfloat16 else old.to(torch.bfloat16)
+            old = old if old.device.type == "cpu" else old.cpu()
+            base = (old if old.is_contiguous() else old.contiguous()).view(torch.int16).numpy()
             new = _flip16(base, add=diff[start : start + count])  # int16 arithmetic wraps modulo 2**16
             return Change(index=index, new=torch.from_numpy(new).view(torch.bfloat16))
         # One-byte codes: lanes, which must stay within their byte where the reader holds them.
