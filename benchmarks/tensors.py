@@ -20,7 +20,7 @@ whichever ``deltasync`` comes first)::
 
     python benchmarks/tensors.py --out now.json --plot now.png
     PYTHONPATH=/path/to/older/checkout python benchmarks/tensors.py --out before.json
-    python benchmarks/tensors.py --plot-from now.json --compare before.json --plot both.png
+    python benchmarks/tensors.py --plot-from now.json --label now --compare before=before.json --plot both.png
 
 Run it alone: it measures the host's cores.
 """
@@ -220,6 +220,7 @@ def main() -> None:
     parser.add_argument("--plot", help="draw microseconds per tensor here (needs matplotlib)")
     parser.add_argument("--plot-from", help="plot these results instead of running")
     parser.add_argument("--compare", nargs="*", default=[], help="more results to draw beside them (label=path or path)")
+    parser.add_argument("--label", help="the results' label in the plot (default: the package's folder)")
     args = parser.parse_args()
     if args.plot_from:
         result = json.loads(Path(args.plot_from).read_text())
@@ -230,7 +231,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
             log(f"wrote {args.out}")
     if args.plot:
-        series = [(Path(result["package"]).parent.name or "now", result)]
+        series = [(args.label or Path(result["package"]).parent.name, result)]
         for item in args.compare:
             label, _, path = item.rpartition("=")
             series.append((label or Path(path).stem, json.loads(Path(path).read_text())))
