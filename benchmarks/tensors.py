@@ -9,7 +9,9 @@ element. This script publishes the same ``--elements`` bf16 elements cut into ea
 
 - the publisher's ``publish()`` of a delta (detect, encode, commit), median of ``--versions``;
 - a CPU server's in-place stage of that delta (``InPlaceState.stage_deltas``), with one decode
-  thread and with the host's cores (``DELTASYNC_DECODE_THREADS``), median of ``--rounds``;
+  thread and with the host's cores (``DELTASYNC_DECODE_THREADS``), median of ``--rounds``. With
+  ``--fused K`` the server holds every K consecutive tensors as the rows of one parameter, as
+  vLLM's fused MoE layers hold their experts;
 - a receiver's stage (``DeltaReceiver.stage``), median of ``--rounds``.
 
 Every version's fingerprint is checked against the bucket's, and the in-place writer's and the
@@ -73,6 +75,33 @@ class Model(Weights):
         return loaded
 
 
+class Fused(torch.nn.Module):
+    """The server's model with every ``fused`` consecutive checkpoint tensors held as the rows of
+    one parameter, as vLLM's fused MoE layers hold their experts (``w13_weight``, ``w2_weight``)."""
+
+    def __init__(self, named: dict[str, torch.Tensor], fused: int) -> None:
+        super().__init__()
+        self.where: dict[str, tuple[int, int]] = {}
+        rows: list[list[torch.Tensor]] = []
+        for k, (name, t) in enumerate(named.items()):
+            if k % fused == 0:
+                rows.append([])
+            self.where[name] = (len(rows) - 1, len(rows[-1]))
+            rows[-1].append(t)
+        self.fused = torch.nn.ParameterList([torch.nn.Parameter(torch.stack(r), requires_grad=False) for r in rows])
+
+    def load_weights(self, weights: Any) -> set[str]:
+        loaded = set()
+        for name, w in weights:
+            j, row = self.where[name]
+            self.fused[j].data[row].copy_(w)
+            loaded.add(name)
+        return loaded
+
+    def served(self) -> dict[str, torch.Tensor]:
+        return {name: self.fused[j].detach()[row].view(torch.int16).clone() for name, (j, row) in self.where.items()}
+
+
 def log(message: str) -> None:
     print(f"[tensors.py {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
@@ -81,12 +110,13 @@ def _bits(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().view(torch.int16).clone() for n, p in model.named_parameters()}
 
 
-def one_count(count: int, elements: int, share: float, versions: int, rounds: int, folder: str | None) -> dict[str, Any]:
+def one_count(count: int, elements: int, share: float, versions: int, rounds: int, folder: str | None,
+              fused: int = 0) -> dict[str, Any]:  # fmt: skip
     per = elements // count
     g = torch.Generator().manual_seed(count)
     start = {f"model.layers.{k // 64}.mlp.experts.{k % 64}.proj.weight": torch.randn(per, generator=g).to(torch.bfloat16)
              for k in range(count)}  # fmt: skip
-    out: dict[str, Any] = {"tensors": count, "elements_per_tensor": per}
+    out: dict[str, Any] = {"tensors": count, "elements_per_tensor": per, "fused": fused}
     with tempfile.TemporaryDirectory(prefix="deltasync-tensors-", dir=folder) as root:
         trainer = Model({n: t.clone() for n, t in start.items()}, trainable=True)
         publish_s, changed = [], []
@@ -111,7 +141,8 @@ def one_count(count: int, elements: int, share: float, versions: int, rounds: in
         # The in-place stage of the last delta, on live weights at the version before it.
         receiver = DeltaReceiver(store)
         receiver.sync(last - 1)
-        live_model = Model({n: t.clone() for n, t in receiver.state_dict().items()})
+        now = {n: t.clone() for n, t in receiver.state_dict().items()}
+        live_model: Model | Fused = Fused(now, fused) if fused else Model(now)
         live = InPlaceState(live_model, discover(live_model, {n: tuple(t.shape) for n, t in start.items()}),
                             lambda obj: [obj], 0, live_model.load_weights)  # fmt: skip
         live.commit(last - 1, live.full_fingerprint())
@@ -144,7 +175,7 @@ def one_count(count: int, elements: int, share: float, versions: int, rounds: in
                 os.environ[VARIABLE] = saved
         live.write(staged)
         receiver.apply(rstaged)
-        served = _bits(live_model)
+        served = live_model.served() if isinstance(live_model, Fused) else _bits(live_model)
         exact &= all(torch.equal(served[n], want[n]) for n in want)
         exact &= all(torch.equal(t.view(torch.int16), want[n]) for n, t in receiver.state_dict().items())
     out["changed"] = int(statistics.median(changed))
@@ -164,14 +195,16 @@ def one_count(count: int, elements: int, share: float, versions: int, rounds: in
     return out
 
 
-def run(counts: list[int], elements: int, share: float, versions: int, rounds: int, folder: str | None) -> dict[str, Any]:
+def run(counts: list[int], elements: int, share: float, versions: int, rounds: int, folder: str | None,
+        fused: int = 0) -> dict[str, Any]:  # fmt: skip
     rows = []
     for k, count in enumerate(counts):
-        log(f"[{k + 1}/{len(counts)}] {count} tensors")
-        rows.append(one_count(count, elements, share, versions, rounds, folder))
+        log(f"[{k + 1}/{len(counts)}] {count} tensors" + (f", {fused} to a served parameter" if fused else ""))
+        rows.append(one_count(count, elements, share, versions, rounds, folder, fused))
     return {
         "machine": machine(), "package": str(Path(deltasync.__file__).resolve().parent), "elements": elements,
-        "share": share, "versions": versions, "rounds": rounds, "rows": rows, "exact": all(r["exact"] for r in rows),
+        "share": share, "versions": versions, "rounds": rounds, "fused": fused, "rows": rows,
+        "exact": all(r["exact"] for r in rows),
     }  # fmt: skip
 
 
@@ -215,6 +248,8 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=0.02, help="share of each tensor changed per version")
     parser.add_argument("--versions", type=int, default=3, help="delta versions published (median)")
     parser.add_argument("--rounds", type=int, default=3, help="stages timed after a warm-up one (median)")
+    parser.add_argument("--fused", type=int, default=0,
+                        help="the server holds this many consecutive tensors as one parameter (a fused MoE layer); 0: none")
     parser.add_argument("--bucket", default=None, help="folder for the temporary buckets (default: the system's)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--plot", help="draw microseconds per tensor here (needs matplotlib)")
@@ -226,7 +261,7 @@ def main() -> None:
         result = json.loads(Path(args.plot_from).read_text())
     else:
         log(f"deltasync from {Path(deltasync.__file__).resolve().parent}")
-        result = run(args.counts, args.elements, args.share, args.versions, args.rounds, args.bucket)
+        result = run(args.counts, args.elements, args.share, args.versions, args.rounds, args.bucket, args.fused)
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
             log(f"wrote {args.out}")

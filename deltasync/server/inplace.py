@@ -113,6 +113,20 @@ class _Write:
     old: torch.Tensor | None = None
     ordered: bool = False
     """Whether ``dst`` is known to be increasing already (one dense box's run of sorted indices)."""
+    more: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """Further ``(dst, bits)`` of the same parameter while staging (several names: a fused MoE
+    parameter holds every expert's), joined once at the end (:meth:`join`)."""
+
+    def join(self, device: torch.device) -> None:
+        """``dst`` and ``bits`` on ``device``, with :attr:`more` joined to them: one copy of each,
+        where joining each name as it came would copy what came before it again (quadratic in the
+        names of a parameter)."""
+        if self.more:
+            self.dst = torch.cat([self.dst.to(device), *(d.to(device) for d, _ in self.more)])
+            self.bits = torch.cat([self.bits.to(device), *(b.to(device) for _, b in self.more)])
+            self.more = []
+        else:
+            self.dst, self.bits = self.dst.to(device), self.bits.to(device)
 
 
 @dataclass
@@ -425,7 +439,7 @@ class InPlaceState:
                                     ordered=piece.dense)  # fmt: skip
         for param, write in staged.writes.items():
             flat = self.flat[param]
-            write.dst, write.bits = write.dst.to(flat.device), write.bits.to(flat.device)
+            write.join(flat.device)
             parts = olds[param]
             old = None if not parts else parts[0].to(flat.device) if len(parts) == 1 else torch.cat([p.to(flat.device) for p in parts])
             if not write.ordered and write.dst.numel() > 1 and not bool((write.dst[1:] > write.dst[:-1]).all()):
@@ -450,13 +464,14 @@ class InPlaceState:
             staged.writes[param] = _Write(dst, bits, ordered=ordered)
             olds[param] = []
         else:
-            dev = self.flat[param].device
-            write.dst = torch.cat([write.dst.to(dev), dst.to(dev)])
-            write.bits = torch.cat([write.bits.to(dev), bits.to(dev)])
+            write.more.append((dst, bits))  # joined once, at the end
             write.ordered = False  # joined: checked, and sorted where needed
         parts = olds[param]
         if parts is not None:
-            olds[param] = None if old is None else [*parts, old]
+            if old is None:
+                olds[param] = None
+            else:
+                parts.append(old)
 
     def _share_moves(self, moves: list[tuple[str, Any]]) -> int:
         """The sum (mod 2**64) of :meth:`_share_move` over ``(name, move)`` items. Those held on

@@ -83,3 +83,50 @@ def test_small_moves_are_hashed_together_here_and_large_ones_in_the_threads(tmp_
     live.write(staged)
     for (name, want), got in zip(trainer.named_parameters(), live_model.parameters()):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
+
+
+class Fused(nn.Module):
+    """Every checkpoint tensor a row of one parameter, as a fused MoE layer holds its experts."""
+
+    def __init__(self, named: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.rows = {name: k for k, name in enumerate(named)}
+        self.experts = nn.Parameter(torch.stack(list(named.values())), requires_grad=False)
+
+    def load_weights(self, weights) -> set[str]:  # type: ignore[no-untyped-def]
+        for name, w in weights:
+            self.experts.data[self.rows[name]].copy_(w)
+        return {name for name, _ in weights}
+
+
+def test_many_names_of_one_parameter_are_joined_once_and_written_exactly(tmp_path) -> None:
+    """A delta of every expert of a fused parameter: each name's writes are kept apart while
+    staging and joined once (in the parameter's order), and the write is exact, rolled back too."""
+    g = torch.Generator().manual_seed(2)
+    # Names in checkpoint order (experts.10 before experts.2): the rows they land in are not.
+    start = {f"mlp.experts.{e}.weight": torch.randn(40, 25, generator=g).to(torch.bfloat16) for e in range(12)}
+    trainer = Weights(start, trainable=True)
+    with DeltaPublisher(tmp_path, trainer, None, anchor_every=1000, anchor_bytes_ratio=0) as publisher:
+        publisher.publish()
+        with torch.no_grad():
+            for p in trainer.parameters():
+                bits = p.view(-1).view(torch.int16)
+                picked = torch.randperm(bits.numel(), generator=g)[:100]
+                bits[picked] += torch.randint(1, 9, (100,), generator=g, dtype=torch.int16)
+        result = publisher.publish()
+    store = LocalStore(tmp_path)
+    live_model = Fused(start)
+    live = inplace.InPlaceState(live_model, discover(live_model, {n: tuple(t.shape) for n, t in start.items()}),
+                                lambda obj: [obj], 0, live_model.load_weights)  # fmt: skip
+    live.commit(0, live.full_fingerprint())
+    before = live_model.experts.detach().clone()
+    staged = live.stage_deltas(ChainReader(store, read_pointer(store)), 1)
+    assert live.check_chain(staged, [staged.shares]) == result.fingerprint
+    (write,) = staged.writes.values()
+    assert not write.more and write.dst.numel() == 12 * 100
+    assert bool((write.dst[1:] > write.dst[:-1]).all())  # sorted, each element once
+    undo = live.write(staged)
+    for name, p in trainer.named_parameters():
+        assert torch.equal(live_model.experts[live_model.rows[name]].view(torch.int16), p.view(torch.int16)), name
+    live.rollback(undo)
+    assert torch.equal(live_model.experts.view(torch.int16), before.view(torch.int16))
