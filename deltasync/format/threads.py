@@ -10,7 +10,8 @@ beside the engine, hands them its own), and end with the call.
 A short item is run in the calling thread where the map is told the items' sizes: handing it to
 another thread costs more than it saves. Each short NumPy call releases the interpreter lock and
 takes it back, and two threads of such calls pass the lock back and forth between them: a stage
-of a delta over 4,000 small tensors took 2.8x as long over two threads as in one.
+of a delta over 4,000 small tensors took 2.8-3.6x as long over two threads as in one
+(``benchmarks/stage.py``; ``benchmarks/tensors.py`` measures it against the tensor count).
 """
 
 from __future__ import annotations
