@@ -257,6 +257,13 @@ def main() -> None:
     parser.add_argument("--compare", nargs="*", default=[], help="more results to draw beside them (label=path or path)")
     parser.add_argument("--label", help="the results' label in the plot (default: the package's folder)")
     args = parser.parse_args()
+    if args.fused < 0:
+        parser.error(f"--fused must be 0 (none) or more, not {args.fused}")
+    bad = [c for c in args.counts if not 1 <= c <= args.elements]
+    if bad:
+        parser.error(f"--counts {bad}: each count must be 1 to --elements ({args.elements})")
+    if not 0 < args.share <= 1:
+        parser.error(f"--share must be in (0, 1], not {args.share}")
     if args.plot_from:
         result = json.loads(Path(args.plot_from).read_text())
     else:

@@ -30,3 +30,11 @@ def test_the_tensors_benchmark_times_each_count_and_is_exact(tmp_path: Path) -> 
         assert row["publish_us_per_tensor"] == row["publish_s"] / row["tensors"] * 1e6 > 0
         assert row["receiver_stage_ns_per_changed"] == row["receiver_stage_s"] / row["changed"] * 1e9 > 0
     assert [p.name for p in tmp_path.iterdir()] == ["tensors.json"]  # the buckets are removed after
+
+
+def test_the_tensors_benchmark_refuses_bad_arguments_by_name(tmp_path: Path) -> None:
+    for args, named in ((["--fused", "-1"], "--fused"), (["--counts", "0"], "--counts"), (["--share", "2"], "--share")):
+        run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tensors.py"), *args, "--out", str(tmp_path / "x.json")],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)  # fmt: skip
+        assert run.returncode == 2 and named in run.stderr, (args, run.stderr[-500:])
+    assert not (tmp_path / "x.json").exists()

@@ -35,6 +35,14 @@ class Weights(nn.Module):
         return {name for name, _ in weights}
 
 
+def _live(model, start: dict[str, torch.Tensor]) -> inplace.InPlaceState:  # type: ignore[no-untyped-def]
+    """The in-place state of one rank serving ``model`` at version 0 (holding ``start``)."""
+    live = inplace.InPlaceState(model, discover(model, {n: tuple(t.shape) for n, t in start.items()}),
+                                lambda obj: [obj], 0, model.load_weights)  # fmt: skip
+    live.commit(0, live.full_fingerprint())
+    return live
+
+
 def test_small_moves_are_hashed_together_here_and_large_ones_in_the_threads(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("DELTASYNC_DECODE_THREADS", "2")
     monkeypatch.setattr(inplace, "SMALL", 2000)  # a move of 2000 changes or more is large
@@ -56,9 +64,7 @@ def test_small_moves_are_hashed_together_here_and_large_ones_in_the_threads(tmp_
         result = publisher.publish()
     store = LocalStore(tmp_path)
     live_model = Weights(start)
-    live = inplace.InPlaceState(live_model, discover(live_model, {n: tuple(t.shape) for n, t in start.items()}),
-                                lambda obj: [obj], 0, live_model.load_weights)  # fmt: skip
-    live.commit(0, live.full_fingerprint())
+    live = _live(live_model, start)
 
     hashed: list[tuple[str, str]] = []  # (names, thread)
     batch, one = inplace.fingerprint_moves, inplace.InPlaceState._share_move
@@ -116,9 +122,7 @@ def test_many_names_of_one_parameter_are_joined_once_and_written_exactly(tmp_pat
         result = publisher.publish()
     store = LocalStore(tmp_path)
     live_model = Fused(start)
-    live = inplace.InPlaceState(live_model, discover(live_model, {n: tuple(t.shape) for n, t in start.items()}),
-                                lambda obj: [obj], 0, live_model.load_weights)  # fmt: skip
-    live.commit(0, live.full_fingerprint())
+    live = _live(live_model, start)
     before = live_model.experts.detach().clone()
     staged = live.stage_deltas(ChainReader(store, read_pointer(store)), 1)
     assert live.check_chain(staged, [staged.shares]) == result.fingerprint
