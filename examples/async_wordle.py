@@ -445,7 +445,8 @@ def _train(setup: _Setup, args: argparse.Namespace, out: Path, *, tiny: bool) ->
     trainer.save_model(str(out / "model"))
     model = trainer.accelerator.unwrap_model(trainer.model)
     want = fingerprint(bf16_state_dict(model))
-    status = RolloutClient([setup.rollout_url], token=setup.token).status()[setup.rollout_url]
+    with RolloutClient([setup.rollout_url], token=setup.token) as client:
+        status = client.status()[setup.rollout_url]
     exact = bool(status.ok and status.fingerprint == want)
     # "in-place": hashed from the weights being served; "reload" (a default CPU server): from the
     # server's host copy, which it loaded into the model.

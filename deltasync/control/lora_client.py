@@ -90,8 +90,10 @@ class AdapterRolloutClient(BaseRolloutClient):
         return self._base_client().wait_served(version, timeout=timeout, poll=poll)
 
     def _base_client(self) -> RolloutClient:
-        """A :class:`RolloutClient` for the same servers, token, timeout and transport."""
-        return RolloutClient(self.urls, self.token, timeout=self.timeout, transport=self.transport)
+        """A :class:`RolloutClient` for the same servers, token, timeout, transport and connections."""
+        base = RolloutClient(self.urls, self.token, timeout=self.timeout, transport=self.transport)
+        base._connections = self._connections
+        return base
 
     def _update_one(self, server: ServerHandle, version: int, tag: str | None) -> ServerResult:
         body = {"version": version, "auth": tag, "name": self.lora_name, "keep": self.keep}

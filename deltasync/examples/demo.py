@@ -300,7 +300,8 @@ def _train(args: argparse.Namespace, out: Path, bucket: str, model_dir: Path, ur
     trainer.save_model(str(out / "model"))
     model = trainer.accelerator.unwrap_model(trainer.model)
     want = fingerprint(bf16_state_dict(model))
-    served = RolloutClient([url]).served()[url]
+    with RolloutClient([url]) as client:
+        served = client.served()[url]
     history = trainer.delta_history
     publisher = trainer.delta_publisher
     what = "trainer bf16 fingerprint"

@@ -162,6 +162,8 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
                 self._sync_pool.shutdown(wait=True)
             if self._publisher is not None:
                 self._publisher.close()
+            if self._client is not None:
+                self._client.close()  # its open connections; a later call would open new ones
 
     def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import http.server
 import json
+import threading
 import time
 
 import httpx
@@ -400,3 +402,62 @@ def test_waiting_for_staging_backs_off(monkeypatch):
     assert _client([server]).wait_prefetched(3, poll=0.05) == {"http://a:8000": True}
     assert len(reads) == 8 and slept == [0.05, 0.1, 0.2, 0.4, 0.4, 0.4, 0.4]
     assert client_module.MAX_POLL_S == 0.4
+
+
+class _Counted(http.server.BaseHTTPRequestHandler):
+    """A real HTTP/1.1 server's handler that keeps connections open, answers as ``fake`` does,
+    and counts the TCP connections it accepted."""
+
+    protocol_version = "HTTP/1.1"
+    fake: FakeServer
+    connections: list[tuple[str, int]]
+
+    def setup(self) -> None:
+        super().setup()
+        self.connections.append(self.client_address)
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        request = httpx.Request("POST", self.fake.url + self.path, content=body, headers=dict(self.headers))
+        response = self.fake.handle(request)
+        response.read()
+        self.send_response(response.status_code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(response.content)))
+        self.end_headers()
+        self.wfile.write(response.content)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_calls_share_one_client_and_its_open_connection():
+    """Many calls, one TCP connection: no call makes a client of its own (each would load the
+    TLS certificates again, about 20 ms of CPU, and open a new connection)."""
+    port = free_port()
+    fake = FakeServer(f"http://127.0.0.1:{port}", version=3, one_route=True)
+    handler = type("Handler", (_Counted,), {"fake": fake, "connections": []})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with RolloutClient(fake.url, "t0ken") as client:
+            for version in range(4, 8):
+                assert client.update(version).ok
+                assert client.status()[fake.url].version == version
+            assert len(handler.connections) == 1, handler.connections
+            assert fake.routes().count("/deltasync/update") == 4
+            assert {auth for *_, auth in fake.requests} == {"Bearer t0ken"}
+        # Closed: the next call opens a new connection, and works.
+        assert client.status()[fake.url].version == 7
+        assert len(handler.connections) == 2
+        client.close()
+        # The adapter client's calls through its base client share its connection too.
+        adapters = AdapterRolloutClient(fake.url, "t0ken", lora_name="policy")
+        adapters.status()
+        adapters._base_client().status()
+        assert len(handler.connections) == 3
+        adapters.close()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
