@@ -1,4 +1,5 @@
-"""RolloutClient against fake servers (httpx.MockTransport): routes, bodies, auth, reports.
+"""RolloutClient against fake servers (httpx.MockTransport): routes, bodies, auth, reports;
+and, for the connections it keeps open, the same fake behind a real local HTTP server.
 
 The real servers are exercised in tests/integration/vllm_ext/test_delta_server.py.
 """
