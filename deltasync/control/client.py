@@ -193,8 +193,8 @@ class BaseRolloutClient(ABC):
         transport: an ``httpx`` transport to send requests through (tests, proxies).
 
     All calls share one ``httpx.Client`` (made on first use): its connections stay open from
-    one call to the next, and no call pays for a new client (about 20 ms of CPU each, most of
-    it loading the TLS certificates, even for ``http://`` servers). A child process forked
+    one call to the next, and no call pays for a new client (10-30 ms of CPU each, nearly all
+    of it loading the TLS certificates, even for ``http://`` servers). A child process forked
     from this one makes its own. :meth:`close` (or ``with``) closes the connections.
     """
 

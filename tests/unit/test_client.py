@@ -434,7 +434,7 @@ class _Counted(http.server.BaseHTTPRequestHandler):
 
 def test_calls_share_one_client_and_its_open_connection():
     """Many calls, one TCP connection: no call makes a client of its own (each would load the
-    TLS certificates again, about 20 ms of CPU, and open a new connection)."""
+    TLS certificates again, 10-30 ms of CPU, and open a new connection)."""
     port = free_port()
     fake = FakeServer(f"http://127.0.0.1:{port}", version=3, one_route=True)
     handler = type("Handler", (_Counted,), {"fake": fake, "connections": []})
