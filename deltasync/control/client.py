@@ -67,6 +67,11 @@ __all__ = [
 ]
 
 
+#: Seconds an idle connection stays open for the next call. Below the 5 s after which vLLM's
+#: server (uvicorn, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) closes one, so that no request is sent on a
+#: connection the server is closing at that moment (httpx's own default is 5 s too).
+KEEPALIVE_S = 2.0
+
 _T = TypeVar("_T")
 _C = TypeVar("_C", bound="BaseRolloutClient")
 
@@ -515,7 +520,8 @@ class _Connections:
             if self.client is None or self.client.is_closed:
                 owner = self.owner
                 headers = {"Authorization": f"Bearer {owner.token}"} if owner.token is not None else {}
-                self.client = httpx.Client(headers=headers, timeout=owner.timeout, transport=owner.transport)
+                self.client = httpx.Client(headers=headers, timeout=owner.timeout, transport=owner.transport,
+                                           limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))  # fmt: skip
             return self.client
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from deltasync import (
     UpdateReport,
     VersionError,
 )
+from deltasync.control import client as client_module
 from deltasync.protocol.auth import bearer_matches, update_tag
 from deltasync.examples.launcher import free_port
 
@@ -432,7 +433,7 @@ class _Counted(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_calls_share_one_client_and_its_open_connection():
+def test_calls_share_one_client_and_its_open_connection(monkeypatch):
     """Many calls, one TCP connection: no call makes a client of its own (each would load the
     TLS certificates again, 10-30 ms of CPU, and open a new connection)."""
     port = free_port()
@@ -459,6 +460,16 @@ def test_calls_share_one_client_and_its_open_connection():
         adapters._base_client().status()
         assert len(handler.connections) == 3
         adapters.close()
+        # A connection idle for longer than KEEPALIVE_S is not used again (vLLM's server closes
+        # one after 5 s): the next call opens a new one.
+        monkeypatch.setattr(client_module, "KEEPALIVE_S", 0.2)
+        with RolloutClient(fake.url, "t0ken") as client:
+            client.status()
+            client.status()
+            assert len(handler.connections) == 4
+            time.sleep(0.4)
+            client.status()
+            assert len(handler.connections) == 5
     finally:
         httpd.shutdown()
         httpd.server_close()
