@@ -520,8 +520,10 @@ class _Connections:
             if self.client is None or self.client.is_closed:
                 owner = self.owner
                 headers = {"Authorization": f"Bearer {owner.token}"} if owner.token is not None else {}
-                self.client = httpx.Client(headers=headers, timeout=owner.timeout, transport=owner.transport,
-                                           limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))  # fmt: skip
+                # No cap on connections (httpx's default is 100): every server of a large fleet
+                # is updated at once, as when each call had a client of its own.
+                limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S)
+                self.client = httpx.Client(headers=headers, timeout=owner.timeout, transport=owner.transport, limits=limits)
             return self.client
 
     def close(self) -> None:

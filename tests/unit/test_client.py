@@ -473,3 +473,49 @@ def test_calls_share_one_client_and_its_open_connection(monkeypatch):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_a_fleet_of_more_than_a_hundred_servers_is_updated_all_at_once():
+    """One shared client, no cap on its connections: 110 servers' updates are all in flight at
+    once (httpx's default pool would hold the last 10 back until others finished). Every server
+    here is one real HTTP server on 110 loopback addresses, and its update route answers only
+    once all 110 updates have arrived."""
+    servers = 110
+    arrived = threading.Barrier(servers, timeout=30)
+
+    class Fleet(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            if self.path == "/deltasync/update":
+                try:
+                    arrived.wait()
+                except threading.BrokenBarrierError:
+                    self.send_error(503, "not every update arrived at once")
+                    return
+                answer = {"results": [{"version": body["version"]}], "paused_s": 0.0}
+            else:  # the status read after the update
+                answer = {"results": [{"rank": 0, "version": 1, "fingerprint": "fp1", "last_update": None}]}
+            data = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    port = free_port()
+    httpd = http.server.ThreadingHTTPServer(("", port), Fleet)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        urls = [f"http://127.0.0.{i}:{port}" for i in range(2, 2 + servers)]
+        with RolloutClient(urls, timeout=60) as client:
+            report = client.update(1)
+        assert report.ok, report.failed[:2]
+        assert [r.url for r in report.results] == urls
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
