@@ -259,7 +259,7 @@ def test_a_request_in_flight_during_an_update_finishes(world, server, client):
     """A request the update lands in finishes whole, and the server serves the new version
     exactly. That the update did land inside the request is the server's word: its
     ``x-deltasync-token-versions`` says that the old version sampled the first tokens and the
-    new one the rest. (Should the engine finish the request before the update lands, on a
+    new one the rest. (Should the engine finish the request before vLLM's pause holds it, on a
     machine short of CPU, the test tries again, three times at most.)"""
     tried = []
     for _attempt in range(3):
@@ -288,7 +288,15 @@ def test_a_request_in_flight_during_an_update_finishes(world, server, client):
         while thread.is_alive() and running(server.url) < 1:  # until the engine generates it
             assert time.monotonic() < deadline, "the generation never started"
             time.sleep(0.02)
-        report = _update(client, version, "delta during a 900-token generation")
+        # vLLM's own pause (keep mode) holds the request where it is, so that the update lands
+        # inside it however slowly this process gets the CPU; the update pauses again, applies
+        # and resumes the engine.
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        requests.post(server.url + "/pause", params={"mode": "keep"}, headers=auth, timeout=60).raise_for_status()
+        try:
+            report = _update(client, version, "delta during a 900-token generation")
+        finally:
+            requests.post(server.url + "/resume", headers=auth, timeout=60).raise_for_status()
         thread.join(timeout=600)
         assert answer["status"] == 200 and answer["tokens"] == 900, answer
         assert report.results[0].version == version
