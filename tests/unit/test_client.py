@@ -522,3 +522,20 @@ def test_a_fleet_of_more_than_a_hundred_servers_is_updated_all_at_once():
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_a_forked_child_makes_its_own_client_and_leaves_its_parents_open():
+    import os
+
+    client = RolloutClient("http://a:8000", transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+    parent = client._connections.get()
+    pid = os.fork()
+    if pid == 0:  # the child: a new client; the parent's stays as it was
+        ok = client._connections.get() is not parent and not parent.is_closed
+        client.close()
+        os._exit(0 if ok and not parent.is_closed else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert client._connections.get() is parent and not parent.is_closed
+    client.close()
+    assert parent.is_closed
