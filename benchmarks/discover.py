@@ -10,7 +10,9 @@ of an MoE checkpoint (``--shapes LAYERSxEXPERTS``: names per expert, as ``save_p
 writes them; narrow widths, since the cost is per name), and times ``discover`` both ways,
 alternated round by round, checking that both give the same map.
 
-    .venv/bin/python benchmarks/discover.py --out benchmarks/results/discover-cpu.json --plot benchmarks/results/discover-cpu.png
+    .venv/bin/python benchmarks/discover.py --out benchmarks/results/discover-cpu.json
+    .venv/bin/python benchmarks/discover.py --shapes 94x128 --rounds 1 --out benchmarks/results/discover-cpu-94x128.json
+    .venv/bin/python benchmarks/discover.py --plot-from benchmarks/results/discover-cpu*.json --plot benchmarks/results/discover-cpu.png
 
 ``48x128`` is Qwen3-30B-A3B's count of layers and experts (18,867 names); ``94x128`` is
 Qwen3-235B-A22B's.
@@ -179,11 +181,20 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", type=_shape, default=[(12, 32), (24, 64), (48, 128)],
                         metavar="LAYERSxEXPERTS", help="models to build (default: 12x32 24x64 48x128)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds of both ways per model (default 3)")
-    parser.add_argument("--out", required=True, help="write the JSON here")
+    parser.add_argument("--out", help="write the JSON here")
     parser.add_argument("--plot", help="draw seconds against names here (needs matplotlib)")
+    parser.add_argument("--plot-from", nargs="+", metavar="JSON", help="only draw --plot from the rows of earlier runs")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.plot_from:
+        if not args.plot:
+            parser.error("--plot-from needs --plot")
+        rows = [row for path in args.plot_from for row in json.loads(Path(path).read_text())["rows"]]
+        plot({"rows": sorted(rows, key=lambda row: row["names"])}, args.plot)
+        return
+    if not args.out:
+        parser.error("--out is required (or --plot-from with --plot)")
 
     _one_rank()
     rows = []

@@ -34,7 +34,8 @@ def test_the_discover_benchmark_maps_vllms_own_moe_model_alike_both_ways(tmp_pat
 
 
 def test_the_discover_benchmark_refuses_bad_arguments_by_name(tmp_path: Path) -> None:
-    for args, named in ((["--shapes", "4"], "--shapes"), (["--rounds", "0"], "--rounds")):
+    for args, named in ((["--shapes", "4"], "--shapes"), (["--rounds", "0"], "--rounds"),
+                        (["--plot-from", str(tmp_path / "a.json")], "--plot-from")):
         run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "discover.py"), *args, "--out", str(tmp_path / "x.json")],
                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)  # fmt: skip
         assert run.returncode == 2 and named in run.stderr, (args, run.stderr[-500:])
