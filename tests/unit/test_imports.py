@@ -33,8 +33,9 @@ OPTIONAL = ("trl", "transformers", "peft", "accelerate", "datasets", "openenv", 
 LAYERS = (
     ("deltasync.errors", "deltasync.protocol.env", "deltasync.protocol.routes", "deltasync.collective",
      "deltasync.trainer.memory"),
-    # How many threads the host-side loops use, and a map over threads the caller starts.
-    ("deltasync.format.threads",),
+    # How many threads the host-side loops use, and a map over threads the caller starts; the
+    # names of a registry (the codecs', the view schemes').
+    ("deltasync.format.threads", "deltasync.format.registry"),
     # The one table of element types, which the fingerprint hashes by.
     ("deltasync.format.dtypes", "deltasync.format.fingerprint"),
     # The format's foundations: the codecs know no file header, no pointer.

@@ -9,9 +9,9 @@ is also a new format (docs/protocol.md), which readers of older versions refuse.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import overload
+from collections.abc import Sequence
 
+from ..registry import Names
 from .base import BaseLookup, Change, Codec, DeltaContext, Table
 from .raw import RawCodec
 from .zstd import ZstdCodec
@@ -30,31 +30,7 @@ __all__ = [
 
 _REGISTRY: dict[str, Codec] = {}
 
-
-class _CodecNames(Sequence[str]):
-    """The names of the registered codecs, in registration order (a live, read-only view)."""
-
-    @overload
-    def __getitem__(self, index: int) -> str: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[str]: ...
-    def __getitem__(self, index: int | slice) -> str | Sequence[str]:
-        return tuple(_REGISTRY)[index]
-
-    def __len__(self) -> int:
-        return len(_REGISTRY)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(tuple(_REGISTRY))
-
-    def __contains__(self, name: object) -> bool:
-        return name in _REGISTRY
-
-    def __repr__(self) -> str:
-        return repr(tuple(_REGISTRY))
-
-
-CODECS: Sequence[str] = _CodecNames()
+CODECS: Sequence[str] = Names(_REGISTRY)
 """The names of the codecs this deltasync reads and writes ("raw", "zstd")."""
 
 

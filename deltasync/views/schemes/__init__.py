@@ -14,11 +14,12 @@ The schemes here are compressed-tensors' preset schemes (:mod:`.preset`): ``FP8_
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, overload
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ...errors import ConfigError
 from ...format.paths import VIEW_NAME_RE
+from ...format.registry import Names
 from .base import LiveLayout, ViewScheme, check_codes, check_scale, scale_name
 from .fp8_block import FP8_BLOCK
 from .fp8_dynamic import FP8_DYNAMIC
@@ -41,31 +42,7 @@ __all__ = [
 
 _REGISTRY: dict[str, ViewScheme] = {}
 
-
-class _SchemeNames(Sequence[str]):
-    """The names of the registered schemes, in registration order (a live, read-only view)."""
-
-    @overload
-    def __getitem__(self, index: int) -> str: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[str]: ...
-    def __getitem__(self, index: int | slice) -> str | Sequence[str]:
-        return tuple(_REGISTRY)[index]
-
-    def __len__(self) -> int:
-        return len(_REGISTRY)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(tuple(_REGISTRY))
-
-    def __contains__(self, name: object) -> bool:
-        return name in _REGISTRY
-
-    def __repr__(self) -> str:
-        return repr(tuple(_REGISTRY))
-
-
-SCHEMES: Sequence[str] = _SchemeNames()
+SCHEMES: Sequence[str] = Names(_REGISTRY)
 """The names of the schemes deltasync publishes views of ("FP8_DYNAMIC", "FP8_BLOCK", "W8A8")."""
 
 
