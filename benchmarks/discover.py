@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import statistics
 import sys
 import tempfile
@@ -91,20 +90,6 @@ def vllm_model(folder: Path, layers: int, experts: int) -> tuple[Any, Any, dict[
     finally:
         torch.set_default_dtype(default)
     return model, vllm_config, checkpoint_shapes(config)
-
-
-def _one_rank() -> None:
-    """vLLM's parallel groups of one rank (its layers ask for them while they are built)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")  # fmt: skip
-        initialize_model_parallel(1, 1)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -196,11 +181,13 @@ def main() -> None:
     if not args.out:
         parser.error("--out is required (or --plot-from with --plot)")
 
-    _one_rank()
+    from vllm_ext.testing import one_rank
+
     rows = []
-    for layers, experts in args.shapes:
-        print(f"{layers} layers x {experts} experts:", flush=True)
-        rows.append(measure(layers, experts, args.rounds))
+    with one_rank():
+        for layers, experts in args.shapes:
+            print(f"{layers} layers x {experts} experts:", flush=True)
+            rows.append(measure(layers, experts, args.rounds))
     result = {"machine": machine(), "rounds": args.rounds, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print("\n| layers x experts | names | one name a call | many names a call | loader calls | many / one |")

@@ -13,9 +13,11 @@ methods and attributes).
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,7 +32,7 @@ from deltasync.server.updater import WorkerUpdater
 from ._extension import DeltaWorkerExtension, updater_of
 from ._lora_worker import find_lora, held_lora_tensor
 
-__all__ = ["TEST_EXTENSION", "TestingWorkerExtension", "fail_after_write", "poke"]
+__all__ = ["TEST_EXTENSION", "TestingWorkerExtension", "fail_after_write", "one_rank", "poke"]
 
 #: The ``--worker-extension-cls`` value of a test server.
 TEST_EXTENSION = "vllm_ext.testing.TestingWorkerExtension"
@@ -176,3 +178,26 @@ def _checkpoint_shaped_bytes(updater: WorkerUpdater) -> dict[str, int]:
             total += n
             largest = max(largest, n)
     return {"bytes": total, "largest": largest}
+
+
+@contextlib.contextmanager
+def one_rank() -> Iterator[None]:
+    """vLLM's parallel groups of one rank over gloo in this process, under a default
+    ``VllmConfig``, torn down after: what vLLM's parameter classes and layers ask for while a
+    model (or a load-time stand-in) is built outside a server (tests, ``benchmarks/discover.py``)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")  # fmt: skip
+        initialize_model_parallel(1, 1)
+        try:
+            yield
+        finally:
+            destroy_model_parallel()
+            destroy_distributed_environment()

@@ -8,7 +8,6 @@ is known; everything else finds it through the registry."""
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -175,24 +174,12 @@ def vllm_parallel_state() -> Iterator[None]:
     """vLLM's parameter classes (the load-time stand-ins) need its tensor-parallel group: one
     rank over gloo, torn down after."""
     pytest.importorskip("vllm")
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+    from vllm_ext.testing import one_rank
 
     if torch.distributed.is_initialized():
         pytest.skip("torch.distributed is initialized already in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")  # fmt: skip
-        initialize_model_parallel(1, 1)
-        try:
-            yield
-        finally:
-            destroy_model_parallel()
-            destroy_distributed_environment()
+    with one_rank():
+        yield
 
 
 def _expected(model: torch.nn.Module, bf16: Mapping[str, torch.Tensor], scheme: ViewScheme) -> dict[str, torch.Tensor]:
