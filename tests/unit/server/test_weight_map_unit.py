@@ -394,3 +394,21 @@ def test_names_a_call_leaves_untouched_are_settled_together():
     assert wmap.pieces["row.10.weight"] == wmap.pieces["row.2500.weight"] == []
     assert len(wmap.ignored) == 1499 and "row.2500.weight" not in wmap.ignored
     _maps_equal(wmap, discover(RowModel(3000, skip=later - buffered, buffer=buffered), shapes, batch=1))
+
+
+def test_a_loader_that_answers_nothing_maps_untouched_names_as_held_by_no_parameter():
+    """A loader that returns None (vLLM's loaders return a set; some models' do not) says nothing
+    of what it skipped: an untouched name is then mapped with no pieces, as probed alone."""
+    from deltasync.server.weight_map import discover
+
+    class Silent(RowModel):
+        def load_weights(self, weights):
+            super().load_weights(weights)
+
+    shapes = _rows(1500)
+    model = Silent(1500, skip={f"row.{i}.weight" for i in range(1000, 1500)})
+    counted = _Counted(model)
+    wmap = discover(model, shapes)
+    assert counted.calls == [1024, 24, 476] and not wmap.ignored and not wmap.fallback
+    assert all(wmap.pieces[f"row.{i}.weight"] == [] for i in range(1000, 1500))
+    _maps_equal(wmap, discover(Silent(1500, skip={f"row.{i}.weight" for i in range(1000, 1500)}), shapes, batch=1))
