@@ -11,8 +11,8 @@ element and falls back to the layerwise reload.
 
 One loader call probes up to :data:`PROBE_NAMES` names: each copy is told apart by its probe's
 storage. vLLM's loaders do work per call that grows with the model (a walk of its modules, the
-experts' mapping), so one call per name grew with names times modules: 31 s for the 18,867
-names of a Qwen3-30B-A3B-shaped model. A call is split in halves, down to one name, when the
+experts' mapping), so one call per name grew with names times modules: 34 s for the 18,867
+names of a Qwen3-30B-A3B-shaped model on vLLM's own loader (``benchmarks/discover.py``). A call is split in halves, down to one name, when the
 loader raises or does something no probe can be named for. The names a call leaves untouched
 (another pipeline stage's layers, a tied head) are probed again together, where the loader's
 answer says whether it skips them, and split further where it does not say it for all. So each
