@@ -36,6 +36,7 @@ __all__ = [
     "fingerprint_moves",
     "fingerprint_share",
     "fingerprint_slice_share",
+    "fingerprint_slices",
     "fingerprint_update",
     "format_fingerprint",
     "parse_fingerprint",
@@ -81,9 +82,18 @@ def _device_bits(values: torch.Tensor) -> torch.Tensor:
     flat = values.detach().reshape(-1)
     if holds_byte_lanes(flat.dtype):  # a one-byte element (a view's code): its byte, never rounded
         return flat.view(torch.uint8).to(torch.int64)
+    return _lanes16(flat).to(torch.int64) & 0xFFFF
+
+
+def _lanes16(values: torch.Tensor) -> torch.Tensor:
+    """The 16-bit lanes of ``values`` as int16, flat, on the tensor's own device: bf16 patterns
+    (a view where they are bf16 already), one-byte codes zero-extended."""
+    flat = values.detach().reshape(-1)
+    if holds_byte_lanes(flat.dtype):
+        return flat.view(torch.uint8).to(torch.int16)
     if flat.dtype != torch.bfloat16:
         flat = flat.to(torch.bfloat16)
-    return flat.view(torch.int16).to(torch.int64) & 0xFFFF
+    return flat.view(torch.int16)
 
 
 class DeviceHasher:
@@ -175,6 +185,47 @@ class DeviceHasher:
                 sums.append(self._mix_sum(x, tmp))
             self.total = self.total + (sums[0] - sums[1])
 
+    def add_slices(self, items: Iterable[tuple[str, torch.Tensor, int]]) -> None:
+        """Add the hashes of many contiguous flat slices ``(name, values, offset)``, as
+        :meth:`add_slice` adds each: slices of fewer than :attr:`chunk` elements are hashed
+        together, :attr:`chunk` elements at most at a time, each element keyed with its own
+        name's seed (a few kernels per batch however many names it holds: a MoE model's
+        experts, norms and biases); larger ones alone."""
+        batch: list[tuple[str, torch.Tensor, int]] = []
+        size = 0
+        for name, values, offset in items:
+            n = values.numel()
+            if n == 0:
+                continue
+            if n >= self.chunk:
+                self.add_slice(name, values, offset)
+                continue
+            if size + n > self.chunk:
+                self._add_batch(batch, size)
+                batch, size = [], 0
+            batch.append((name, values, offset))
+            size += n
+        if batch:
+            self._add_batch(batch, size)
+
+    def _add_batch(self, batch: list[tuple[str, torch.Tensor, int]], size: int) -> None:
+        """One batch of :meth:`add_slices`: ``size`` elements in all."""
+        lanes = torch.cat([_lanes16(values.to(self.device)) for _, values, _ in batch])
+        table, start = [], 0  # per slice: its length, its index's shift from the batch's, its seed
+        for name, values, offset in batch:
+            table.append((values.numel(), offset - start, _signed(int(_seed(name)))))
+            start += values.numel()
+        lengths, shifts, seeds = torch.tensor(table, dtype=torch.int64).t().contiguous().to(self.device)
+        x, tmp = self._buffers(size)
+        torch.arange(size, dtype=torch.int64, device=self.device, out=x)
+        x += torch.repeat_interleave(shifts, lengths, output_size=size)  # output_size: no wait
+        x <<= 16
+        tmp.copy_(lanes)  # sign-extended: masked to its 16 bits
+        tmp &= 0xFFFF
+        x |= tmp
+        x ^= torch.repeat_interleave(seeds, lengths, output_size=size)
+        self.total = self.total + self._mix_sum(x, tmp)
+
     def value(self) -> int:
         """The sum so far, modulo 2**64 (reads the device: one synchronization)."""
         return int(self.total.item()) & _MASK
@@ -244,13 +295,21 @@ class _Hasher:
 
 def _hash_sum(seed_name: str, index: np.ndarray, bits: np.ndarray, *, workers: int | None = None) -> int:
     """Sum of element hashes (mod 2**64) of ``seed_name``'s uint64 ``index`` and uint16 ``bits``."""
+    return _keyed_sum(_seed(seed_name), index, bits, workers=workers)
+
+
+def _keyed_sum(seed: np.uint64 | np.ndarray, index: np.ndarray, bits: np.ndarray, *, workers: int | None = None) -> int:
+    """Sum of element hashes (mod 2**64) over keys ``(index << 16) XOR seed``, ``seed`` one
+    name's or one per element."""
+    per_element = isinstance(seed, np.ndarray)
 
     def part(lo: int, hi: int) -> int:
-        hasher = _Hasher(seed_name, hi - lo)
+        hasher = _Hasher("", hi - lo)
         total = 0
         for start in range(lo, hi, _CHUNK):
             stop = min(start + _CHUNK, hi)
-            total += hasher.sum(hasher.keys(index[start:stop]), bits[start:stop])
+            base = hasher.keys(index[start:stop], seed[start:stop] if per_element else seed)
+            total += hasher.sum(base, bits[start:stop])
         return total & _MASK
 
     return _spread_sum(bits.size, part, workers)
@@ -369,6 +428,60 @@ def fingerprint_slice_share(name: str, values: torch.Tensor, offset: int) -> int
     how sharded writers each hash only what they hold.
     """
     return _tensor_sum(name, values, offset)
+
+
+def fingerprint_slices(slices: Iterable[tuple[str, torch.Tensor, int]]) -> int:
+    """The sum (mod 2**64) of :func:`fingerprint_slice_share` over ``(name, values, offset)``
+    items: the share of many contiguous slices, such as a server's live weights.
+
+    Host slices of fewer than 64K elements are hashed together, each element keyed with its own
+    name's seed, 64K elements at a time; larger ones alone, over the hashing threads. Slices on
+    an accelerator are hashed there (:meth:`DeviceHasher.add_slices`: small ones together), with
+    one read of each device's sum at the end. The cost follows the elements, not the number of
+    slices; the sum is the same either way."""
+    total = 0
+    on_devices: dict[torch.device, list[tuple[str, torch.Tensor, int]]] = {}
+    seeds: list[np.uint64] = []
+    parts: list[np.ndarray] = []
+    shifts: list[int] = []
+    pending = 0
+
+    def flush() -> None:
+        nonlocal total, pending
+        if not seeds:
+            return
+        lengths = [p.size for p in parts]
+        index = np.arange(pending, dtype=np.int64)
+        index += np.repeat(np.array(shifts, dtype=np.int64), lengths)
+        keyed = np.repeat(np.array(seeds, dtype=np.uint64), lengths)
+        total += _keyed_sum(keyed, index.view(np.uint64), np.concatenate(parts))
+        seeds.clear()
+        parts.clear()
+        shifts.clear()
+        pending = 0
+
+    for name, values, offset in slices:
+        n = values.numel()
+        if n == 0:
+            continue
+        device = _on_device(values)
+        if device is not None:
+            on_devices.setdefault(device, []).append((name, values, offset))
+        elif n >= _CHUNK:
+            total += _tensor_sum(name, values, offset)
+        else:
+            seeds.append(_seed(name))
+            parts.append(_bits_u16(values))
+            shifts.append(offset - pending)  # the batch's element j of this slice is index j + shift
+            pending += n
+            if pending >= _CHUNK:
+                flush()
+    flush()
+    for device, items in on_devices.items():
+        hasher = DeviceHasher(device)
+        hasher.add_slices(items)
+        total += hasher.value()
+    return total & _MASK
 
 
 def fingerprint_update(

@@ -35,7 +35,14 @@ import torch
 
 from deltasync import IntegrityError
 from deltasync.format.codecs.zstd import decode_threads
-from deltasync.format.fingerprint import DeviceHasher, fingerprint_add, fingerprint_move, fingerprint_moves, fingerprint_share
+from deltasync.format.fingerprint import (
+    DeviceHasher,
+    fingerprint_add,
+    fingerprint_move,
+    fingerprint_moves,
+    fingerprint_share,
+    fingerprint_slices,
+)
 from deltasync.format.threads import SMALL, spread
 from deltasync.protocol import Heal
 from deltasync.reader import ChainReader, Overlay
@@ -278,29 +285,40 @@ class InPlaceState:
             owned[hit] = False
         return owned
 
-    def local_share(self) -> int:
-        """This rank's share of the fingerprint, hashed from the live weights."""
+    def local_share(self, *, slices: bool = True) -> int:
+        """This rank's share of the fingerprint, hashed from the live weights. ``slices=False``
+        hashes every piece through its indices, as a piece that is not one run always is (the
+        same sum; ``benchmarks/discover.py --hash`` times both)."""
         total = 0
+        # A piece that is one run on both sides, and that no earlier piece shares elements with,
+        # is hashed as a slice of the live weights, many small ones together (no indices made:
+        # the cost follows the elements, not the names).
+        runs: list[tuple[str, torch.Tensor, int]] = []
         # Weights on an accelerator are hashed there (indices made there too): one read of
         # each device's sum at the end.
         hashers: dict[torch.device, DeviceHasher] = {}
         for name, pieces in self.map.pieces.items():
             for k, piece in enumerate(pieces):
                 flat = self.flat[piece.param]
+                if slices and piece.dense and not self.before[name][k]:
+                    runs.append((name, flat.hashed(piece.dst_offset, piece.dst_offset + piece.numel), piece.src_offset))
+                    continue
                 device = flat.raw.device
                 hasher = None if device.type == "cpu" else hashers.setdefault(device, DeviceHasher(device))
                 for src, dst in piece.chunks(device=None if hasher is None else device):
-                    owned = self._owned(name, k, src)
-                    if not bool(owned.all()):
-                        src, dst = src[owned], dst[owned]
+                    if self.before[name][k]:  # (a mask read back: one wait on an accelerator)
+                        owned = self._owned(name, k, src)
+                        if not bool(owned.all()):
+                            src, dst = src[owned], dst[owned]
                     bits = flat.read(dst.to(device)).view(torch.bfloat16)
                     if hasher is None:
                         total = (total + fingerprint_share(name, src, bits)) & _MASK
                     else:
                         hasher.add(name, src, bits)
+        total += fingerprint_slices(runs)
         for hasher in hashers.values():
             total = (total + hasher.value()) & _MASK
-        return total
+        return total & _MASK
 
     def full_fingerprint(self) -> str:
         """The fingerprint of what every rank serves, recomputed in full (a collective)."""

@@ -68,6 +68,14 @@ class LiveFlat:
             got = got >> 16
         return got.to(torch.int16)  # a lane's bits zero-extended (no copy for int16)
 
+    def hashed(self, start: int, stop: int) -> torch.Tensor:
+        """Flat positions ``start .. stop - 1`` as the fingerprint hashes them: bf16 patterns (a
+        view, where the parameter holds them as they are), or one-byte codes."""
+        run = self.raw[start:stop]
+        if self.raw.dtype == torch.int32:  # the bf16 bits: the upper half
+            run = (run >> 16).to(torch.int16)
+        return run.view(torch.bfloat16) if run.dtype == torch.int16 else run
+
     def write(self, dst: torch.Tensor, lanes: torch.Tensor) -> None:
         """Write ``lanes`` (int16, on this parameter's device) at flat positions ``dst``."""
         self.raw.scatter_(0, dst, self.encode(lanes))

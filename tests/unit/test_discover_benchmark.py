@@ -33,8 +33,32 @@ def test_the_discover_benchmark_maps_vllms_own_moe_model_alike_both_ways(tmp_pat
     assert "| 3x16 |" in run.stdout
 
 
+def test_the_served_hash_benchmark_hashes_vllms_own_moe_model_alike_both_ways(tmp_path: Path) -> None:
+    """``--hash``: the full fingerprint of the served weights, each piece indexed against runs as
+    slices (the script exits with an error where the sums differ), per element, and its plot."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "hash.json"
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "discover.py"), "--hash", "--shapes", "2x8",
+                          "--width", "48", "--rounds", "2", "--out", str(out)], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["what"] == "hash"
+    (row,) = result["rows"]
+    assert (row["layers"], row["experts"], row["width"], row["names"], row["mapped"]) == (2, 8, 48, 69, 69)
+    # 2 layers of 8 experts x 3 weights of 48 x 64, attention, norms, routers, embedding and head
+    assert row["elements"] > 2 * 8 * 3 * 48 * 64
+    assert len(row["indexed_s"]) == len(row["sliced_s"]) == 2 and row["ratio"] == row["sliced_median_s"] / row["indexed_median_s"]
+    assert "| 2x8 | 48 | 69 |" in run.stdout
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "hash.png"
+    drawn = subprocess.run([sys.executable, str(REPO / "benchmarks" / "discover.py"), "--plot-from", str(out), "--plot", str(plot)],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert drawn.returncode == 0 and plot.stat().st_size > 0, drawn.stderr[-2000:]
+
+
 def test_the_discover_benchmark_refuses_bad_arguments_by_name(tmp_path: Path) -> None:
-    for args, named in ((["--shapes", "4"], "--shapes"), (["--rounds", "0"], "--rounds"),
+    for args, named in ((["--shapes", "4"], "--shapes"), (["--rounds", "0"], "--rounds"), (["--width", "0"], "--width"),
                         (["--plot-from", str(tmp_path / "a.json")], "--plot-from")):
         run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "discover.py"), *args, "--out", str(tmp_path / "x.json")],
                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)  # fmt: skip

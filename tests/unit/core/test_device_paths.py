@@ -67,6 +67,24 @@ def test_the_fingerprint_on_the_device_is_the_hosts_bit_for_bit(device: str) -> 
     assert host_move in (None, expected)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_slices_hashed_together_on_the_device_are_the_hosts_bit_for_bit(device: str) -> None:
+    """``DeviceHasher.add_slices``: small slices of many names hashed in shared batches (a batch
+    cut between slices, a slice of a chunk or more hashed alone), NaN payloads, -0.0 and
+    one-byte codes among them, offsets past 2**32; the same sum as the host's."""
+    on = torch.device(device)
+    g = torch.Generator().manual_seed(3)
+    sizes = [1, 300, 0, 5000, 4096, 4095, 17, 9000, 2]
+    slices = [(f"layers.{k}.w", special_bf16(max(n, 8), seed=k)[:n], int(torch.randint(0, 1 << 40, (), generator=g)))
+              for k, n in enumerate(sizes)]  # fmt: skip
+    slices.append(("view.codes", torch.randint(0, 256, (777,), dtype=torch.uint8).view(torch.float8_e4m3fn), 5))
+    want = sum(fp.fingerprint_slice_share(name, values, offset) for name, values, offset in slices) % 2**64
+    hasher = fp.DeviceHasher(on, chunk=4096)  # batches of at most 4096 elements
+    hasher.add_slices((name, values.to(on), offset) for name, values, offset in slices)
+    assert hasher.value() == want
+    assert fp.fingerprint_slices([(name, values.to(on), offset) for name, values, offset in slices]) == want
+
+
 def test_the_device_hash_is_the_documented_one() -> None:
     """h = mix64(((index << 16) | bits) ^ seed), summed: computed here in plain Python."""
     values = special_bf16(9)

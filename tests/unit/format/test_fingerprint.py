@@ -118,3 +118,35 @@ def test_moves_hashed_together_sum_to_each_tensors_move_and_to_the_definition() 
 
     with pytest.raises(ValueError, match="nan.w: 3 indices, 2 new and 3 old values"):
         fingerprint_moves([moves[0], (name, index, old, new[:2])])
+
+
+def test_slices_hashed_together_sum_to_each_slices_share_and_to_the_definition() -> None:
+    """``fingerprint_slices`` hashes small host slices of many tensors together (each element
+    keyed with its own name's seed, batches cut between slices): a large slice alone, an empty
+    one, -0.0 and NaN payloads, one-byte codes, float32 values (their bf16 rounding), offsets
+    far past 2**32, and the same name twice (two slices of one tensor)."""
+    from format_example import MASK64
+
+    from deltasync.format.fingerprint import _CHUNK, fingerprint_slice_share, fingerprint_slices
+
+    rng = np.random.default_rng(11)
+    slices = []
+    for k, n in enumerate([1, 3, 0, 700, _CHUNK - 1, 2, _CHUNK, 5, 40000, 30000, 1, 3 * _CHUNK + 7]):
+        slices.append((f"layers.{k}.w", bf16(random_bits(rng, n)), int(rng.integers(0, 1 << 40))))
+    slices += [
+        ("layers.0.w", bf16(random_bits(rng, 9)), 1),  # the first slice's name again, next to it
+        ("view.codes", torch.tensor([1, 255, 0, 7], dtype=torch.uint8).view(torch.float8_e4m3fn), 3),
+        ("wide", torch.tensor([1.0 + 2**-9, -3.14159, 1e-40]), 0),
+    ]
+    special = ("nan.w", bf16([0x0000, 0x8000, 0x7FC1, 0xFFC1]), (1 << 33) - 2)
+    slices.append(special)
+    want = sum(fingerprint_slice_share(name, values, offset) for name, values, offset in slices) & MASK64
+    assert fingerprint_slices(slices) == want
+    assert fingerprint_slices(reversed(slices)) == want
+    assert fingerprint_slices([]) == 0
+
+    name, _, offset = special
+    seed = ref_seed(name)
+    by_definition = sum(ref_mix64((((offset + j) << 16) | b) ^ seed) for j, b in enumerate([0x0000, 0x8000, 0x7FC1, 0xFFC1]))
+    assert fingerprint_slices([special]) == by_definition & MASK64
+    assert fingerprint_slices([("wide", slices[-2][1], 0)]) == fingerprint_slice_share("wide", slices[-2][1].to(torch.bfloat16), 0)

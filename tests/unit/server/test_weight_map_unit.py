@@ -412,3 +412,58 @@ def test_a_loader_that_answers_nothing_maps_untouched_names_as_held_by_no_parame
     assert counted.calls == [1024, 24, 476] and not wmap.ignored and not wmap.fallback
     assert all(wmap.pieces[f"row.{i}.weight"] == [] for i in range(1000, 1500))
     _maps_equal(wmap, discover(Silent(1500, skip={f"row.{i}.weight" for i in range(1000, 1500)}), shapes, batch=1))
+
+
+class _Replicated(torch.nn.Module):
+    """A loader that copies ``k.weight`` twice into one parameter (replicated KV heads) and
+    ``q.weight`` after them (fused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkk = torch.nn.Parameter(torch.zeros(8, 6, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "k.weight":
+                self.qkk.data[4:6].copy_(w)
+                self.qkk.data[6:8].copy_(w)
+            elif name == "q.weight":
+                self.qkk.data[:4].copy_(w)
+        return {"qkk"}
+
+
+def test_the_full_fingerprint_hashes_whole_runs_as_slices_and_counts_each_element_once(monkeypatch):
+    """A piece that is one run on both sides (a row block, a fused part, a whole tensor) is hashed
+    as a slice of the live weights, many names together; a strided piece (a column shard) and one
+    whose elements an earlier piece holds (a replicated block) take the indexed path. Across ranks
+    and within one, each checkpoint element counts once: the shares add up to the fingerprint."""
+    from deltasync.server import inplace
+    from deltasync.server.inplace import InPlaceState
+    from deltasync.server.weight_map import discover
+
+    sliced: list[str] = []
+    real = inplace.fingerprint_slices
+    monkeypatch.setattr(inplace, "fingerprint_slices", lambda runs: real([sliced.append(r[0]) or r for r in runs]))
+    shapes = {n: s for n, s in SHAPES.items() if n != "norm.weight"}  # (the loader transforms the norm)
+    weights = {name: torch.randn(shape).to(torch.bfloat16) for name, shape in shapes.items()}
+    models = [ToyModel(rank) for rank in (0, 1)]
+    maps = [discover(model, shapes) for model in models]
+    shares = []
+    for rank, (model, wmap) in enumerate(zip(models, maps)):
+        gather = lambda obj, mine=wmap.pieces: [m.pieces for m in maps] if obj is mine else [obj]  # noqa: E731
+        state = InPlaceState(model, wmap, gather, rank, model.load_weights)
+        model.load_weights(list(weights.items()))
+        sliced.clear()
+        shares.append(state.local_share())
+        assert sorted(sliced) == ["embed.weight", "k.weight", "q.weight"]  # o.weight: columns
+    assert fingerprint_add(0, *shares) == fingerprint(weights)
+
+    model = _Replicated()
+    wmap = discover(model, {"q.weight": (4, 6), "k.weight": (2, 6)})
+    assert [p.dst_offset for p in wmap.pieces["k.weight"]] == [24, 36]
+    state = InPlaceState(model, wmap, lambda obj: [obj], 0, model.load_weights)
+    qk = {"q.weight": weights["q.weight"], "k.weight": weights["k.weight"]}
+    model.load_weights(list(qk.items()))
+    sliced.clear()
+    assert state.full_fingerprint() == fingerprint(qk)  # the second copy of k counts nothing
+    assert sorted(sliced) == ["k.weight", "q.weight"]  # the first copy of k, as a slice
