@@ -289,15 +289,18 @@ def ref_from_ordered(o: int) -> int:
     return o if o >= 0 else 0x7FFF - o
 
 
-def ref_streams(items: list[tuple[list[int], list[int], list[int]]]) -> dict[str, bytes]:
-    """(indices, old bits, new bits) per parameter, in ``names`` order -> the seven streams."""
+def ref_streams(items: list[tuple[list[int], list[int], list[int]]] | list[tuple[list[int], list[int], list[int], bool]]) -> dict[str, bytes]:
+    """(indices, old bits, new bits) per parameter, in ``names`` order -> the seven streams. A
+    fourth item ``True`` says the bits are one-byte codes: their lanes are differenced as they
+    are, not as ordered bf16 patterns."""
     gaps, zigs = [], []
-    for index, old, new in items:
+    for index, old, new, *codes in items:
         previous = -1
+        lane = (lambda b: b) if codes and codes[0] else ref_ordered
         for i, o, n in zip(index, old, new, strict=True):
             gaps.append(i - previous - 1)
             previous = i
-            d = (ref_ordered(n) - ref_ordered(o)) % 0x10000
+            d = (lane(n) - lane(o)) % 0x10000
             d = d - 0x10000 if d >= 0x8000 else d
             zigs.append(2 * d if d >= 0 else -2 * d - 1)
     mask = bytearray((len(gaps) + 7) // 8)

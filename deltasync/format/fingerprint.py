@@ -34,6 +34,7 @@ __all__ = [
     "fingerprint_add",
     "fingerprint_move",
     "fingerprint_moves",
+    "fingerprint_runs_move",
     "fingerprint_share",
     "fingerprint_slice_share",
     "fingerprint_slices",
@@ -244,6 +245,11 @@ def _host_flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bits_u16(values: torch.Tensor) -> np.ndarray:
+    if values.dtype == torch.bfloat16 and values.dim() == 1 and values.device.type == "cpu" and not values.requires_grad:
+        try:  # flat bf16 on the host (a version's changes): a view, in two torch calls
+            return values.view(torch.int16).numpy().view(np.uint16)
+        except RuntimeError:  # strides a view cannot take
+            pass
     if holds_byte_lanes(values.dtype):  # a one-byte element: its bits, zero-extended (its lane)
         return _host_flat(values).view(torch.uint8).numpy().astype(np.uint16)
     if values.dtype != torch.bfloat16:
@@ -253,7 +259,10 @@ def _bits_u16(values: torch.Tensor) -> np.ndarray:
 
 def _index_u64(index: torch.Tensor) -> np.ndarray:
     """Flat indices (>= 0) as uint64, without a copy where they are int64 already."""
-    idx = _host_flat(index).numpy()
+    if index.dim() == 1 and index.device.type == "cpu" and not index.requires_grad:
+        idx = index.numpy()  # (a view, in one torch call)
+    else:
+        idx = _host_flat(index).numpy()
     return idx.view(np.uint64) if idx.dtype == np.int64 else idx.astype(np.uint64)
 
 
@@ -503,6 +512,23 @@ def fingerprint_move(name: str, index: torch.Tensor, old: torch.Tensor, new: tor
     if index.numel() == 0:
         return 0
     return _move(name, index, old, new)
+
+
+def fingerprint_runs_move(names: Sequence[str], counts: Sequence[int], index: torch.Tensor, old: torch.Tensor,
+                          new: torch.Tensor) -> int:  # fmt: skip
+    """:func:`fingerprint_moves` of consecutive runs of one set of changes: the first
+    ``counts[0]`` elements of ``index``, ``old`` and ``new`` are ``names[0]``'s, the next
+    ``counts[1]`` ``names[1]``'s, and so on (a fused parameter's changes, split into the
+    checkpoint tensors it holds). On the host, one round of hashing for all of them, each element
+    keyed with its run's name's seed."""
+    if len(names) != len(counts) or sum(counts) != index.numel():
+        raise ValueError(f"{len(names)} names and {len(counts)} runs of {sum(counts)} elements for {index.numel()} changes")
+    if _on_device(index, old, new) is not None:
+        ends = np.cumsum(counts).tolist()
+        return fingerprint_moves((name, index[e - c : e], old[e - c : e], new[e - c : e])
+                                 for name, c, e in zip(names, counts, ends) if c)  # fmt: skip
+    seeds = np.repeat(np.array([_seed(name) for name in names], dtype=np.uint64), counts)
+    return _move_sum(seeds, *_host_move_bits(names[0] if len(names) == 1 else "runs", index, old, new)) & _MASK
 
 
 def fingerprint_moves(moves: Iterable[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]) -> int:

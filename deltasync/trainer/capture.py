@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from ..format.fingerprint import fingerprint_moves, format_fingerprint, parse_fingerprint
+from ..format.fingerprint import format_fingerprint, parse_fingerprint
 
 if TYPE_CHECKING:
     from ..format import Change
@@ -95,5 +95,4 @@ class ChangeCapture:
         changes = self.checkpoint.to_checkpoint(live)
         if self.checkpoint.identity and self.detector.last_share is not None:
             return (changes, live), self.detector.last_share  # summed where the weights are
-        share = fingerprint_moves((name, c.index, c.old, c.new) for name, c in changes.items())
-        return (changes, live), share
+        return (changes, live), self.checkpoint.fingerprint_move(live)

@@ -25,18 +25,20 @@ import math
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError
 from ..format import Change
+from ..format.fingerprint import fingerprint_moves, fingerprint_runs_move
 from .sharded import OwnedSlice, ShardLayout
 
 __all__ = ["CheckpointLayout", "Piece", "checkpoint_layout", "find_pretrained"]
 
 _CHUNK = 1 << 20
+_MASK = (1 << 64) - 1
 _DIGITS = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 
@@ -52,15 +54,17 @@ class Piece:
     shape: tuple[int, ...]
     offset: int
     steps: tuple[int, ...]
+    contiguous: bool = field(init=False, repr=False, compare=False)
+    """The checkpoint tensor is the live range ``offset .. offset + numel - 1`` in order (kept:
+    a version of a MoE checkpoint asks it of every expert's tensor)."""
+
+    def __post_init__(self) -> None:
+        contiguous = all(s == c for s, c, n in zip(self.steps, _row_major(self.shape), self.shape) if n > 1)
+        object.__setattr__(self, "contiguous", contiguous)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-    @property
-    def contiguous(self) -> bool:
-        """The checkpoint tensor is the live range ``offset .. offset + numel - 1`` in order."""
-        return all(s == c for s, c, n in zip(self.steps, _row_major(self.shape), self.shape) if n > 1)
 
     @property
     def span(self) -> tuple[int, int]:
@@ -117,6 +121,7 @@ class CheckpointLayout:
             by_source.setdefault(piece.source, []).append(piece)
         self._by_source = {name: sorted(found, key=lambda p: p.offset) for name, found in by_source.items()}
         self._begins = {name: torch.tensor([p.offset for p in found]) for name, found in self._by_source.items()}
+        self._contiguous = {name: all(p.contiguous for p in found) for name, found in self._by_source.items()}
         self.identity = all(p.name == p.source and p.contiguous for p in pieces)
         """Every checkpoint tensor is a live parameter, as it is (nothing to convert)."""
 
@@ -141,13 +146,17 @@ class CheckpointLayout:
                 out[pieces[0].name] = change
                 continue
             # Changes are sorted by live index, and pieces cover disjoint live ranges.
-            which = torch.searchsorted(self._begins[source], change.index, right=True) - 1
+            begins = self._begins[source]
+            which = torch.searchsorted(begins, change.index, right=True) - 1
             bounds = torch.searchsorted(which, torch.arange(len(pieces) + 1)).tolist()
+            # A contiguous piece's indices are the live ones less its offset: made for all the
+            # pieces at once (a fused MoE parameter holds hundreds), then sliced.
+            shifted = change.index - begins[which] if self._contiguous[source] else None
             for k, piece in enumerate(pieces):
                 lo, hi = bounds[k], bounds[k + 1]
                 if hi == lo:
                     continue
-                index = piece.to_checkpoint(change.index[lo:hi])
+                index = shifted[lo:hi] if shifted is not None else piece.to_checkpoint(change.index[lo:hi])
                 new, old = change.new[lo:hi], None if change.old is None else change.old[lo:hi]
                 if not piece.contiguous:
                     index, order = torch.sort(index)
@@ -155,6 +164,29 @@ class CheckpointLayout:
                     old = None if old is None else old[order]
                 out[piece.name] = Change(index=index, new=new, old=old)
         return out
+
+    def fingerprint_move(self, changes: dict[str, Change]) -> int:
+        """How far live-named changes move the checkpoint's fingerprint (mod 2**64): the
+        :func:`~deltasync.format.fingerprint.fingerprint_moves` of :meth:`to_checkpoint`'s
+        changes. A live parameter whose checkpoint tensors are all contiguous ranges of it (a
+        fused MoE parameter's experts) is hashed in one round, each change keyed with its
+        checkpoint tensor's name and index, with no checkpoint change made; the others as
+        :meth:`to_checkpoint` splits them."""
+        total = 0
+        rest: dict[str, Change] = {}
+        for source, change in changes.items():
+            pieces = self._by_source[source]
+            if self.identity or not self._contiguous[source] or change.old is None or change.index.device.type != "cpu":
+                rest[source] = change
+                continue
+            begins = self._begins[source]
+            which = torch.searchsorted(begins, change.index, right=True) - 1
+            counts = torch.bincount(which, minlength=len(pieces)).tolist()  # runs, in live order
+            shifted = change.index - begins[which]
+            total += fingerprint_runs_move([p.name for p in pieces], counts, shifted, change.old, change.new)
+        if rest:
+            total += fingerprint_moves((n, c.index, c.old, c.new) for n, c in self.to_checkpoint(rest).items())
+        return total & _MASK
 
     def to_live(self, changes: dict[str, Change]) -> dict[str, Change]:
         """Checkpoint-named changes back on the live parameters (the inverse of :meth:`to_checkpoint`)."""

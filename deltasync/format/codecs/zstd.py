@@ -124,17 +124,32 @@ def _map(fn: Callable[[_T], _R], items: Iterable[_T], *, workers: int | None) ->
     return list(pool.map(fn, items))
 
 
-def _flip_lanes(values: torch.Tensor) -> np.ndarray:
-    """The ordered pattern (:func:`ordered`) of bf16 values modulo 2**16, as int16 (the
-    involution :func:`_flip16`); for one-byte elements their lane (the byte zero-extended): those
-    codes move by small steps of their byte, so their differences take the same symbols. NumPy
-    alone, so that the encode threads do not each start a team of torch's intra-op threads."""
-    values = values.detach().reshape(-1).cpu()
+def _lanes(values: torch.Tensor, start: int, stop: int) -> np.ndarray:
+    """Elements ``start .. stop - 1`` of flat ``values`` on the host as int16 lanes: bf16
+    patterns, or one-byte codes, their byte zero-extended (those codes move by small steps of
+    their byte, so their differences take the same symbols; the flip to ordered patterns,
+    :func:`_flip16`, leaves them as they are, since it changes only patterns with the sign bit
+    set). A view of a flat bf16 CPU tensor in two torch calls (a MoE version holds tens of
+    thousands of small spans); NumPy, so that the encode threads do not each start a team of
+    torch's intra-op threads."""
+    if values.device.type == "cpu" and values.dtype == torch.bfloat16 and values.dim() == 1 and not values.requires_grad:
+        try:
+            return values.view(torch.int16).numpy()[start:stop]
+        except RuntimeError:  # strides a view cannot take: the general path
+            pass
+    values = values.detach().reshape(-1)[start:stop].cpu()
     if is_one_byte(values.dtype):
         return values.contiguous().view(torch.uint8).numpy().astype(np.int16)
     if values.dtype != torch.bfloat16:
         values = values.to(torch.bfloat16)
-    return _flip16(values.contiguous().view(torch.int16).numpy())
+    return values.contiguous().view(torch.int16).numpy()
+
+
+def _host_index(index: torch.Tensor) -> np.ndarray:
+    """Flat indices on the host as NumPy (a view of a flat int64 CPU tensor, in one torch call)."""
+    if index.device.type == "cpu" and index.dim() == 1 and not index.requires_grad:
+        return index.numpy()
+    return index.detach().reshape(-1).cpu().numpy()
 
 
 _Span = tuple[str, Change, int, int]
@@ -192,7 +207,7 @@ def _gaps(spans: list[_Span], at: int, lo_out: np.ndarray, mask_out: np.ndarray)
     for (_name, change, start, stop), k in zip(spans, offsets):
         # Straight from the parameter's indices (a view of them on the host): each gap plus one,
         # the span's first from the index before it, or for a parameter's first, the index itself.
-        index = change.index.detach().reshape(-1)[max(start - 1, 0) : stop].cpu().numpy()
+        index = _host_index(change.index)[max(start - 1, 0) : stop]
         if start == 0:
             g[k] = int(index[0]) + 1
             np.subtract(index[1:], index[:-1], out=g[k + 1 : k + stop])
@@ -219,10 +234,15 @@ def _values(spans: list[_Span], at: int, sym_out: np.ndarray) -> tuple[np.ndarra
     is int16's own wrap."""
     offsets = _offsets(spans)
     m = int(offsets[-1])
-    d = np.empty(m, dtype=np.int16)
+    d, old = np.empty(m, dtype=np.int16), np.empty(m, dtype=np.int16)
     for (_name, change, start, stop), k in zip(spans, offsets):
         assert change.old is not None
-        np.subtract(_flip_lanes(change.new[start:stop]), _flip_lanes(change.old[start:stop]), out=d[k : k + stop - start])
+        d[k : k + stop - start] = _lanes(change.new, start, stop)
+        old[k : k + stop - start] = _lanes(change.old, start, stop)
+    # The whole unit's lanes flipped to ordered patterns at once (one-byte codes stay as they are)
+    _flip16(d, out=d)
+    _flip16(old, out=old)
+    d -= old
     # New minus old ordered bit pattern modulo 2**16, as a signed 16-bit number,
     # zigzag-mapped: -1 -> 1, +1 -> 2, -2 -> 3, +2 -> 4, ... Symbols 0..2 stand for
     # zigzag 1..3; 3 escapes.

@@ -202,3 +202,49 @@ def test_a_rank_holding_part_of_a_transposed_checkpoint_tensor_is_refused() -> N
     assert change.index.tolist() == [2, 4, 9] and change.new.tolist() == [3.0, 1.0, 2.0]
     back = layout.to_live({"w.t": change})["w"]
     assert back.index.tolist() == [1, 5, 6] and back.new.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_the_fingerprint_move_of_live_changes_is_that_of_their_checkpoint_changes(moe_dirs) -> None:
+    """``fingerprint_move`` hashes a fused parameter's changes in one round, keyed by checkpoint
+    name and index, without making the checkpoint changes: the same sum as hashing what
+    ``to_checkpoint`` makes, for fused experts (changes in some experts and none in others), a
+    transposed piece, a parameter as it is, and no change at all."""
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    from deltasync.format.fingerprint import fingerprint_moves
+
+    def moves(layout, live) -> int:  # type: ignore[no-untyped-def]
+        return fingerprint_moves((n, c.index, c.old, c.new) for n, c in layout.to_checkpoint(live).items())
+
+    def random_changes(model, g, share):  # type: ignore[no-untyped-def]
+        out = {}
+        for name, param in named_parameters(model):
+            n = param.numel()
+            index = torch.sort(torch.randperm(n, generator=g)[: int(n * share)]).values
+            old = torch.randint(-(1 << 15), 1 << 15, (index.numel(),), generator=g, dtype=torch.int16).view(torch.bfloat16)
+            new = (old.view(torch.int16) + 1).view(torch.bfloat16)
+            out[name] = Change(index=index, new=new, old=old)
+        return out
+
+    g = torch.Generator().manual_seed(4)
+    model = moe_model(moe_dirs(num_experts=8))
+    layout = checkpoint_layout(model, list(named_parameters(model)))
+    assert not layout.identity
+    for share in (0.02, 0.5):
+        live = random_changes(model, g, share)
+        assert layout.fingerprint_move(live) == moves(layout, live) != 0
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    n = dict(named_parameters(model))[fused].numel()
+    one_expert = {fused: Change(index=torch.tensor([n - 5, n - 1]), new=torch.ones(2, dtype=torch.bfloat16),
+                                old=torch.zeros(2, dtype=torch.bfloat16))}  # fmt: skip
+    assert layout.fingerprint_move(one_expert) == moves(layout, one_expert) != 0
+    assert layout.fingerprint_move({}) == 0
+
+    dense = small_transformer()
+    dense._weight_conversions = [
+        WeightConverter(source_patterns="mlp.down_proj.weight", target_patterns="mlp.down_proj.weight", operations=[Transpose(0, 1)])
+    ]
+    layout = checkpoint_layout(dense, list(named_parameters(dense)))
+    live = random_changes(dense, g, 0.1)
+    assert layout.fingerprint_move(live) == moves(layout, live) != 0
+

@@ -150,3 +150,23 @@ def test_slices_hashed_together_sum_to_each_slices_share_and_to_the_definition()
     by_definition = sum(ref_mix64((((offset + j) << 16) | b) ^ seed) for j, b in enumerate([0x0000, 0x8000, 0x7FC1, 0xFFC1]))
     assert fingerprint_slices([special]) == by_definition & MASK64
     assert fingerprint_slices([("wide", slices[-2][1], 0)]) == fingerprint_slice_share("wide", slices[-2][1].to(torch.bfloat16), 0)
+
+
+def test_a_move_in_runs_is_the_move_of_each_run() -> None:
+    """``fingerprint_runs_move``: consecutive runs of one set of changes, each its own name's
+    (empty runs among them), hashed in one round, sum to each run's move; counts that do not
+    cover the changes are refused."""
+    from deltasync.format.fingerprint import fingerprint_move, fingerprint_runs_move
+
+    rng = np.random.default_rng(3)
+    counts = [5, 0, 1, 70000, 3, 0]
+    names = [f"experts.{k}.w" for k in range(len(counts))]
+    n = sum(counts)
+    index = torch.from_numpy(rng.integers(0, 1 << 35, size=n))
+    old, new = bf16(random_bits(rng, n)), bf16(random_bits(rng, n))
+    ends = np.cumsum(counts).tolist()
+    want = sum(fingerprint_move(name, index[e - c : e], old[e - c : e], new[e - c : e])
+               for name, c, e in zip(names, counts, ends)) % 2**64  # fmt: skip
+    assert fingerprint_runs_move(names, counts, index, old, new) == want
+    with pytest.raises(ValueError, match="6 names and 6 runs of 70009 elements for 70008 changes"):
+        fingerprint_runs_move(names, counts, index[1:], old[1:], new[1:])

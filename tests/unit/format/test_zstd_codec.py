@@ -25,6 +25,7 @@ from format_example import (
     ref_from_ordered,
     ref_streams,
     make_case,
+    random_bits,
     CASES,
     encode,
     _big_gap_file,
@@ -42,6 +43,7 @@ from format_golden import (
 )
 
 from deltasync import FormatError
+from deltasync.format import Change
 from deltasync import format as F
 from deltasync.format.codecs import zstd as Z
 from deltasync.format.fingerprint import fingerprint
@@ -163,6 +165,33 @@ def test_zstd_streams_follow_the_documented_definitions(seed: int, chunk: int, m
     items = [(c.index.tolist(), bits_of(c.old), bits_of(c.new)) for c in changes.values()]
     assert streams == ref_streams(items)
     assert counts == [len(i) for i, _, _ in items]
+
+
+@pytest.mark.parametrize("chunk", [8, 16, 1 << 20])
+def test_one_byte_codes_beside_bf16_values_in_one_unit_follow_the_definitions(chunk: int, monkeypatch) -> None:
+    """A view's delta holds one-byte codes (fp8, int8: their bytes differenced as they are) and
+    bf16 scales (ordered patterns) side by side; the encoder transforms a unit's values at once,
+    whatever mix of them it holds, spans cut anywhere."""
+    monkeypatch.setattr(Z, "ENCODE_CHUNK", chunk)
+    rng = np.random.default_rng(5)
+    changes: dict[str, Change] = {}
+    items = []
+    for k, (dtype, n) in enumerate([(torch.float8_e4m3fn, 13), (torch.bfloat16, 5), (torch.int8, 21), (torch.bfloat16, 30),
+                                    (torch.float8_e4m3fn, 1), (torch.bfloat16, 2)]):  # fmt: skip
+        index = sorted(rng.choice(1000, size=n, replace=False).tolist())
+        if dtype == torch.bfloat16:
+            old = random_bits(rng, n)
+            new = [(b + int(rng.choice([1, -1, 2, 300]))) % 0x10000 for b in old]
+            pair = (bf16(old), bf16(new))
+        else:
+            old = rng.integers(0, 256, size=n).tolist()
+            new = [(b + int(rng.choice([1, -1, 2, 200]))) % 256 for b in old]
+            pair = tuple(torch.tensor(v, dtype=torch.uint8).view(dtype) for v in (old, new))
+        changes[f"p{k}"] = Change(index=torch.tensor(index), new=pair[1], old=pair[0])
+        items.append((index, old, new, dtype != torch.bfloat16))
+    streams, counts = Z.zstd_streams(list(changes.items()))
+    assert streams == ref_streams(items)
+    assert counts == [len(i) for i, *_ in items]
 
 
 def test_ordered_bit_pattern_transform() -> None:
