@@ -33,7 +33,6 @@ import re
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ except ImportError:  # a checkout without an install: import the package next to
 from deltasync import DeltaPublisher, DeltaReceiver, fingerprint
 
 from _machine import machine
+from gpu import Phases  # seconds per wrapped call, any thread
 
 PARTS = ("detect", "to_checkpoint", "fingerprint move", "encode", "store write", "commits")
 
@@ -64,48 +64,23 @@ def _shape(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-class Parts:
-    """Seconds spent in the publisher's parts (any thread), by wrapping them where they are looked up."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._lock = threading.Lock()
-        self._undo: list[tuple[Any, str, Any]] = []
-
-    def wrap(self, owner: Any, attr: str, label: str) -> None:
-        real = getattr(owner, attr)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                with self._lock:
-                    self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
-
-        self._undo.append((owner, attr, real))
-        setattr(owner, attr, timed)
-
-    def take(self) -> dict[str, float]:
-        with self._lock:
-            out, self.seconds = self.seconds, {}
-        out["fingerprint move"] = out.pop("capture", 0.0) - out.get("detect", 0.0) - out.get("to_checkpoint", 0.0)
-        out["commits"] = out.pop("history + pointer", 0.0) + out.pop("snapshot", 0.0)
-        return out
-
-    def close(self) -> None:
-        for owner, attr, real in reversed(self._undo):
-            setattr(owner, attr, real)
+def split(seconds: dict[str, float]) -> dict[str, float]:
+    """One publish's seconds per wrapped call as :data:`PARTS`: the fingerprint's move is what
+    the capture spent besides detection and ``to_checkpoint``."""
+    out = dict(seconds)
+    out["fingerprint move"] = out.pop("capture", 0.0) - out.get("detect", 0.0) - out.get("to_checkpoint", 0.0)
+    out["commits"] = out.pop("history + pointer", 0.0) + out.pop("snapshot", 0.0)
+    return out
 
 
-def parts() -> Parts:
+def parts() -> Phases:
     import deltasync.trainer.capture as capture
     import deltasync.trainer.writer as writer
     from deltasync.stores import LocalStore
     from deltasync.trainer.checkpoint_layout import CheckpointLayout
     from deltasync.trainer.detector import BF16ChangeDetector
 
-    found = Parts()
+    found = Phases()
     found.wrap(BF16ChangeDetector, "changes", "detect")
     found.wrap(CheckpointLayout, "to_checkpoint", "to_checkpoint")
     found.wrap(capture.ChangeCapture, "_local_changes", "capture")
@@ -133,7 +108,7 @@ def one_shape(layers: int, experts: int, width: int, share: float, versions: int
     out: dict[str, Any] = {"layers": layers, "experts": experts, "width": width,
                            "live_parameters": len(params), "elements": sum(p.numel() for p in params)}  # fmt: skip
     times: list[float] = []
-    split: list[dict[str, float]] = []
+    parts_s: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="deltasync-moe-", dir=folder) as root:
         with DeltaPublisher(root, model, None, anchor_every=10_000, anchor_bytes_ratio=0) as publisher:
             first = publisher.publish()
@@ -150,7 +125,7 @@ def one_shape(layers: int, experts: int, width: int, share: float, versions: int
                     start = time.perf_counter()
                     result = publisher.publish()
                     times.append(time.perf_counter() - start)
-                    split.append(found.take())
+                    parts_s.append(split(found.take()))
                     out["changed"] = result.changed
                     log(f"  {layers}x{experts} version {v + 1}/{versions}: {times[-1]:.3f} s, {result.changed:,} changed")
             finally:
@@ -163,7 +138,7 @@ def one_shape(layers: int, experts: int, width: int, share: float, versions: int
         out["exact"] = fingerprint(receiver.state_dict()) == want == receiver.fingerprint and first.version == 0
     out["publish_s_all"] = times
     out["publish_s"] = statistics.median(times)
-    out["parts_s"] = {part: statistics.median(s.get(part, 0.0) for s in split) for part in PARTS}
+    out["parts_s"] = {part: statistics.median(s.get(part, 0.0) for s in parts_s) for part in PARTS}
     out["us_per_checkpoint_tensor"] = 1e6 * out["publish_s"] / out["checkpoint_tensors"]
     return out
 
