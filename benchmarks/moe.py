@@ -56,7 +56,8 @@ except ImportError:  # a checkout without an install: import the package next to
 from deltasync import DeltaPublisher, DeltaReceiver, fingerprint
 
 from _machine import machine
-from gpu import Phases  # seconds per wrapped call, any thread
+from _series import series
+from gpu import Phases, publisher_phases  # seconds per wrapped call, any thread
 
 PARTS = ("detect", "to_checkpoint", "fingerprint move", "encode", "store write", "commits")
 
@@ -73,29 +74,23 @@ def _shape(text: str) -> tuple[int, int]:
 
 
 def split(seconds: dict[str, float]) -> dict[str, float]:
-    """One publish's seconds per wrapped call as :data:`PARTS`: the fingerprint's move is what
-    the capture spent besides detection and ``to_checkpoint``."""
-    out = dict(seconds)
-    out["fingerprint move"] = out.pop("capture", 0.0) - out.get("detect", 0.0) - out.get("to_checkpoint", 0.0)
-    out["commits"] = out.pop("history + pointer", 0.0) + out.pop("snapshot", 0.0)
-    return out
+    """One publish's seconds per wrapped call (:func:`parts`) as :data:`PARTS`: the fingerprint's
+    move is what the capture spent besides detection and ``to_checkpoint``."""
+    detect, to_checkpoint = seconds.get("capture: detect", 0.0), seconds.get("to_checkpoint", 0.0)
+    return {
+        "detect": detect, "to_checkpoint": to_checkpoint,
+        "fingerprint move": seconds.get("capture: all", 0.0) - detect - to_checkpoint,
+        "encode": seconds.get("delta: encode", 0.0), "store write": seconds.get("store: write", 0.0),
+        "commits": seconds.get("commit: history + pointer", 0.0) + seconds.get("commit: snapshot", 0.0),
+    }  # fmt: skip
 
 
 def parts() -> Phases:
-    import deltasync.trainer.capture as capture
-    import deltasync.trainer.writer as writer
-    from deltasync.stores import LocalStore
+    """``gpu.py``'s publisher phases, and ``to_checkpoint``."""
     from deltasync.trainer.checkpoint_layout import CheckpointLayout
-    from deltasync.trainer.detector import BF16ChangeDetector
 
-    found = Phases()
-    found.wrap(BF16ChangeDetector, "changes", "detect")
+    found = publisher_phases()
     found.wrap(CheckpointLayout, "to_checkpoint", "to_checkpoint")
-    found.wrap(capture.ChangeCapture, "_local_changes", "capture")
-    found.wrap(writer, "delta_pieces", "encode")
-    found.wrap(LocalStore, "write_stream", "store write")
-    found.wrap(writer.ChainWriter, "_commit", "history + pointer")
-    found.wrap(BF16ChangeDetector, "commit", "snapshot")
     return found
 
 
@@ -294,11 +289,7 @@ def main() -> None:
         for row in staged:
             print(f"| {row['layers']}x{row['experts']} | {row['stage_one_thread_s']:.3f} s | {row['stage_all_cores_s']:.3f} s |")
     if args.plot:
-        series = [(args.label or Path(result["package"]).parent.name, result)]
-        for item in args.compare:
-            label, _, path = item.rpartition("=")
-            series.append((label or Path(path).stem, json.loads(Path(path).read_text())))
-        plot(series, args.plot)
+        plot(series(result, args.label, args.compare), args.plot)
     if not result["exact"]:
         raise SystemExit("the receiver's weights did not hash to the publisher's fingerprint")
 

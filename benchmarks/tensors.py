@@ -55,6 +55,7 @@ from deltasync.server.weight_map import discover
 from deltasync.stores import LocalStore
 
 from _machine import machine
+from _series import series
 from scale import Weights  # bf16 parameters under checkpoint names, loadable as a server's model
 
 VARIABLE = "DELTASYNC_DECODE_THREADS"
@@ -273,11 +274,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
             log(f"wrote {args.out}")
     if args.plot:
-        series = [(args.label or Path(result["package"]).parent.name, result)]
-        for item in args.compare:
-            label, _, path = item.rpartition("=")
-            series.append((label or Path(path).stem, json.loads(Path(path).read_text())))
-        plot(series, args.plot)
+        plot(series(result, args.label, args.compare), args.plot)
     if not result["exact"]:
         raise SystemExit("a version or a stage did not match the trainer's weights")
 
