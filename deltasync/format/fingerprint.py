@@ -307,9 +307,11 @@ def _hash_sum(seed_name: str, index: np.ndarray, bits: np.ndarray, *, workers: i
     return _keyed_sum(_seed(seed_name), index, bits, workers=workers)
 
 
-def _keyed_sum(seed: np.uint64 | np.ndarray, index: np.ndarray, bits: np.ndarray, *, workers: int | None = None) -> int:
-    """Sum of element hashes (mod 2**64) over keys ``(index << 16) XOR seed``, ``seed`` one
-    name's or one per element."""
+def _keyed_sum(seed: np.uint64 | np.ndarray, index: np.ndarray, bits: np.ndarray, minus: np.ndarray | None = None, *,
+               workers: int | None = None) -> int:  # fmt: skip
+    """Sum of element hashes (mod 2**64) of uint16 ``bits`` over keys ``(index << 16) XOR seed``,
+    ``seed`` one name's or one per element; with ``minus``, less those of ``minus`` (a move:
+    ``sum h(new) - sum h(old)``, each chunk's keys built once for both)."""
     per_element = isinstance(seed, np.ndarray)
 
     def part(lo: int, hi: int) -> int:
@@ -319,6 +321,8 @@ def _keyed_sum(seed: np.uint64 | np.ndarray, index: np.ndarray, bits: np.ndarray
             stop = min(start + _CHUNK, hi)
             base = hasher.keys(index[start:stop], seed[start:stop] if per_element else seed)
             total += hasher.sum(base, bits[start:stop])
+            if minus is not None:
+                total -= hasher.sum(base, minus[start:stop])
         return total & _MASK
 
     return _spread_sum(bits.size, part, workers)
@@ -377,7 +381,8 @@ def _move(name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor, 
         on_device.add(name, index, new)
         on_device.add(name, index, old, sign=-1)
         return on_device.value()
-    return _move_sum(_seed(name), *_host_move_bits(name, index, old, new), workers=workers)
+    idx, new_bits, old_bits = _host_move_bits(name, index, old, new)
+    return _keyed_sum(_seed(name), idx, new_bits, old_bits, workers=workers)
 
 
 def _host_move_bits(name: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, ...]:
@@ -386,24 +391,6 @@ def _host_move_bits(name: str, index: torch.Tensor, old: torch.Tensor, new: torc
     if not (idx.size == new_bits.size == old_bits.size):
         raise ValueError(f"{name}: {idx.size} indices, {new_bits.size} new and {old_bits.size} old values")
     return idx, new_bits, old_bits
-
-
-def _move_sum(seed: np.uint64 | np.ndarray, idx: np.ndarray, new_bits: np.ndarray, old_bits: np.ndarray, *,
-              workers: int | None = None) -> int:  # fmt: skip
-    """``sum h(new) - sum h(old)`` (mod 2**64) over keys ``(idx << 16) XOR seed``, ``seed`` one
-    name's or one per element: each chunk's keys are built once for both."""
-    per_element = isinstance(seed, np.ndarray)
-
-    def part(lo: int, hi: int) -> int:
-        hasher = _Hasher("", hi - lo)
-        total = 0
-        for start in range(lo, hi, _CHUNK):
-            stop = min(start + _CHUNK, hi)
-            base = hasher.keys(idx[start:stop], seed[start:stop] if per_element else seed)
-            total += hasher.sum(base, new_bits[start:stop]) - hasher.sum(base, old_bits[start:stop])
-        return total & _MASK
-
-    return _spread_sum(idx.size, part, workers)
 
 
 def format_fingerprint(value: int) -> str:
@@ -528,7 +515,8 @@ def fingerprint_runs_move(names: Sequence[str], counts: Sequence[int], index: to
         return fingerprint_moves((name, index[e - c : e], old[e - c : e], new[e - c : e])
                                  for name, c, e in zip(names, counts, ends) if c)  # fmt: skip
     seeds = np.repeat(np.array([_seed(name) for name in names], dtype=np.uint64), counts)
-    return _move_sum(seeds, *_host_move_bits(names[0] if len(names) == 1 else "runs", index, old, new)) & _MASK
+    idx, new_bits, old_bits = _host_move_bits(names[0] if len(names) == 1 else "runs", index, old, new)
+    return _keyed_sum(seeds, idx, new_bits, old_bits) & _MASK
 
 
 def fingerprint_moves(moves: Iterable[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]) -> int:
@@ -551,7 +539,7 @@ def fingerprint_moves(moves: Iterable[tuple[str, torch.Tensor, torch.Tensor, tor
             return
         idx, new_bits, old_bits = (p[0] if len(p) == 1 else np.concatenate(p) for p in parts)
         keyed = np.repeat(np.array(seeds, dtype=np.uint64), [len(i) for i in parts[0]])
-        total += _move_sum(keyed, idx, new_bits, old_bits)
+        total += _keyed_sum(keyed, idx, new_bits, old_bits)
         seeds.clear()
         for p in parts:
             p.clear()

@@ -64,3 +64,17 @@ def test_the_discover_benchmark_refuses_bad_arguments_by_name(tmp_path: Path) ->
                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)  # fmt: skip
         assert run.returncode == 2 and named in run.stderr, (args, run.stderr[-500:])
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_discover_benchmark_refuses_to_draw_discover_and_hash_runs_together(tmp_path: Path) -> None:
+    """``--plot-from`` takes runs of one kind: rows of ``discover`` and of ``--hash`` are refused by name."""
+    pytest.importorskip("matplotlib")
+    row = {"layers": 2, "experts": 8, "names": 69}
+    discover = tmp_path / "d.json"
+    hashed = tmp_path / "h.json"
+    discover.write_text(json.dumps({"rows": [{**row, "one_median_s": 1.0, "many_median_s": 0.1}]}))
+    hashed.write_text(json.dumps({"what": "hash", "rows": [{**row, "indexed_median_s": 1.0, "sliced_median_s": 0.4}]}))
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "discover.py"), "--plot-from", str(discover), str(hashed),
+                          "--plot", str(tmp_path / "p.png")], capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert run.returncode != 0 and "give runs of discover or runs of --hash, not both" in run.stderr
+    assert not (tmp_path / "p.png").exists()
